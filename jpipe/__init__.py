@@ -1,0 +1,44 @@
+"""jpipe: write, check, see and run pipeline-parallel training schedules in JAX.
+
+The data flows one way: a schedule (Python or PyTorch CSV) -> `validate` ->
+`simulate` and charts -> a program lowered onto a device mesh -> a train step.
+Everything before the lowering is pure Python and needs no devices.
+
+Glossary for shapes and sizes, used throughout: S stages, R ranks (devices on
+the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
+microbatch size, L sequence length, D model width.
+"""
+
+from jpipe._schedule import Action
+from jpipe._schedule import B
+from jpipe._schedule import F
+from jpipe._schedule import I
+from jpipe._schedule import Overlap
+from jpipe._schedule import Schedule
+from jpipe._schedule import W
+from jpipe._registry import get_schedule
+from jpipe._registry import register_schedule
+from jpipe._registry import registered_schedules
+from jpipe._simulate import Costs
+from jpipe._simulate import Simulation
+from jpipe._simulate import simulate
+from jpipe._validate import ScheduleError
+from jpipe._validate import validate
+
+__all__ = [
+    "Action",
+    "B",
+    "Costs",
+    "F",
+    "I",
+    "Overlap",
+    "Schedule",
+    "ScheduleError",
+    "Simulation",
+    "W",
+    "get_schedule",
+    "register_schedule",
+    "registered_schedules",
+    "simulate",
+    "validate",
+]

@@ -1,0 +1,290 @@
+"""The schedule as data: actions, per-rank lists, and PyTorch's CSV form.
+
+A pipeline schedule is nothing but an ordered list of actions for each rank.
+An action names a kind (``F`` forward, ``B`` full backward, ``I`` backward for
+the input gradient only, ``W`` backward for the weight gradient only), a stage
+and a microbatch. The stage-to-rank placement is whatever the lists say.
+
+Everything here is plain, frozen and hashable, so a schedule can be printed,
+compared, saved, and passed as a static argument to a jitted function. Nothing
+here checks that a schedule makes sense; that is `jpipe.validate`'s job.
+
+The CSV form is PyTorch's (``torch.distributed.pipelining``): one row per rank,
+one action per cell written ``{stage}{kind}{microbatch}`` (``2F0``), blank cells
+allowed, and compound cells ``(0F7;7B3)OVERLAP_F_B`` for a forward and a
+backward run together on one rank. Older PyTorch files write an input-gradient
+step as ``B`` when a ``W`` of the same stage and microbatch follows it on the
+same rank; `Schedule.from_csv` reads such a ``B`` as the ``I`` it means.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+KINDS = ("F", "B", "I", "W")
+BACKWARD_KINDS = ("B", "I")  # the kinds that pass a gradient upstream
+
+_CELL_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+_OVERLAP_RE = re.compile(r"^\s*\((.+?);(.+?)\)\s*OVERLAP_F_B\s*$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+    """One unit of pipeline work: `kind` of `stage` on `microbatch`.
+
+    Attributes:
+      kind: ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
+      stage: the pipeline stage, counted from 0 (the one that embeds inputs).
+      microbatch: the microbatch, counted from 0.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"Action kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
+            )
+        for name in ("stage", "microbatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Action {name} must be an int, got {value!r}")
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The `(stage, microbatch)` pair this action works on."""
+        return (self.stage, self.microbatch)
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        return (self,)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.stage},{self.microbatch})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """A forward of one stage run together with a backward of another.
+
+    DualPipe's overlapped cell. It executes as its two parts in order:
+    `forward` first, then `backward`. Both stages must live on the same rank.
+    """
+
+    forward: Action
+    backward: Action
+
+    def __post_init__(self):
+        if not isinstance(self.forward, Action) or self.forward.kind != "F":
+            raise ValueError(f"Overlap.forward must be an F action, got {self.forward!r}")
+        if not isinstance(self.backward, Action) or self.backward.kind not in ("B", "I"):
+            raise ValueError(
+                f"Overlap.backward must be a B or I action, got {self.backward!r}"
+            )
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})OVERLAP_F_B"
+
+    def __repr__(self) -> str:
+        return f"Overlap({self.forward!r}, {self.backward!r})"
+
+
+Step = Union[Action, Overlap]
+
+
+def F(stage: int, microbatch: int) -> Action:
+    """The forward of `stage` on `microbatch`."""
+    return Action("F", stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:
+    """The full backward (input and weight gradient) of `stage` on `microbatch`."""
+    return Action("B", stage, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: E743 (the papers' name)
+    """The input-gradient half of the backward of `stage` on `microbatch`."""
+    return Action("I", stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    """The weight-gradient half of the backward of `stage` on `microbatch`."""
+    return Action("W", stage, microbatch)
+
+
+def parse_action(text: str) -> Step:
+    """Reads one CSV cell such as ``2F0`` or ``(0F7;7B3)OVERLAP_F_B``."""
+    match = _OVERLAP_RE.match(text)
+    if match:
+        fwd, bwd = (parse_action(part) for part in match.groups())
+        return Overlap(fwd, bwd)
+    match = _CELL_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"cannot read schedule cell {text!r}: expected STAGE KIND MICROBATCH "
+            "like '2F0' or '1I3', or '(0F7;7B3)OVERLAP_F_B'"
+        )
+    stage, kind, microbatch = match.groups()
+    return Action(kind, int(stage), int(microbatch))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """An ordered list of actions for each rank; rank `r` runs `ranks[r]`.
+
+    Build one from lists (of `Action`, `Overlap`, or cells like ``"2F0"``)
+    with `Schedule.of`, or read PyTorch's CSV with `Schedule.from_csv`.
+
+    Attributes:
+      ranks: one tuple of actions per rank, in execution order.
+      name: a label for charts and messages; not part of equality.
+    """
+
+    ranks: tuple[tuple[Step, ...], ...]
+    name: str = dataclasses.field(default="", compare=False)
+
+    @classmethod
+    def of(cls, ranks: Iterable[Iterable[Step | str | None]], name: str = "") -> Schedule:
+        """Builds a schedule from per-rank lists; strings are parsed, `None` skipped."""
+        rows = []
+        for row in ranks:
+            cells = []
+            for cell in row:
+                if cell is None or (isinstance(cell, str) and not cell.strip()):
+                    continue
+                if isinstance(cell, str):
+                    cell = parse_action(cell)
+                if not isinstance(cell, (Action, Overlap)):
+                    raise TypeError(
+                        f"a schedule holds Action or Overlap entries, got {cell!r}"
+                    )
+                cells.append(cell)
+            rows.append(tuple(cells))
+        return cls(tuple(rows), name=name)
+
+    # -- shape -----------------------------------------------------------------
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def actions(self, rank: int) -> tuple[Action, ...]:
+        """The rank's plain actions in order, with overlapped cells split."""
+        return tuple(part for step in self.ranks[rank] for part in step.parts)
+
+    def all_actions(self) -> Iterable[tuple[int, int, Action]]:
+        """Every plain action as `(rank, position, action)`; position is in the rank's row."""
+        for r, row in enumerate(self.ranks):
+            for pos, step in enumerate(row):
+                for part in step.parts:
+                    yield r, pos, part
+
+    @property
+    def num_stages(self) -> int:
+        stages = [a.stage for _, _, a in self.all_actions()]
+        return max(stages) + 1 if stages else 0
+
+    @property
+    def num_microbatches(self) -> int:
+        mbs = [a.microbatch for _, _, a in self.all_actions()]
+        return max(mbs) + 1 if mbs else 0
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        """The rank of each stage (the first rank that mentions it)."""
+        placement: dict[int, int] = {}
+        for r, _, a in self.all_actions():
+            placement.setdefault(a.stage, r)
+        return tuple(placement.get(s, -1) for s in range(self.num_stages))
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages placed on `rank`, in increasing order."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any backward is split into I and W."""
+        return any(a.kind == "W" for _, _, a in self.all_actions())
+
+    # -- text ------------------------------------------------------------------
+
+    def to_rows(self) -> list[list[str]]:
+        return [[str(step) for step in row] for row in self.ranks]
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """Writes PyTorch's CSV form to `path` (if given) and returns it as text."""
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(self.to_rows())
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w", newline="") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_csv_text(cls, text: str, name: str = "") -> Schedule:
+        """Reads PyTorch's CSV form from a string; see `from_csv`."""
+        rows = []
+        for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+            cells = []
+            for col, cell in enumerate(row, start=1):
+                if not cell.strip():
+                    continue
+                try:
+                    cells.append(parse_action(cell))
+                except ValueError as e:
+                    raise ValueError(f"{name or 'CSV'} row {lineno} column {col}: {e}") from None
+            rows.append(cells)
+        while rows and not rows[-1]:
+            rows.pop()  # a trailing empty line is not a rank
+        return cls.of(_undo_legacy_b(rows), name=name)
+
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike) -> Schedule:
+        """Reads a schedule written in PyTorch's CSV form.
+
+        Blank cells are skipped. A ``B`` followed later on the same rank by a
+        ``W`` of the same stage and microbatch is read as ``I`` (the older
+        PyTorch convention).
+        """
+        with open(path, newline="") as f:
+            text = f.read()
+        return cls.from_csv_text(text, name=os.path.basename(os.fspath(path)))
+
+    def __str__(self) -> str:
+        width = max((len(str(s)) for row in self.ranks for s in row), default=1)
+        lines = [f"Schedule {self.name or ''}".rstrip() + ":"]
+        for r, row in enumerate(self.ranks):
+            lines.append(f"  rank {r}: " + " ".join(f"{str(s):>{width}}" for s in row))
+        return "\n".join(lines)
+
+
+def _undo_legacy_b(rows: Sequence[Sequence[Step]]) -> list[list[Step]]:
+    """Rewrites ``B`` as ``I`` where a ``W`` of the same key follows on that rank."""
+    fixed = []
+    for row in rows:
+        w_keys = {a.key for step in row for a in step.parts if a.kind == "W"}
+        new_row = []
+        for step in row:
+            if isinstance(step, Action) and step.kind == "B" and step.key in w_keys:
+                step = Action("I", step.stage, step.microbatch)
+            elif isinstance(step, Overlap) and step.backward.kind == "B" and step.backward.key in w_keys:
+                step = Overlap(step.forward, Action("I", *step.backward.key))
+            new_row.append(step)
+        fixed.append(new_row)
+    return fixed
