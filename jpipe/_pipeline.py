@@ -1,0 +1,230 @@
+"""The user's entry point to the compiler: `Pipeline`.
+
+A `Pipeline` ties a model (an ordered list of stage functions), a schedule
+and a mesh together. It checks that they fit before anything is compiled,
+packs parameters so each rank holds only its own stages (`jpipe._pack`), and
+builds the jitted step ``(packed_params, batch) -> (loss, packed_grads)``
+whose loss is the mean over microbatches and whose gradients are those of
+`jax.value_and_grad` of the unpipelined model.
+
+Microbatches: the batch's leading axis (size N) is cut into M microbatches of
+N / M rows; microbatch `m` takes rows ``m, m + M, m + 2M, ...``, so that when
+the batch is sharded over a ``data`` axis every microbatch is too.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpipe._lower import build_step
+from jpipe._pack import ParamLayout
+from jpipe._plan import make_plan
+from jpipe._schedule import Schedule
+from jpipe._validate import analyze
+
+
+def make_mesh(pipe: int, data: int = 1, devices=None) -> Mesh:
+    """A ``(pipe, data)`` mesh of the first ``pipe * data`` devices, axis types Auto."""
+    devices = list(devices if devices is not None else jax.devices())
+    if pipe * data > len(devices):
+        raise ValueError(
+            f"a mesh of pipe={pipe} x data={data} needs {pipe * data} devices, "
+            f"but only {len(devices)} are present"
+        )
+    import numpy as np
+
+    grid = np.array(devices[: pipe * data]).reshape(pipe, data)
+    return Mesh(grid, ("pipe", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _auto(mesh: Mesh) -> Mesh:
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def split_microbatches(batch, num_microbatches: int):
+    """``[N, ...] -> [M, N / M, ...]``; microbatch m holds rows m, m + M, ..."""
+
+    def cut(a):
+        n = a.shape[0]
+        return a.reshape((n // num_microbatches, num_microbatches) + a.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(cut, batch)
+
+
+class Pipeline:
+    """A model, a schedule and a mesh, ready to compute loss and gradients.
+
+    Args:
+      stages: the stage functions ``stage(params, x, inputs) -> y`` in order;
+        the first gets ``x=None``, the last returns its microbatch's mean loss.
+      schedule: a `jpipe.Schedule` with one stage per function.
+      mesh: a mesh with a ``pipe`` axis of the schedule's rank count (and
+        optionally a ``data`` axis).
+      pipe_axis, data_axis: the mesh axis names.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Callable],
+        schedule: Schedule,
+        mesh: Mesh,
+        *,
+        pipe_axis: str = "pipe",
+        data_axis: str = "data",
+    ):
+        info = analyze(schedule)
+        self.stages = tuple(stages)
+        self.schedule = schedule
+        self.mesh = _auto(mesh)
+        self.pipe_axis = pipe_axis
+        self.data_axis = data_axis if data_axis in mesh.axis_names else None
+        if pipe_axis not in mesh.axis_names:
+            raise ValueError(f"the mesh has no {pipe_axis!r} axis (it has {mesh.axis_names})")
+        R = mesh.shape[pipe_axis]
+        if schedule.num_ranks != R:
+            raise ValueError(
+                f"the schedule has {schedule.num_ranks} ranks but the mesh's {pipe_axis!r} "
+                f"axis has {R} devices"
+            )
+        if info.num_stages != len(self.stages):
+            raise ValueError(
+                f"the schedule has {info.num_stages} stages but the model has "
+                f"{len(self.stages)} stage functions"
+            )
+        self.num_microbatches = info.num_microbatches
+        self.plan = make_plan(schedule)
+        self.layout: ParamLayout | None = None
+        self._steps: dict = {}
+        self.compile_seconds: float | None = None
+
+    # -- parameters ------------------------------------------------------------
+
+    def _layout_for(self, params_list) -> ParamLayout:
+        if len(params_list) != len(self.stages):
+            raise ValueError(
+                f"got parameters for {len(params_list)} stages, the model has {len(self.stages)}"
+            )
+        layout = ParamLayout.of(params_list, self.plan.stage_to_rank)
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise ValueError("these parameters do not have the structure this pipeline was packed with")
+        return layout
+
+    def pack(self, params_list) -> dict:
+        """Places each stage's parameters on its rank: ``{dtype: Array [R, width]}``."""
+        return self._layout_for(params_list).pack(params_list, self.mesh, self.pipe_axis)
+
+    def unpack(self, packed: dict) -> list:
+        """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
+        if self.layout is None:
+            raise ValueError("pack parameters first, so the pipeline knows their layout")
+        return self.layout.unpack_host(packed)
+
+    @property
+    def param_sharding(self) -> dict:
+        if self.layout is None:
+            raise ValueError("pack parameters first, so the pipeline knows their layout")
+        return self.layout.sharding(self.mesh, self.pipe_axis)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(self.data_axis) if self.data_axis else P())
+
+    # -- the step --------------------------------------------------------------
+
+    def check_batch(self, batch) -> None:
+        """Refuses a batch the microbatches (and the data axis) do not divide."""
+        M = self.num_microbatches
+        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            n = leaf.shape[0] if leaf.ndim else None
+            if n is None or n % M:
+                raise ValueError(
+                    f"batch{jax.tree_util.keystr(path)} has {n} rows, which {M} microbatches "
+                    "do not divide"
+                )
+            if (n // M) % D:
+                raise ValueError(
+                    f"batch{jax.tree_util.keystr(path)}: microbatches of {n // M} rows cannot "
+                    f"be split over the {D}-way {self.data_axis!r} axis"
+                )
+
+    def _build(self, batch):
+        self.check_batch(batch)
+        key = jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)
+        key = (jax.tree.structure(batch), tuple(jax.tree.leaves(key)))
+        if key in self._steps:
+            return self._steps[key]
+        mb = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // self.num_microbatches,) + a.shape[1:], a.dtype),
+            batch,
+        )
+        step = build_step(self.stages, self.plan, self.layout, self.mesh, mb, self.pipe_axis)
+        M = self.num_microbatches
+
+        def value_and_grad(packed, batch):
+            return step(packed, split_microbatches(batch, M))
+
+        jitted = jax.jit(
+            value_and_grad,
+            in_shardings=(self.param_sharding, self.batch_sharding),
+            out_shardings=(NamedSharding(self.mesh, P()), self.param_sharding),
+        )
+        self._steps[key] = (jitted, step)
+        return self._steps[key]
+
+    def lower(self, packed, batch):
+        """The lowered (not yet compiled) step, for inspection."""
+        jitted, _ = self._build(batch)
+        return jitted.lower(packed, batch)
+
+    def compile(self, packed, batch):
+        """Compiles the step for these shapes; records `compile_seconds`."""
+        start = time.perf_counter()
+        compiled = self.lower(packed, batch).compile()
+        self.compile_seconds = time.perf_counter() - start
+        return compiled
+
+    def value_and_grad(self, packed, batch):
+        """``(loss, packed_grads)``: the mean loss over microbatches and its gradients."""
+        if self.layout is None:
+            raise ValueError("pack parameters first with Pipeline.pack")
+        jitted, _ = self._build(batch)
+        return jitted(packed, batch)
+
+
+def reference_value_and_grad(stages: Sequence[Callable], params_list, batch, num_microbatches: int = 1):
+    """The unpipelined model: `jax.value_and_grad` of the mean microbatch loss.
+
+    Runs the stages one after another on each microbatch (cut as `Pipeline`
+    cuts them) and averages; with ``num_microbatches=1`` it is the model on the
+    whole batch.
+    """
+
+    def loss_fn(params_list):
+        mbs = split_microbatches(batch, num_microbatches)
+
+        def one(inputs):
+            x = None
+            for fn, p in zip(stages, params_list):
+                x = fn(p, x, inputs)
+            return x
+
+        return jnp.mean(jax.lax.map(one, mbs))
+
+    return jax.value_and_grad(loss_fn)(params_list)
+
+
+@functools.wraps(Pipeline)
+def pipeline(*args, **kwargs) -> Pipeline:
+    return Pipeline(*args, **kwargs)
