@@ -1,0 +1,145 @@
+"""See a schedule: simulate it and print a chart and its figures.
+
+Usage::
+
+    python -m jpipe.show SPEC [--ranks R] [--microbatches M] [--chunks V]
+        [--cost F=1,I=1,W=1,comm=0] [--width 120]
+        [--json] [--svg FILE] [--png FILE] [--trace FILE] [--csv FILE]
+
+SPEC is a registered schedule name (``gpipe``), a PyTorch schedule CSV
+(``my.csv``, whose ranks and microbatches come from the file), or
+``path/to/file.py:function``. For example::
+
+    python -m jpipe.show gpipe --ranks 4 --microbatches 8 --svg gpipe.svg
+    python -m jpipe.show my.csv --cost F=1,I=1,W=1,comm=0.2 --trace my.json
+
+The schedule is validated and simulated (`jpipe.simulate`, costs per kind
+given by ``--cost``; ``B`` defaults to ``I + W``). The output is a text chart,
+one row per rank (see `text_chart`), then the makespan, the bubble fraction,
+and the busy time and peak live activations of each rank. ``--json`` prints
+only one JSON object with those figures instead. ``--svg``/``--png`` draw a
+Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
+https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
+form. A schedule that cannot run, or a bad argument, exits with status 2 and
+one line ``error: ...`` on stderr.
+
+The drawing functions are importable from here as well: `text_chart`,
+`draw_gantt` and `chrome_trace`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from jpipe._chart import chrome_trace, draw_gantt, text_chart
+from jpipe._registry import get_schedule
+from jpipe._simulate import Costs, Simulation, simulate
+
+__all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jpipe.show",
+        description="Validate and simulate a pipeline schedule, and chart it.",
+    )
+    parser.add_argument(
+        "spec", metavar="SPEC", help="a schedule name, a .csv file, or file.py:function"
+    )
+    parser.add_argument("-r", "--ranks", type=_positive_int, help="number of ranks R")
+    parser.add_argument("-m", "--microbatches", type=_positive_int, help="number of microbatches M")
+    parser.add_argument(
+        "--chunks",
+        type=_positive_int,
+        default=1,
+        help="chunks (stages) per rank V; default 1",
+    )
+    parser.add_argument(
+        "--cost",
+        default="",
+        metavar="F=1,I=1,W=1,comm=0",
+        help="time per kind of action (B defaults to I+W) and cross-rank latency",
+    )
+    parser.add_argument("--width", type=_positive_int, default=120, help="chart width in columns")
+    parser.add_argument(
+        "--json", action="store_true", help="print only a JSON object of the figures"
+    )
+    parser.add_argument("--svg", metavar="FILE", help="draw a Gantt chart to FILE")
+    parser.add_argument("--png", metavar="FILE", help="draw a Gantt chart to FILE")
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace to FILE")
+    parser.add_argument("--csv", metavar="FILE", help="save the schedule as PyTorch CSV to FILE")
+    return parser
+
+
+def _figures(sim: Simulation) -> str:
+    s = sim.schedule
+    lines = [
+        f"makespan         {sim.makespan:g}",
+        f"bubble fraction  {sim.bubble_fraction:.4f}",
+        "",
+        "rank  stages        busy      idle  peak live",
+    ]
+    for r in range(s.num_ranks):
+        stages = ",".join(str(x) for x in s.stages_of(r)) or "-"
+        lines.append(
+            f"{r:>4}  {stages:<10}{sim.busy[r]:>8g}{sim.makespan - sim.busy[r]:>10g}"
+            f"{sim.peak_activations[r]:>11}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0, or 2 on an error)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed usage and the error
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        for path, ext in ((args.svg, ".svg"), (args.png, ".png")):
+            if path and not path.lower().endswith(ext):
+                raise ValueError(f"--{ext[1:]} needs a file name ending in {ext}, got {path!r}")
+        costs = Costs.parse(args.cost)
+        schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
+        sim = simulate(schedule, costs)  # validates first
+        written = []
+        if args.csv:
+            schedule.to_csv(args.csv)
+            written.append(args.csv)
+        for path in (args.svg, args.png):
+            if path:
+                draw_gantt(sim, path)
+                written.append(path)
+        if args.trace:
+            chrome_trace(sim, args.trace)
+            written.append(args.trace)
+    except (ValueError, TypeError, OSError) as e:  # ScheduleError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps({**sim.summary(), "costs": dataclasses.asdict(costs)}))
+    else:
+        print(text_chart(sim, width=args.width))
+        print()
+        print(_figures(sim))
+    notes = sys.stderr if args.json else sys.stdout
+    for path in written:
+        print(f"wrote {path}", file=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""`jpipe.validate`: broken schedules are rejected with a message a person can act on.
+
+The messages are pinned word for word: they are the validator's user
+interface. If you reword one on purpose, update the expectation here.
+"""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jpipe
+from jpipe import B, F, I, Overlap, Schedule, ScheduleError, W
+
+
+def _gpipe(num_ranks, num_microbatches):
+    return Schedule.of(
+        [F(r, m) for m in range(num_microbatches)] + [B(r, m) for m in range(num_microbatches)]
+        for r in range(num_ranks)
+    )
+
+
+# (id, schedule, keyword arguments for validate, the exact message)
+BROKEN = [
+    (
+        "missing_forward",
+        Schedule.of([[F(0, 0), B(0, 0), B(0, 1)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]]),
+        {},
+        "rank 0 (which holds stage 0): F(0,1) is missing",
+    ),
+    (
+        "missing_backward",
+        Schedule.of([[F(0, 0), F(0, 1), B(0, 0)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]]),
+        {},
+        "rank 0 (which holds stage 0): the backward of (0,1) is missing: "
+        "add B(0,1) or I(0,1) and W(0,1)",
+    ),
+    (
+        "duplicated_action",
+        Schedule.of([[F(0, 0), F(0, 0), B(0, 0)]]),
+        {},
+        "rank 0, position 1 (F(0,0)): duplicate; F(0,0) already appears at rank 0, position 0",
+    ),
+    (
+        # Positions count cells as written: an Overlap cell is one position.
+        "duplicated_inside_overlap",
+        Schedule.of([[F(0, 0), Overlap(F(0, 1), B(0, 0)), F(0, 1), B(0, 1)]]),
+        {},
+        "rank 0, position 2 (F(0,1)): duplicate; F(0,1) already appears at rank 0, position 1",
+    ),
+    (
+        "stage_on_two_ranks",
+        Schedule.of([[F(0, 0), B(0, 0)], [F(0, 1), B(0, 1)]]),
+        {},
+        "rank 1, position 0 (F(0,1)): stage 0 is on two ranks, 0 and 1; "
+        "a stage must live on exactly one rank",
+    ),
+    (
+        "w_before_i_on_same_rank",
+        Schedule.of([[F(0, 0), W(0, 0), I(0, 0)]]),
+        {},
+        "rank 0, position 1 (W(0,0)): comes before I(0,0) at position 2, which it needs",
+    ),
+    (
+        "b_before_its_f",
+        Schedule.of([[B(0, 0), F(0, 0)]]),
+        {},
+        "rank 0, position 0 (B(0,0)): comes before F(0,0) at position 1, which it needs",
+    ),
+    (
+        "i_without_w",
+        Schedule.of([[F(0, 0), I(0, 0)]]),
+        {},
+        "rank 0 (which holds stage 0): I(0,0) has no matching W(0,0)",
+    ),
+    (
+        "w_without_i",
+        Schedule.of([[F(0, 0), B(0, 0), F(0, 1), W(0, 1)]]),
+        {},
+        "rank 0 (which holds stage 0): W(0,1) has no matching I(0,1)",
+    ),
+    (
+        "both_b_and_i",
+        Schedule.of([[F(0, 0), I(0, 0), B(0, 0), W(0, 0)]]),
+        {},
+        "rank 0 (which holds stage 0): (0,0) has both a B and an I/W backward; "
+        "use one or the other",
+    ),
+    (
+        "negative_index",
+        Schedule.of([[F(0, 0), B(0, 0), F(0, -1)]]),
+        {},
+        "rank 0, position 2 (F(0,-1)): stage and microbatch must be >= 0",
+    ),
+    (
+        "stage_out_of_range",
+        _gpipe(2, 1),
+        {"num_stages": 1},
+        "rank 1, position 0 (F(1,0)): stage 1 is out of range; the model has 1 stages (0..0)",
+    ),
+    (
+        "microbatch_out_of_range",
+        _gpipe(1, 2),
+        {"num_microbatches": 1},
+        "rank 0, position 1 (F(0,1)): microbatch 1 is out of range; "
+        "there are 1 microbatches (0..0)",
+    ),
+    (
+        "stage_missing_entirely",
+        Schedule.of([[F(0, 0), B(0, 0)], [F(2, 0), B(2, 0)]]),
+        {},
+        "stage 1 appears on no rank; stages 0..2 must all be scheduled",
+    ),
+    (
+        "microbatch_missing_entirely",
+        Schedule.of([[F(0, 0), B(0, 0), F(0, 2), B(0, 2)]]),
+        {},
+        "microbatch 1 is missing: no rank has an action for it "
+        "(microbatches 0..2 must all be scheduled)",
+    ),
+    (
+        "deadlock_2_ranks",
+        # Rank 0 runs microbatch 0 to the end before starting 1; rank 1 wants 1 first.
+        Schedule.of([[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 1), B(1, 1), F(1, 0), B(1, 0)]]),
+        {},
+        "deadlock: no rank can make progress.\n"
+        "  rank 0, position 1 (B(0,0)) waits for the backward of (1,0) on rank 1, "
+        "which is itself stuck at position 0 (F(1,1))\n"
+        "  rank 1, position 0 (F(1,1)) waits for F(0,1) on rank 0, "
+        "which is itself stuck at position 1 (B(0,0))",
+    ),
+    (
+        "deadlock_4_ranks",
+        # Rank 0 finishes microbatch 0 before forwarding 1, rank 1 forwards 1
+        # before its backward of 0: a cycle through ranks 0 and 1 that also
+        # starves ranks 2 and 3.
+        Schedule.of(
+            [[F(0, 0), B(0, 0), F(0, 1), B(0, 1)]]
+            + [[F(r, 0), F(r, 1), B(r, 0), B(r, 1)] for r in (1, 2)]
+            + [[F(3, 1), B(3, 1), F(3, 0), B(3, 0)]]
+        ),
+        {},
+        "deadlock: no rank can make progress.\n"
+        "  rank 0, position 1 (B(0,0)) waits for the backward of (1,0) on rank 1, "
+        "which is itself stuck at position 1 (F(1,1))\n"
+        "  rank 1, position 1 (F(1,1)) waits for F(0,1) on rank 0, "
+        "which is itself stuck at position 1 (B(0,0))\n"
+        "  rank 2, position 1 (F(2,1)) waits for F(1,1) on rank 1, "
+        "which is itself stuck at position 1 (F(1,1))\n"
+        "  rank 3, position 0 (F(3,1)) waits for F(2,1) on rank 2, "
+        "which is itself stuck at position 1 (F(2,1))",
+    ),
+    (
+        "live_activation_budget",
+        _gpipe(2, 3),
+        {"max_live": 2},
+        "rank 0, position 2 (F(0,2)): 3 live activations exceed the budget of 2 on rank 0",
+    ),
+    (
+        "live_activation_budget_per_rank",
+        _gpipe(2, 3),
+        {"max_live": [3, 1]},
+        "rank 1, position 1 (F(1,1)): 2 live activations exceed the budget of 1 on rank 1",
+    ),
+    (
+        "empty_schedule",
+        Schedule.of([[], []]),
+        {},
+        "the schedule has no actions",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule, kwargs, message", [c[1:] for c in BROKEN], ids=[c[0] for c in BROKEN]
+)
+def test_broken_schedule_is_rejected_with_its_message(schedule, kwargs, message):
+    with pytest.raises(ScheduleError) as info:
+        jpipe.validate(schedule, **kwargs)
+    assert str(info.value) == message
+
+
+def test_deadlock_message_names_every_stuck_rank():
+    schedule = BROKEN[[c[0] for c in BROKEN].index("deadlock_4_ranks")][1]
+    with pytest.raises(ScheduleError) as info:
+        jpipe.validate(schedule)
+    lines = str(info.value).splitlines()[1:]
+    assert [line.split(",")[0].strip() for line in lines] == [f"rank {r}" for r in range(4)]
+    assert all(" waits for " in line for line in lines)
+
+
+def test_schedule_error_is_a_value_error():
+    assert issubclass(ScheduleError, ValueError)
+
+
+def test_a_valid_schedule_is_returned_unchanged():
+    schedule = Schedule.of([[F(0, 0), I(0, 0), W(0, 0)]], name="one")
+    assert jpipe.validate(schedule, num_stages=1, num_microbatches=1, max_live=1) is schedule
+
+
+# -- properties ---------------------------------------------------------------------
+#
+# A random valid schedule: random sizes, each rank holds at least one stage and
+# the rest go anywhere, each backward is B or I+W at random, and the actions
+# are dealt to their ranks in one random order that respects every dependency,
+# so no rank can wait on another forever. Some F followed directly by a B or I
+# on the same rank are fused into an Overlap cell.
+
+
+def _ready(action, done, num_stages):
+    s, m = action.stage, action.microbatch
+    backward_done = lambda stage: B(stage, m) in done or I(stage, m) in done  # noqa: E731
+    if action.kind == "F":
+        return s == 0 or F(s - 1, m) in done
+    if action.kind == "W":
+        return I(s, m) in done
+    return F(s, m) in done and (s == num_stages - 1 or backward_done(s + 1))
+
+
+def _random_schedule(rng: random.Random, R: int, S: int, M: int) -> Schedule:
+    owner = list(range(R)) + [rng.randrange(R) for _ in range(S - R)]
+    rng.shuffle(owner)
+    todo = []
+    for s in range(S):
+        for m in range(M):
+            todo.append(F(s, m))
+            todo.extend([B(s, m)] if rng.random() < 0.5 else [I(s, m), W(s, m)])
+    done, rows = set(), [[] for _ in range(R)]
+    while todo:
+        ready = [a for a in todo if _ready(a, done, S)]
+        a = rng.choice(ready)
+        todo.remove(a)
+        done.add(a)
+        rows[owner[a.stage]].append(a)
+    for row in rows:
+        i = 0
+        while i + 1 < len(row):
+            if row[i].kind == "F" and row[i + 1].kind in "BI" and rng.random() < 0.3:
+                row[i : i + 2] = [Overlap(row[i], row[i + 1])]
+            i += 1
+    return Schedule.of(rows, name="random")
+
+
+@st.composite
+def valid_schedules(draw):
+    R = draw(st.integers(1, 4))
+    S = draw(st.integers(R, 2 * R))
+    M = draw(st.integers(1, 4))
+    rng = draw(st.randoms(use_true_random=False))
+    return _random_schedule(rng, R, S, M)
+
+
+def _runs_to_the_end(schedule: Schedule) -> bool:
+    """A slow, obviously correct reference: run whatever can run until stuck."""
+    rows = [list(schedule.actions(r)) for r in range(schedule.num_ranks)]
+    done, S = set(), schedule.num_stages
+    progress = True
+    while progress:
+        progress = False
+        for row in rows:
+            while row and _ready(row[0], done, S):
+                done.add(row.pop(0))
+                progress = True
+    return not any(rows)
+
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(valid_schedules())
+def test_random_valid_schedules_validate_and_simulate(schedule):
+    assert jpipe.validate(schedule) is schedule
+    sim = jpipe.simulate(schedule, jpipe.Costs(F=1, I=2, W=1, comm=0.5))
+    actions = [a for _, _, a in schedule.all_actions()]
+    cost = {"F": 1, "I": 2, "W": 1, "B": 3}
+    assert sum(sim.busy) == pytest.approx(sum(cost[a.kind] for a in actions))
+    assert sim.makespan >= max(sim.busy) - 1e-9
+    assert 0 <= sim.bubble_fraction < 1
+
+
+def _cells(schedule):
+    return [list(row) for row in schedule.ranks]
+
+
+@FAST
+@given(valid_schedules(), st.randoms(use_true_random=False))
+def test_dropping_an_action_is_rejected(schedule, rng):
+    r, pos, action = rng.choice(list(schedule.all_actions()))
+    rows = _cells(schedule)
+    step = rows[r][pos]
+    rest = [part for part in step.parts if part != action]
+    rows[r][pos : pos + 1] = rest  # an Overlap loses one half, a plain action goes
+    with pytest.raises(ScheduleError):
+        jpipe.validate(Schedule.of(rows))
+
+
+@FAST
+@given(valid_schedules(), st.randoms(use_true_random=False))
+def test_duplicating_an_action_is_rejected(schedule, rng):
+    _, _, action = rng.choice(list(schedule.all_actions()))
+    rows = _cells(schedule)
+    target = rng.randrange(len(rows))
+    rows[target].insert(rng.randint(0, len(rows[target])), action)
+    with pytest.raises(ScheduleError, match="duplicate|on two ranks"):
+        jpipe.validate(Schedule.of(rows))
+
+
+@FAST
+@given(valid_schedules(), st.randoms(use_true_random=False))
+def test_swapping_two_actions_on_a_rank_is_rejected_exactly_when_it_cannot_run(schedule, rng):
+    rows = _cells(schedule)
+    r = rng.choice([r for r, row in enumerate(rows) if len(row) >= 2] or [None])
+    if r is None:
+        return
+    i, j = rng.sample(range(len(rows[r])), 2)
+    rows[r][i], rows[r][j] = rows[r][j], rows[r][i]
+    swapped = Schedule.of(rows)
+    if _runs_to_the_end(swapped):
+        assert jpipe.validate(swapped) is swapped
+    else:
+        with pytest.raises(ScheduleError, match="deadlock|comes before"):
+            jpipe.validate(swapped)
