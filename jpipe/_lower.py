@@ -86,79 +86,83 @@ def build_step(stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inpu
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     res_widths = merge_widths(*(k.res_layout for k in kernels))
     carry_widths = merge_widths(*(k.carry_layout for k in kernels))
-    grad_span = layout.max_stage_sizes  # per dtype: the widest stage's parameters
-    flat_widths = layout.widths
+    buckets = layout.buckets
 
-    def stage_params(s, flat):
-        return layout.stage_params(s, flat)
+    def stage_params(s, local):
+        return layout.stage_params(s, local)
 
-    def outputs(send=None, res=None, carry=None, dparams=None, offsets=None, loss=None):
-        return (
-            send if send is not None else _zeros(io_widths),
-            res if res is not None else _zeros(res_widths),
-            carry if carry is not None else _zeros(carry_widths),
-            dparams if dparams is not None else _zeros(grad_span),
-            offsets if offsets is not None else {dt: jnp.int32(0) for dt in grad_span},
-            loss if loss is not None else jnp.zeros((), loss_dtype),
-        )
+    def read(arena, slot):
+        return {dt: lax.dynamic_index_in_dim(buf, slot, 0, False) for dt, buf in arena.items()}
+
+    def write(arena, slot, values):
+        return {dt: lax.dynamic_update_index_in_dim(buf, values[dt], slot, 0) for dt, buf in arena.items()}
+
+    # Each kind of piece runs inside its own two-way `cond` (this tick's piece
+    # is of that kind, or not), and inside it a `switch` over the stages. The
+    # cond holds the only write to its buffer (the residual slot, the carry
+    # slot, the gradient accumulator), a single in-place update that XLA keeps
+    # in place; passing all buffers through one many-branch switch made XLA
+    # copy them every tick. Ticks that do not run a kind touch nothing of it.
+
+    def zero_send():
+        return _zeros(io_widths)
 
     def make_f(s):
         k = kernels[s]
 
-        def run(flat, inputs, io_val, res_val, carry_val):
+        def run(flat, inputs, io_val):
             x = None
             if s > 0:
-                x = jax.tree.unflatten(kernels[s - 1].y_tree, kernels[s - 1].y_layout.unpack(io_val))
-            y, res = k.forward(stage_params(s, flat), x, inputs)
-            res_flat = k.res_layout.pack(res, res_widths)
+                prev = kernels[s - 1]
+                x = jax.tree.unflatten(prev.y_tree, prev.y_layout.unpack(io_val))
+            y, residuals = k.forward(stage_params(s, flat), x, inputs)
+            res_new = k.res_layout.pack(residuals, res_widths)
             if s == S - 1:
-                return outputs(res=res_flat, loss=y[0].astype(loss_dtype))
-            return outputs(send=k.y_layout.pack(y, io_widths), res=res_flat)
+                return zero_send(), res_new, y[0].astype(loss_dtype)
+            return k.y_layout.pack(y, io_widths), res_new, jnp.zeros((), loss_dtype)
 
         return run
 
     def make_i(s):
         k = kernels[s]
 
-        def run(flat, inputs, io_val, res_val, carry_val):
-            res = k.res_layout.unpack(res_val)
+        def run(flat, inputs, io_val, res_val):
+            residuals = k.res_layout.unpack(res_val)
             if s == S - 1:
                 g = [jnp.full((), 1.0 / M, loss_dtype)]
             else:
                 g = k.y_layout.unpack(io_val)
-            dx, carry = k.input_grad(stage_params(s, flat), inputs, res, g)
-            send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else None
-            return outputs(send=send, carry=k.carry_layout.pack(carry, carry_widths))
+            dx, kept = k.input_grad(stage_params(s, flat), inputs, residuals, g)
+            send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
+            return send, k.carry_layout.pack(kept, carry_widths)
 
         return run
 
     def make_w(s):
         k = kernels[s]
-        playout = layout.stage_layout(s)
+        names = layout.stage_buckets(s)
 
-        def run(flat, inputs, io_val, res_val, carry_val):
-            res = k.res_layout.unpack(res_val)
-            carry = k.carry_layout.unpack(carry_val)
-            dp = k.weight_grad(stage_params(s, flat), inputs, res, carry)
-            offsets = {dt: jnp.int32(layout.offset(s, dt)) for dt in grad_span}
-            return outputs(dparams=playout.pack(dp, grad_span), offsets=offsets)
+        def run(flat, inputs, res_val, carry_val):
+            residuals = k.res_layout.unpack(res_val)
+            kept = k.carry_layout.unpack(carry_val)
+            dp = dict(zip(names, k.weight_grad(stage_params(s, flat), inputs, residuals, kept)))
+            return {b: dp[b] if b in dp else jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()}
 
         return run
 
-    def idle(flat, inputs, io_val, res_val, carry_val):
-        return outputs()
+    f_branches = [make_f(s) for s in range(S)]
+    i_branches = [make_i(s) for s in range(S)]
+    w_branches = [make_w(s) for s in range(S)]
 
-    branches = [idle] + [make_f(s) for s in range(S)] + [make_i(s) for s in range(S)]
-    branches += [make_w(s) for s in range(S)]
     col = {name: i for i, name in enumerate(COLUMNS)}
     shifts = plan.shifts
 
     def per_rank(packed, batch_mb, tab):
-        flat = {dt: v[0] for dt, v in packed.items()}
+        flat = {b: v[0] for b, v in packed.items()}
         tab = tab[:, 0]
         carry0 = (
             (
-                {dt: jnp.zeros((flat_widths[dt],), dt) for dt in flat_widths},
+                {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
                 jnp.zeros((), loss_dtype),
                 {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
                 {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
@@ -169,34 +173,51 @@ def build_step(stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inpu
         def tick(state, row):
             grads, loss, io, res, carry = state
             branch, mb = row[col["branch"]], row[col["microbatch"]]
+            stage = (branch - 1) % S
             inputs = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 0, False), batch_mb)
-            io_val = {dt: io[dt][row[col["io_in"]]] for dt in io}
-            res_val = {dt: res[dt][row[col["res"]]] for dt in res}
-            carry_val = {dt: carry[dt][row[col["carry"]]] for dt in carry}
-            send, res_new, carry_new, dp, offsets, loss_piece = lax.switch(
-                branch, branches, flat, inputs, io_val, res_val, carry_val
-            )
             is_f = (branch >= 1) & (branch <= S)
             is_i = (branch > S) & (branch <= 2 * S)
-            res_slot = jnp.where(is_f, row[col["res"]], plan.num_res)
-            carry_slot = jnp.where(is_i, row[col["carry"]], plan.num_carry)
-            res = {dt: res[dt].at[res_slot].set(res_new[dt]) for dt in res}
-            carry = {dt: carry[dt].at[carry_slot].set(carry_new[dt]) for dt in carry}
-            for dt, n in grad_span.items():
-                seg = lax.dynamic_slice_in_dim(grads[dt], offsets[dt], n)
-                grads[dt] = lax.dynamic_update_slice_in_dim(grads[dt], seg + dp[dt], offsets[dt], 0)
+            is_w = branch > 2 * S
+
+            def forward(res):
+                send, res_new, loss_piece = lax.switch(
+                    stage, f_branches, flat, inputs, read(io, row[col["io_in"]])
+                )
+                return write(res, row[col["res"]], res_new), send, loss_piece
+
+            res, send_f, loss_piece = lax.cond(
+                is_f, forward, lambda r: (r, zero_send(), jnp.zeros((), loss_dtype)), res
+            )
+
+            def input_grad(carry):
+                send, carry_new = lax.switch(
+                    stage, i_branches, flat, inputs, read(io, row[col["io_in"]]),
+                    read(res, row[col["res"]]),
+                )
+                return write(carry, row[col["carry"]], carry_new), send
+
+            carry, send_i = lax.cond(is_i, input_grad, lambda c: (c, zero_send()), carry)
+
+            def weight_grad(grads):
+                dp = lax.switch(
+                    stage, w_branches, flat, inputs, read(res, row[col["res"]]),
+                    read(carry, row[col["carry"]]),
+                )
+                return {b: g + dp[b] for b, g in grads.items()}
+
+            grads = lax.cond(is_w, weight_grad, lambda g: g, grads)
+            send = {dt: jnp.where(is_f, send_f[dt], send_i[dt]) for dt in send_f}
+            io = write(io, row[col["local"]], send)
             loss = loss + loss_piece
-            io = {dt: io[dt].at[row[col["local"]]].set(send[dt]) for dt in io}
             for i, d in enumerate(shifts):
                 perm = [(j, (j + d) % R) for j in range(R)]
                 arrived = {dt: lax.ppermute(send[dt], pipe_axis, perm) for dt in send}
-                slot = row[len(COLUMNS) + i]
-                io = {dt: io[dt].at[slot].set(arrived[dt]) for dt in io}
+                io = write(io, row[len(COLUMNS) + i], arrived)
             return (grads, loss, io, res, carry), None
 
         (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
         loss = lax.psum(loss, pipe_axis) / M
-        return loss, {dt: g[None] for dt, g in grads.items()}
+        return loss, {b: g[None] for b, g in grads.items()}
 
     program = jax.shard_map(
         per_rank,

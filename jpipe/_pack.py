@@ -1,141 +1,130 @@
-"""Packing: each rank holds only its own stages' parameters, in flat vectors.
+"""Packing: each rank holds only its own stages' parameters.
 
 Stages differ in structure (the first embeds, the last has the head), so their
-parameters cannot be stacked on a ``pipe`` axis. Instead each rank's stages are
-laid end to end in one flat vector per dtype, and the vectors of all ranks
-form one array ``[R, width]`` sharded over ``pipe``: rank `r`'s row holds the
-stages `r` runs and nothing else. Inside the program a stage's arrays are
-static slices of its rank's row.
+parameters cannot simply be stacked on a ``pipe`` axis. Instead every array a
+rank holds goes into a *bucket*: the n-th array of a given shape and dtype on
+a rank goes into bucket ``(dtype, shape, n)``, an array ``[R, *shape]`` sharded
+over ``pipe`` whose row `r` is rank `r`'s array. Inside the program a stage's
+array is the local row of its bucket, which XLA reads in place (a slice of a
+flat vector would be copied before every matmul).
 
-Padding: every row has the same width, the heaviest rank's total plus a tail
-as long as the widest stage minus the last stage on that rank (the gradient
-accumulator adds a whole stage-width window at a stage's offset). So a rank
-holds ``width`` elements where an ideal split would hold its own total; the
-figure is reported by `ParamLayout.padding`. Optimizer state built on the
-packed arrays (`optax` works on them directly) has the same layout.
+Padding: a bucket has a row on every rank, so a rank that has no array of that
+shape holds zeros. When the stages of all ranks are alike (the blocks of a
+transformer) nothing is padded; an array that only one rank has (an embedding
+table, a head) costs R - 1 rows of padding. `ParamLayout.padding` reports the
+figures. Optimizer state built on the packed dict (`optax` works on it
+directly) has the same layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._stage import FlatLayout
+
+def _bucket_name(dtype: str, shape: tuple, n: int) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]#{n}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """Where each stage's parameters live in the packed per-rank vectors."""
+    """Which bucket holds each stage's parameter arrays.
 
-    trees: tuple  # per stage: treedef of its parameters
-    layouts: tuple[FlatLayout, ...]  # per stage
+    Attributes:
+      trees: per stage, the treedef of its parameters.
+      leaves: per stage, one ``(bucket name, shape, dtype)`` per array.
+      stage_to_rank: the rank of each stage.
+      buckets: ``{name: (shape, dtype)}`` for every bucket.
+    """
+
+    trees: tuple
+    leaves: tuple
     stage_to_rank: tuple[int, ...]
-    offsets: tuple[dict, ...]  # per stage: {dtype: offset in its rank's vector}
-    widths: dict  # {dtype: row width}
-    max_stage_sizes: dict  # {dtype: the widest stage}
+    buckets: dict = dataclasses.field(hash=False)
 
     @classmethod
     def of(cls, params_list, stage_to_rank) -> ParamLayout:
-        trees, layouts = [], []
-        for p in params_list:
-            leaves, tree = jax.tree.flatten(p)
+        counts: dict = {}  # (rank, dtype, shape) -> arrays so far
+        trees, leaves, buckets = [], [], {}
+        for s, p in enumerate(params_list):
+            flat, tree = jax.tree.flatten(p)
             trees.append(tree)
-            layouts.append(FlatLayout.of(leaves))
-        R = max(stage_to_rank) + 1
-        used = [dict() for _ in range(R)]
-        offsets = []
-        for s, layout in enumerate(layouts):
             r = stage_to_rank[s]
-            off = {}
-            for dt, n in layout.sizes.items():
-                off[dt] = used[r].get(dt, 0)
-                used[r][dt] = off[dt] + n
-            offsets.append(off)
-        dtypes = sorted({dt for layout in layouts for dt in layout.sizes})
-        max_stage = {dt: max(layout.sizes.get(dt, 0) for layout in layouts) for dt in dtypes}
-        widths = {}
-        for dt in dtypes:
-            ends = [offsets[s].get(dt, 0) + max_stage[dt] for s in range(len(layouts))]
-            widths[dt] = max([u.get(dt, 0) for u in used] + ends)
-        return cls(tuple(trees), tuple(layouts), tuple(stage_to_rank), tuple(offsets), widths, max_stage)
+            entries = []
+            for leaf in flat:
+                shape, dtype = tuple(leaf.shape), str(np.dtype(leaf.dtype))
+                n = counts.get((r, dtype, shape), 0)
+                counts[(r, dtype, shape)] = n + 1
+                name = _bucket_name(dtype, shape, n)
+                buckets[name] = (shape, dtype)
+                entries.append((name, shape, dtype))
+            leaves.append(tuple(entries))
+        return cls(tuple(trees), tuple(leaves), tuple(stage_to_rank), buckets)
 
     @property
-    def num_stages(self) -> int:
-        return len(self.layouts)
-
-    def offset(self, s: int, dtype: str) -> int:
-        return self.offsets[s].get(dtype, 0)
-
-    def stage_layout(self, s: int) -> FlatLayout:
-        return self.layouts[s]
+    def num_ranks(self) -> int:
+        return max(self.stage_to_rank) + 1
 
     def stage_avals(self, s: int):
-        layout = self.layouts[s]
-        leaves = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in zip(layout.shapes, layout.dtypes)]
-        return jax.tree.unflatten(self.trees[s], leaves)
+        return jax.tree.unflatten(
+            self.trees[s], [jax.ShapeDtypeStruct(sh, dt) for _, sh, dt in self.leaves[s]]
+        )
 
-    def stage_params(self, s: int, flat: dict):
-        """Stage `s`'s parameter pytree, sliced from its rank's vectors `flat`."""
-        layout = self.layouts[s]
-        shifted = {}
-        for dt, n in layout.sizes.items():
-            off = self.offset(s, dt)
-            shifted[dt] = jax.lax.slice_in_dim(flat[dt], off, off + n)
-        return jax.tree.unflatten(self.trees[s], layout.unpack(shifted))
+    def stage_params(self, s: int, local: dict):
+        """Stage `s`'s parameters from its rank's rows ``{bucket: [*shape]}``."""
+        return jax.tree.unflatten(self.trees[s], [local[name] for name, _, _ in self.leaves[s]])
+
+    def stage_buckets(self, s: int) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.leaves[s])
 
     @property
     def padding(self) -> dict:
-        """Per dtype: elements held in total over all ranks, and those actually used."""
-        R = max(self.stage_to_rank) + 1
-        return {
-            dt: {"held": R * w, "used": sum(layout.sizes.get(dt, 0) for layout in self.layouts)}
-            for dt, w in self.widths.items()
-        }
+        """Elements held over all ranks, and those the stages actually use."""
+        held = sum(self.num_ranks * math.prod(shape) for shape, _ in self.buckets.values())
+        used = sum(math.prod(sh) for entries in self.leaves for _, sh, _ in entries)
+        return {"held": held, "used": used, "padding_fraction": 1 - used / held if held else 0.0}
 
     def pack_host(self, params_list) -> dict:
-        """Packs on the host: ``{dtype: numpy [R, width]}``."""
-        R = max(self.stage_to_rank) + 1
-        out = {dt: np.zeros((R, w), dt) for dt, w in self.widths.items()}
+        """Packs on the host: ``{bucket: numpy [R, *shape]}``."""
+        if len(params_list) != len(self.trees):
+            raise ValueError(f"got {len(params_list)} stages' parameters, expected {len(self.trees)}")
+        R = self.num_ranks
+        out = {name: np.zeros((R,) + shape, dt) for name, (shape, dt) in self.buckets.items()}
         for s, p in enumerate(params_list):
-            leaves, tree = jax.tree.flatten(p)
+            flat, tree = jax.tree.flatten(p)
             if tree != self.trees[s]:
                 raise ValueError(f"stage {s}'s parameters changed structure: {tree} vs {self.trees[s]}")
-            layout = self.layouts[s]
             r = self.stage_to_rank[s]
-            for leaf, shape, dt, off in zip(leaves, layout.shapes, layout.dtypes, layout.offsets):
+            for leaf, (name, shape, _) in zip(flat, self.leaves[s]):
                 a = np.asarray(leaf)
                 if a.shape != shape:
                     raise ValueError(f"stage {s}: a parameter has shape {a.shape}, expected {shape}")
-                start = self.offset(s, dt) + off
-                out[dt][r, start : start + a.size] = a.reshape(-1)
+                out[name][r] = a
         return out
 
     def unpack_host(self, packed: dict) -> list:
         """The inverse of `pack_host`, from device or host arrays, as numpy pytrees."""
-        host = {dt: np.asarray(jax.device_get(v)) for dt, v in packed.items()}
-        out = []
-        for s, layout in enumerate(self.layouts):
-            r = self.stage_to_rank[s]
-            leaves = []
-            for shape, dt, off in zip(layout.shapes, layout.dtypes, layout.offsets):
-                start = self.offset(s, dt) + off
-                n = int(np.prod(shape))
-                leaves.append(host[dt][r, start : start + n].reshape(shape))
-            out.append(jax.tree.unflatten(self.trees[s], leaves))
-        return out
+        host = {name: np.asarray(jax.device_get(v)) for name, v in packed.items()}
+        return [
+            jax.tree.unflatten(
+                self.trees[s], [host[name][self.stage_to_rank[s]] for name, _, _ in self.leaves[s]]
+            )
+            for s in range(len(self.trees))
+        ]
 
     def sharding(self, mesh, pipe_axis: str) -> dict:
-        return {dt: NamedSharding(mesh, P(pipe_axis)) for dt in self.widths}
+        return {name: NamedSharding(mesh, P(pipe_axis)) for name in self.buckets}
 
     def pack(self, params_list, mesh, pipe_axis: str) -> dict:
-        """Packs and places the rows on their ranks: ``{dtype: Array [R, width]}``."""
+        """Packs and places each row on its rank: ``{bucket: Array [R, *shape]}``."""
         host = self.pack_host(params_list)
         shardings = self.sharding(mesh, pipe_axis)
         return {
-            dt: jax.make_array_from_callback(v.shape, shardings[dt], lambda idx, v=v: v[idx])
-            for dt, v in host.items()
+            name: jax.make_array_from_callback(v.shape, shardings[name], lambda idx, v=v: v[idx])
+            for name, v in host.items()
         }
