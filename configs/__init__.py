@@ -1,0 +1,1 @@
+"""Training configs: each module's `get_config()` returns an `ml_collections.ConfigDict`."""

@@ -1,0 +1,200 @@
+"""The staged GPT: stages compose to the reference loss, whatever the split."""
+
+import importlib.util
+import pathlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpipe import models
+
+CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
+SPLITS = ["1,2,1", None, (4,), (0, 2, 2), (2, 2, 0), "0,4"]
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _model(split):
+    """The 4-layer test model cut by `split`; None is balanced over 4 stages."""
+    if split is None:
+        num_stages = 4
+    else:
+        num_stages = len(split.split(",")) if isinstance(split, str) else len(split)
+    return models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, num_stages, split))
+
+
+def _compose(model, params_list, batch):
+    x = None
+    for stage, params in zip(model.stages, params_list, strict=True):
+        x = stage(params, x, batch)
+    return x
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=str)
+def test_stages_in_sequence_equal_loss_and_the_unsplit_model(split):
+    model = _model(split)
+    params = model.init(jax.random.key(0))
+    batch = models.example_batch(CONFIG, batch_size=3)
+    assert len(params) == len(model.stages) == len(model.layers_per_stage)
+    loss = model.loss(params, batch)
+    np.testing.assert_array_equal(_compose(model, params, batch), loss)
+    # The same key gives the same weights whatever the split, so the same loss.
+    unsplit = _model((4,))
+    unsplit_params = unsplit.init(jax.random.key(0))
+    chex.assert_trees_all_equal(
+        models.merge_stage_params(params), models.merge_stage_params(unsplit_params)
+    )
+    chex.assert_trees_all_close(loss, unsplit.loss(unsplit_params, batch), rtol=1e-6)
+
+
+def test_gradients_do_not_depend_on_split():
+    batch = models.example_batch(CONFIG, batch_size=3)
+    grads = []
+    for split in [(4,), "1,2,1"]:
+        model = _model(split)
+        loss_and_grads = jax.jit(jax.value_and_grad(model.loss))
+        loss, stage_grads = loss_and_grads(model.init(jax.random.key(7)), batch)
+        grads.append((loss, models.merge_stage_params(stage_grads)))
+    chex.assert_trees_all_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_init_is_deterministic_traceable_and_seeded():
+    model = _model("1,2,1")
+    a = model.init(jax.random.key(3))
+    chex.assert_trees_all_equal(a, model.init(3))
+    chex.assert_trees_all_equal_shapes_and_dtypes(a, jax.eval_shape(model.init, jax.random.key(3)))
+    b = model.init(jax.random.key(4))
+    assert not np.array_equal(
+        a[1]["blocks"][0]["qkv"]["kernel"], b[1]["blocks"][0]["qkv"]["kernel"]
+    )
+    # Blocks differ from each other: each draws from its own key.
+    blocks = models.merge_stage_params(a)["blocks"]
+    assert not np.array_equal(blocks[0]["qkv"]["kernel"], blocks[1]["qkv"]["kernel"])
+
+
+def test_split_stage_params_inverts_merge():
+    model = _model("1,2,1")
+    params = model.init(0)
+    chex.assert_trees_all_equal(
+        models.split_stage_params(models.merge_stage_params(params), (1, 2, 1)), params
+    )
+    other = models.split_stage_params(models.merge_stage_params(params), (2, 2))
+    chex.assert_trees_all_equal(other, _model("2,2").init(0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_boundaries_are_BxLxD_and_loss_is_float32_scalar(dtype):
+    config = models.GPTConfig(32, 8, 3, 2, 16, 32, dtype=dtype)
+    model = models.make_stages(config, (1, 1, 1))
+    params = model.init(0)
+    batch = models.example_batch(config, batch_size=3)
+    x = None
+    for stage, p in zip(model.stages[:-1], params[:-1], strict=True):
+        x = stage(p, x, batch)
+        assert x.shape == (3, 8, 16) and x.dtype == jnp.dtype(dtype)
+    loss = model.stages[-1](params[-1], x, batch)
+    assert loss.shape == () and loss.dtype == jnp.float32
+    assert abs(float(loss) - np.log(32)) < 0.3  # near uniform at init
+
+
+def test_attention_is_causal():
+    model = _model("2,2")
+    params = model.init(0)
+    batch = models.example_batch(CONFIG, batch_size=3)
+    changed = dict(batch, tokens=batch["tokens"].copy())
+    changed["tokens"][:, 5] = (changed["tokens"][:, 5] + 1) % CONFIG.vocab_size
+    x = model.stages[0](params[0], None, batch)
+    y = model.stages[0](params[0], None, changed)
+    np.testing.assert_array_equal(x[:, :5], y[:, :5])
+    assert not np.allclose(x[:, 5:], y[:, 5:])
+
+
+def test_split_layers_balanced():
+    assert models.split_layers(8, 4) == (2, 2, 2, 2)
+    assert models.split_layers(6, 4) == (1, 2, 2, 1)  # remainder to the middle
+    assert models.split_layers(7, 4) == (2, 2, 2, 1)  # then to the first
+    assert models.split_layers(2, 4, "") == (0, 1, 1, 0)  # ends may be empty
+    assert models.split_layers(3, 2) == (2, 1)
+    assert models.split_layers(5, 1) == (5,)
+    assert models.split_layers(14, 4, "3,4,4,3") == (3, 4, 4, 3)
+    assert models.split_layers(14, 4, " 3, 4,4 ,3 ") == (3, 4, 4, 3)
+    assert models.split_layers(4, 3, [0, 4, 0]) == (0, 4, 0)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ((14, 4, "3,4,4"), ["3 stages", "4"]),
+        ((14, 4, "3,4,4,4"), ["sums to 15", "num_layers=14"]),
+        ((4, 3, "2,-1,3"), ["negative"]),
+        ((4, 2, "2,x"), ["'x'", "3,4,4,3"]),
+        ((4, 2, (2.0, 2)), ["2.0"]),
+        ((4, 3, "2,0,2"), ["middle stage", "[1]"]),
+        ((1, 4, None), ["(0, 1, 0, 0)", "[2]", "num_layers >= num_stages - 2 = 2"]),
+        ((4, 0, None), ["num_stages"]),
+    ],
+)
+def test_split_layers_errors_name_the_numbers(args, words):
+    with pytest.raises(ValueError) as error:
+        models.split_layers(*args)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_make_stages_checks_the_split():
+    with pytest.raises(ValueError, match="sums to 5"):
+        models.make_stages(CONFIG, "2,3")
+
+
+def test_config_validates():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by num_heads=4"):
+        models.GPTConfig(256, 8, 1, 4, 30, 64)
+    with pytest.raises(ValueError, match="seq_len"):
+        models.GPTConfig(256, 0, 1, 4, 32, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        models.GPTConfig(256, 8, 1, 4, 32, 64, dtype="int8")
+
+
+def test_weight_decay_mask_and_num_params():
+    params = _model("1,2,1").init(0)
+    mask = models.weight_decay_mask(params)
+    flat = jax.tree_util.tree_flatten_with_path(mask)[0]
+    names = {jax.tree_util.keystr(path): value for path, value in flat}
+    assert len(names) == len(jax.tree.leaves(params))
+    for name, value in names.items():
+        expected = not (name.endswith("['bias']") or name.endswith("['scale']"))
+        assert value == expected, name
+    assert names["[0]['embed']['token']"] and names["[0]['embed']['position']"]
+    assert names["[2]['head']['unembed']['kernel']"]
+
+    d, f, v, length = CONFIG.d_model, CONFIG.d_ff, CONFIG.vocab_size, CONFIG.seq_len
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    expected = v * d + length * d + CONFIG.num_layers * block + 2 * d + d * v
+    assert models.num_params(params) == expected
+    assert models.num_params(jax.eval_shape(_model(None).init, jax.random.key(0))) == expected
+
+
+def test_small_test_model():
+    model = models.small_test_model(4)
+    assert model.layers_per_stage == (1, 1, 1, 1)
+    params = model.init(0)
+    loss = jax.jit(model.loss)(params, models.example_batch(model.config, 4))
+    assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("name", ["default", "gpt2_small"])
+def test_configs_describe_a_valid_model(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    model_config = models.GPTConfig(**config.model)
+    assert model_config.vocab_size == 256
+    counts = models.split_layers(
+        model_config.num_layers, config.mesh.pipe, config.layers_per_stage or None
+    )
+    assert sum(counts) == model_config.num_layers
+    assert config.batch_size % (config.mesh.data * config.num_microbatches) == 0
+    assert 0 < config.data.eval_fraction < 1
