@@ -1,7 +1,7 @@
 """Lowering: a plan and its stage kernels become one SPMD program.
 
-The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis only (a
-``data`` axis stays under the compiler), around a `lax.scan` over ticks. The
+The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
+``data`` axis, if there is one; any other axis stays under the compiler), around a `lax.scan` over ticks. The
 scan reads one row of the plan's table per tick; on each rank the row says
 which piece to run (a `lax.switch` over the F, I and W of every stage, plus
 idle, so only the chosen piece's work runs) and which buffer slots it reads
@@ -44,7 +44,10 @@ def _zeros(widths: dict) -> dict:
     return {dt: jnp.zeros((n,), dt) for dt, n in widths.items()}
 
 
-def build_step(stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inputs, pipe_axis: str):
+def build_step(
+    stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inputs, pipe_axis: str,
+    data_axis: str | None = None,
+):
     """Returns ``step(packed_params, batch_mb, table) -> (loss, packed_grads)``.
 
     Args:
@@ -52,8 +55,14 @@ def build_step(stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inpu
       plan: the plan of the schedule.
       layout: where each stage's parameters live in the packed vectors.
       mesh: the device mesh (axis types Auto).
-      microbatch_inputs: one microbatch of inputs (shape structs), to trace with.
+      microbatch_inputs: one microbatch's inputs as one device sees them
+        (shape structs), to trace with.
       pipe_axis: the name of the pipeline mesh axis.
+      data_axis: the name of the data-parallel axis, if any. It is manual too:
+        each device runs its rows of every microbatch, and the gradients are
+        averaged over it once, after the loop. (Left to the compiler, the data
+        axis made XLA insert collectives inside the branches, where ranks that
+        take different branches deadlock.)
     """
     S = plan.schedule.num_stages
     M = plan.schedule.num_microbatches
@@ -217,14 +226,17 @@ def build_step(stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inpu
 
         (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
         loss = lax.psum(loss, pipe_axis) / M
+        if data_axis is not None:
+            loss = lax.pmean(loss, data_axis)
+            grads = {b: lax.pmean(g, data_axis) for b, g in grads.items()}
         return loss, {b: g[None] for b, g in grads.items()}
 
     program = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(pipe_axis), P(), P(None, pipe_axis)),
+        in_specs=(P(pipe_axis), P(None, data_axis), P(None, pipe_axis)),
         out_specs=(P(), P(pipe_axis)),
-        axis_names={pipe_axis},
+        axis_names={pipe_axis} | ({data_axis} if data_axis else set()),
         # The kernels are pre-traced jaxprs replayed with `jaxpr_as_fun`, which
         # does not insert the casts between values that vary over `pipe` and
         # values that do not; the program differentiates nothing across ranks,

@@ -165,11 +165,12 @@ class Pipeline:
         key = (jax.tree.structure(batch), tuple(jax.tree.leaves(key)))
         if key in self._steps:
             return self._steps[key]
-        mb = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // self.num_microbatches,) + a.shape[1:], a.dtype),
-            batch,
+        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
+        rows = lambda a: a.shape[0] // self.num_microbatches // D  # noqa: E731
+        mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows(a),) + a.shape[1:], a.dtype), batch)
+        step = build_step(
+            self.stages, self.plan, self.layout, self.mesh, mb, self.pipe_axis, self.data_axis
         )
-        step = build_step(self.stages, self.plan, self.layout, self.mesh, mb, self.pipe_axis)
         M = self.num_microbatches
 
         def value_and_grad(packed, batch):

@@ -1,0 +1,65 @@
+"""Check a schedule against the unpipelined model on CPU fake devices.
+
+Usage::
+
+    python -m jpipe.check SPEC --ranks R --microbatches M [--chunks V] [--data D] [--json]
+
+SPEC is a registered schedule name, a PyTorch ``.csv`` file (its ranks and
+microbatches come from the file), or ``path/to/file.py:function``. The tool
+fakes as many CPU devices as the mesh needs, runs the schedule on jpipe's
+small built-in model (embedding first, head and loss last), compares the loss
+and every gradient with the model without a pipeline, prints the largest
+absolute and relative error and PASS or FAIL, and exits 0 only on PASS.
+``--json`` prints one JSON object instead (see `jpipe.testing.CheckResult`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jpipe._registry import get_schedule
+from jpipe._validate import ScheduleError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jpipe.check", description=__doc__.split("\n")[0])
+    parser.add_argument("spec", help="a schedule name, a .csv file, or path/to/file.py:function")
+    parser.add_argument("--ranks", type=int, default=None, help="pipeline ranks (R)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches (M)")
+    parser.add_argument("--chunks", type=int, default=1, help="stages per rank (V)")
+    parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
+        if args.data < 1:
+            raise ValueError(f"--data must be at least 1, got {args.data}")
+        from jpipe.testing import check_schedule, ensure_cpu_devices
+
+        ensure_cpu_devices(schedule.num_ranks * args.data)
+        result = check_schedule(schedule, data=args.data, rtol=args.rtol)
+    except (ScheduleError, ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.summary()))
+    else:
+        print(
+            f"{result.schedule}: {result.ranks} ranks x {result.data} data, {result.stages} "
+            f"stages, {result.microbatches} microbatches, {result.ticks} ticks"
+        )
+        print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
+        print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")
+        print(
+            f"compile {result.compile_seconds:.2f}s, per device: temp "
+            f"{result.temp_bytes / 2**20:.2f} MiB, arguments {result.argument_bytes / 2**20:.2f} MiB"
+        )
+        print("PASS" if result.passed else f"FAIL (tolerance {result.rtol:g})")
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Checking a schedule against the unpipelined model, for a user's test suite.
+
+`check_schedule` runs a schedule on CPU fake devices with a small built-in
+model whose stages differ (an embedding first, plain blocks in the middle, a
+head and a cross-entropy loss last), and compares the loss and every gradient
+with `jax.value_and_grad` of the same model without a pipeline, on the whole
+batch. It also reports the compile time and the compiled step's per-device
+memory from `memory_analysis()`.
+
+Fake devices: JAX fixes the device count when its backend starts. If it has
+not started yet, `check_schedule` asks for as many CPU devices as it needs;
+if it has, and there are too few, it says how to set them up (in a pytest
+``conftest.py``: ``jax.config.update("jax_num_cpu_devices", 8)`` before any
+JAX work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jpipe._registry import get_schedule
+from jpipe._schedule import Schedule
+from jpipe._validate import analyze
+
+
+def ensure_cpu_devices(count: int) -> None:
+    """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, 1))
+    except RuntimeError:
+        pass  # the backend has started: use what it has
+    have = len(jax.devices())
+    if have < count:
+        raise RuntimeError(
+            f"this check needs {count} devices but JAX has {have}. JAX fixes the count "
+            "when it starts: call jax.config.update('jax_num_cpu_devices', "
+            f"{count}) (or set XLA_FLAGS=--xla_force_host_platform_device_count={count}) "
+            "before any JAX work, e.g. at the top of your conftest.py"
+        )
+
+
+# -- the built-in model --------------------------------------------------------
+
+VOCAB, WIDTH, SEQ = 32, 16, 4
+
+
+def _embed_stage(params, x, inputs):
+    import jax.numpy as jnp
+
+    del x
+    h = params["embed"][inputs["tokens"]] + params["pos"]
+    return jnp.tanh(h @ params["w"])
+
+
+def _block_stage(params, x, inputs):
+    import jax.numpy as jnp
+
+    del inputs
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return x + h @ params["w2"] * params["scale"]
+
+
+def _head_stage(params, x, inputs):
+    import jax
+    import jax.numpy as jnp
+
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    logits = h @ params["head"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, inputs["targets"][..., None], axis=-1)
+    return -jnp.mean(picked)
+
+
+def small_model(num_stages: int, seed: int = 0):
+    """The checker's model: ``(stage_fns, params_list, make_batch)``.
+
+    Stage 0 embeds tokens, the last stage applies a head and returns the mean
+    cross-entropy, the ones between are residual tanh blocks. With one stage,
+    that stage does all three.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if num_stages < 1:
+        raise ValueError(f"the model needs at least one stage, got {num_stages}")
+    keys = iter(jax.random.split(jax.random.key(seed), 8 * num_stages + 8))
+
+    def normal(shape, scale):
+        return jax.random.normal(next(keys), shape, jnp.float32) * scale
+
+    def embed():
+        return {
+            "embed": normal((VOCAB, WIDTH), 1.0),
+            "pos": normal((SEQ, WIDTH), 0.5),
+            "w": normal((WIDTH, WIDTH), WIDTH**-0.5),
+        }
+
+    def block():
+        return {
+            "w1": normal((WIDTH, 2 * WIDTH), WIDTH**-0.5),
+            "b1": normal((2 * WIDTH,), 0.1),
+            "w2": normal((2 * WIDTH, WIDTH), (2 * WIDTH) ** -0.5),
+            "scale": jnp.ones((WIDTH,), jnp.float32),
+        }
+
+    def head():
+        return {
+            "w": normal((WIDTH, WIDTH), WIDTH**-0.5),
+            "b": normal((WIDTH,), 0.1),
+            "head": normal((WIDTH, VOCAB), WIDTH**-0.5),
+        }
+
+    if num_stages == 1:
+
+        def whole(params, x, inputs):
+            h = _embed_stage(params["embed"], None, inputs)
+            return _head_stage(params["head"], h, inputs)
+
+        stages, params = [whole], [{"embed": embed(), "head": head()}]
+    else:
+        stages = [_embed_stage] + [_block_stage] * (num_stages - 2) + [_head_stage]
+        params = [embed()] + [block() for _ in range(num_stages - 2)] + [head()]
+
+    def make_batch(rows: int, seed: int = 1):
+        k1, k2 = jax.random.split(jax.random.key(seed))
+        return {
+            "tokens": jax.random.randint(k1, (rows, SEQ), 0, VOCAB, jnp.int32),
+            "targets": jax.random.randint(k2, (rows, SEQ), 0, VOCAB, jnp.int32),
+        }
+
+    return stages, params, make_batch
+
+
+# -- the check -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """What `check_schedule` found.
+
+    Attributes:
+      passed: loss and every gradient within `rtol` of the reference.
+      max_abs_err: the largest absolute difference over loss and gradients.
+      max_rel_err: the largest per-array relative difference: for each array,
+        the largest absolute difference over the reference's largest magnitude.
+      loss, reference_loss: the two losses.
+      compile_seconds: time to compile the pipelined step.
+      temp_bytes, argument_bytes: per-device figures from `memory_analysis()`.
+      ticks: the lock-step program's length.
+      rtol: the tolerance used.
+    """
+
+    passed: bool
+    max_abs_err: float
+    max_rel_err: float
+    loss: float
+    reference_loss: float
+    compile_seconds: float
+    temp_bytes: int
+    argument_bytes: int
+    ticks: int
+    rtol: float
+    schedule: str
+    ranks: int
+    stages: int
+    microbatches: int
+    data: int
+
+    def summary(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compare(got, want) -> tuple[float, float]:
+    """``(max_abs_err, max_rel_err)`` over matching pytrees (see `CheckResult`)."""
+    import jax
+    import numpy as np
+
+    abs_err, rel_err = 0.0, 0.0
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    if jax.tree.structure(got) != jax.tree.structure(want):
+        raise AssertionError(
+            f"structures differ: {jax.tree.structure(got)} vs {jax.tree.structure(want)}"
+        )
+    for g, w in zip(got_leaves, want_leaves):
+        g = np.asarray(g, np.float64)
+        w = np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            raise AssertionError(f"shapes differ: {g.shape} vs {w.shape}")
+        diff = float(np.max(np.abs(g - w))) if g.size else 0.0
+        scale = float(np.max(np.abs(w))) if w.size else 0.0
+        abs_err = max(abs_err, diff)
+        rel_err = max(rel_err, diff / scale if scale > 0 else diff)
+    return abs_err, rel_err
+
+
+def check_schedule(
+    spec: str | Schedule,
+    num_ranks: int | None = None,
+    num_microbatches: int | None = None,
+    num_chunks: int = 1,
+    *,
+    data: int = 1,
+    rows_per_microbatch: int = 2,
+    rtol: float = 1e-5,
+    seed: int = 0,
+    **options,
+) -> CheckResult:
+    """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
+
+    Args:
+      spec: a `jpipe.Schedule`, a registered name, a ``.csv`` file or
+        ``path/to/file.py:function``.
+      num_ranks, num_microbatches, num_chunks: for a schedule built by name or
+        function (a CSV or a Schedule carries its own).
+      data: the size of a ``data`` mesh axis to split the batch over.
+      rows_per_microbatch: rows per microbatch per data shard.
+      rtol: the largest accepted per-array relative error (see `CheckResult`).
+      seed: for the model's weights and the batch.
+      **options: passed to the schedule function.
+
+    Returns:
+      A `CheckResult`; `passed` says whether it matched.
+    """
+    schedule = get_schedule(spec, num_ranks, num_microbatches, num_chunks, **options)
+    info = analyze(schedule)
+    R, S, M = schedule.num_ranks, info.num_stages, info.num_microbatches
+    ensure_cpu_devices(R * data)
+
+    import jax
+
+    from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+
+    stages, params, make_batch = small_model(S, seed)
+    batch = make_batch(M * rows_per_microbatch * data, seed + 1)
+    mesh = make_mesh(R, data, jax.devices()[: R * data])
+    pipe = Pipeline(stages, schedule, mesh)
+    packed = pipe.pack(params)
+    compiled = pipe.compile(packed, jax.device_put(batch, pipe.batch_sharding))
+    start = time.perf_counter()
+    loss, grads = compiled(packed, jax.device_put(batch, pipe.batch_sharding))
+    jax.block_until_ready(loss)
+    del start
+    ref_loss, ref_grads = reference_value_and_grad(stages, params, batch, 1)
+    abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
+    memory = compiled.memory_analysis()
+    return CheckResult(
+        passed=bool(rel_err <= rtol),
+        max_abs_err=abs_err,
+        max_rel_err=rel_err,
+        loss=float(loss),
+        reference_loss=float(ref_loss),
+        compile_seconds=float(pipe.compile_seconds),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        argument_bytes=int(memory.argument_size_in_bytes),
+        ticks=pipe.plan.num_ticks,
+        rtol=rtol,
+        schedule=schedule.name or str(spec),
+        ranks=R,
+        stages=S,
+        microbatches=M,
+        data=data,
+    )
