@@ -16,6 +16,9 @@ from jpipe._schedule import I
 from jpipe._schedule import Overlap
 from jpipe._schedule import Schedule
 from jpipe._schedule import W
+from jpipe._pipeline import Pipeline
+from jpipe._pipeline import make_mesh
+from jpipe._pipeline import reference_value_and_grad
 from jpipe._registry import get_schedule
 from jpipe._registry import register_schedule
 from jpipe._registry import registered_schedules
@@ -32,11 +35,14 @@ __all__ = [
     "F",
     "I",
     "Overlap",
+    "Pipeline",
     "Schedule",
     "ScheduleError",
     "Simulation",
     "W",
     "get_schedule",
+    "make_mesh",
+    "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",
     "simulate",

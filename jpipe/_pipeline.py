@@ -184,6 +184,16 @@ class Pipeline:
         self._steps[key] = (jitted, step)
         return self._steps[key]
 
+    def step_fn(self, batch) -> Callable:
+        """The pure, unjitted ``(packed_params, batch) -> (loss, packed_grads)``.
+
+        For composing with an optimizer inside the caller's own `jax.jit`;
+        `batch` (arrays or shape structs) fixes the shapes it is built for.
+        """
+        _, step = self._build(batch)
+        M = self.num_microbatches
+        return lambda packed, batch: step(packed, split_microbatches(batch, M))
+
     def lower(self, packed, batch):
         """The lowered (not yet compiled) step, for inspection."""
         jitted, _ = self._build(batch)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,19 @@ def merge_widths(*layouts: FlatLayout) -> dict:
 
 def _is_lit(v) -> bool:
     return isinstance(v, Literal)
+
+
+def _piece(constvars, invars, outvars, eqns, consts, name: str):
+    """A callable that runs `eqns` of a traced jaxpr as one piece."""
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    info = DebugInfo(
+        "jpipe",
+        name,
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    jaxpr = Jaxpr(constvars, invars, outvars, eqns, effects, debug_info=info)
+    return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))
 
 
 @dataclasses.dataclass
@@ -160,8 +173,9 @@ class StageKernels:
                 classes.append(("res", res_vars.index(v)))
         self.classes = tuple(classes)
         self.res_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in res_vars]
-        fwd = Jaxpr(jaxpr.constvars, jaxpr.invars, list(y_out) + res_vars, jaxpr.eqns, jaxpr.effects)
-        self._f_fn = jaxpr_as_fun(ClosedJaxpr(fwd, closed.consts))
+        self._f_fn = _piece(
+            jaxpr.constvars, jaxpr.invars, list(y_out) + res_vars, jaxpr.eqns, closed.consts, "F"
+        )
         self._n_y = n_y
 
     def forward(self, params, x, inputs):
@@ -233,15 +247,13 @@ class StageKernels:
         self.carry_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in carry]
         self.carry_layout = FlatLayout.of(self.carry_avals)
 
-        def sub(invars_, outvars_, eqn_ids):
+        def sub(invars_, outvars_, eqn_ids, name):
             eqns = [jaxpr.eqns[i] for i in sorted(eqn_ids)]
-            effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-            sub_jaxpr = Jaxpr(jaxpr.constvars, invars_, outvars_, eqns, effects)
-            return jaxpr_as_fun(ClosedJaxpr(sub_jaxpr, closed.consts))
+            return _piece(jaxpr.constvars, invars_, outvars_, eqns, closed.consts, name)
 
         base = p_vars + in_vars + res_vars
-        self._i_fn = sub(base + g_vars, dx_out + carry, i_eqns)
-        self._w_fn = sub(base + carry, dp_out, w_eqns)
+        self._i_fn = sub(base + g_vars, dx_out + carry, i_eqns, "I")
+        self._w_fn = sub(base + carry, dp_out, w_eqns, "W")
         self.num_dx = len(dx_out)
         self.i_flops_share = len(i_eqns) / max(1, len(jaxpr.eqns))
 

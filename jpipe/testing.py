@@ -28,10 +28,11 @@ def ensure_cpu_devices(count: int) -> None:
     """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
     import jax
 
-    try:
-        jax.config.update("jax_num_cpu_devices", max(count, 1))
-    except RuntimeError:
-        pass  # the backend has started: use what it has
+    if jax.config.jax_num_cpu_devices < count:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:
+            pass  # the backend has started: use what it has
     have = len(jax.devices())
     if have < count:
         raise RuntimeError(

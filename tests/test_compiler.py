@@ -1,0 +1,155 @@
+"""The compiler against the unpipelined model: loss and every gradient.
+
+Every run builds a real SPMD program on fake CPU devices (see conftest.py) and
+compares it with `jax.value_and_grad` of the same model without a pipeline.
+"""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jpipe
+from jpipe import testing
+from jpipe._pipeline import Pipeline, make_mesh
+
+RTOL = 1e-5  # float32; see jpipe.testing.CheckResult for how it is measured
+
+PYTORCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "pytorch-schedules"
+
+# (schedule, ranks, microbatches, chunks): fewer microbatches than ranks,
+# not divisible by the ranks, and divisible, for 2 and 4 ranks.
+ONE_STAGE_PER_RANK = ["gpipe", "1f1b", "eager_1f1b", "zb_h1", "zb_h2"]
+CASES = [(name, r, m, 1) for name in ONE_STAGE_PER_RANK for r, m in [(2, 1), (2, 3), (4, 3), (4, 6)]]
+CASES += [(name, r, m, 2) for name in ["interleaved_1f1b", "looped_bfs"] for r, m in [(2, 3), (4, 6)]]
+CASES += [("interleaved_1f1b", 2, 4, 3)]
+CASES += [("zbv", r, m, 2) for r, m in [(2, 1), (2, 3), (4, 6)]]
+CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
+
+
+@pytest.mark.parametrize("name,ranks,microbatches,chunks", CASES)
+def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks):
+    result = testing.check_schedule(name, ranks, microbatches, chunks)
+    assert result.passed, result
+    assert result.max_rel_err <= RTOL
+
+
+@pytest.mark.parametrize(
+    "name,microbatches,chunks",
+    [("gpipe", 4, 1), ("1f1b", 3, 1), ("interleaved_1f1b", 4, 2), ("zb_h1", 4, 1), ("zbv", 4, 2),
+     ("dualpipev", 4, 2), ("eager_1f1b", 2, 1), ("zb_h2", 5, 1), ("looped_bfs", 2, 2)],
+)
+def test_pipe_by_data_mesh(name, microbatches, chunks):
+    result = testing.check_schedule(name, 2, microbatches, chunks, data=2)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize("filename", ["zb1p_2rank_2stagep_compute.csv", "dualpipev_4rank_10mb.csv"])
+def test_pytorch_schedule_files(filename):
+    path = PYTORCH / filename
+    if not path.exists():
+        pytest.skip(f"{path} is not here (it comes from the shared data folder)")
+    result = testing.check_schedule(str(path))
+    assert result.passed, result
+
+
+def test_first_and_last_stage_on_one_rank():
+    # Stage 0 and stage 3 on rank 0, stages 1 and 2 on rank 1; I/W split on some.
+    F, B, I, W = jpipe.F, jpipe.B, jpipe.I, jpipe.W
+    rank0, rank1 = [], []
+    for m in range(3):
+        rank0 += [F(0, m)]
+        rank1 += [F(1, m), F(2, m)]
+        rank0 += [F(3, m), I(3, m), W(3, m)]
+        rank1 += [B(2, m), I(1, m), W(1, m)]
+        rank0 += [B(0, m)]
+    schedule = jpipe.Schedule.of([rank0, rank1], name="wrap")
+    result = testing.check_schedule(schedule)
+    assert result.passed, result
+
+
+def test_everything_on_one_rank():
+    schedule = jpipe.get_schedule("1f1b", 1, 3)
+    assert testing.check_schedule(schedule).passed
+
+
+def _pipeline(schedule, data=1):
+    stages, params, make_batch = testing.small_model(schedule.num_stages)
+    mesh = make_mesh(schedule.num_ranks, data)
+    return Pipeline(stages, schedule, mesh), params, make_batch
+
+
+def test_refuses_a_schedule_that_does_not_fit_the_mesh():
+    schedule = jpipe.get_schedule("1f1b", 4, 4)
+    stages, _, _ = testing.small_model(4)
+    with pytest.raises(ValueError, match="the schedule has 4 ranks but the mesh's 'pipe' axis has 2"):
+        Pipeline(stages, schedule, make_mesh(2, 1))
+
+
+def test_refuses_a_schedule_that_does_not_fit_the_model():
+    schedule = jpipe.get_schedule("1f1b", 2, 4)
+    stages, _, _ = testing.small_model(3)
+    with pytest.raises(ValueError, match="the schedule has 2 stages but the model has 3 stage functions"):
+        Pipeline(stages, schedule, make_mesh(2, 1))
+
+
+def test_refuses_a_batch_the_microbatches_do_not_divide():
+    pipe, params, make_batch = _pipeline(jpipe.get_schedule("1f1b", 2, 4))
+    packed = pipe.pack(params)
+    with pytest.raises(ValueError, match=r"batch\['targets'\] has 6 rows, which 4 microbatches do not divide"):
+        pipe.value_and_grad(packed, make_batch(6))
+
+
+def test_refuses_microbatches_the_data_axis_does_not_divide():
+    pipe, params, make_batch = _pipeline(jpipe.get_schedule("1f1b", 2, 2), data=2)
+    packed = pipe.pack(params)
+    with pytest.raises(ValueError, match="microbatches of 3 rows cannot be split over the 2-way 'data' axis"):
+        pipe.value_and_grad(packed, make_batch(6))
+
+
+def test_refuses_an_invalid_schedule_before_compiling():
+    stages, _, _ = testing.small_model(2)
+    bad = jpipe.Schedule.of([["0F0", "0B0"], ["1F0"]])
+    with pytest.raises(jpipe.ScheduleError, match="backward of"):
+        Pipeline(stages, bad, make_mesh(2, 1))
+
+
+def test_each_rank_holds_only_its_own_stages():
+    pipe, params, _ = _pipeline(jpipe.get_schedule("1f1b", 4, 4))
+    packed = pipe.pack(params)
+    for name, array in packed.items():
+        assert array.shape[0] == 4
+        assert array.sharding.spec[0] == "pipe"
+        # One row per rank: a device holds 1/4 of the bucket.
+        shard = array.addressable_shards[0]
+        assert shard.data.shape[0] == 1, name
+    # The blocks of stages 1 and 2 share buckets; embedding and head do not.
+    round_trip = pipe.unpack(packed)
+    for got, want in zip(round_trip, params):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def _temp_bytes(name, microbatches):
+    schedule = jpipe.get_schedule(name, 4, microbatches)
+    pipe, params, make_batch = _pipeline(schedule)
+    packed = pipe.pack(params)
+    return pipe.compile(packed, make_batch(2 * microbatches)).memory_analysis().temp_size_in_bytes
+
+
+def test_memory_follows_the_schedule():
+    # 1F1B keeps at most R activations alive whatever M; GPipe keeps all M.
+    # (The batch itself is an argument, not temp memory.)
+    one_f_one_b_8, one_f_one_b_64 = _temp_bytes("1f1b", 8), _temp_bytes("1f1b", 64)
+    gpipe_8, gpipe_64 = _temp_bytes("gpipe", 8), _temp_bytes("gpipe", 64)
+    assert one_f_one_b_64 <= 1.25 * one_f_one_b_8, (one_f_one_b_8, one_f_one_b_64)
+    assert gpipe_64 > 3 * gpipe_8, (gpipe_8, gpipe_64)
+
+
+def test_buffer_slots_match_the_simulated_peak():
+    for name, chunks in [("1f1b", 1), ("zb_h2", 1), ("interleaved_1f1b", 2), ("zbv", 2)]:
+        schedule = jpipe.get_schedule(name, 4, 8, chunks)
+        pipe = Pipeline(testing.small_model(schedule.num_stages)[0], schedule, make_mesh(4, 1))
+        peak = max(jpipe.simulate(schedule).peak_activations)
+        assert pipe.plan.num_res == peak, name
