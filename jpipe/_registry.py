@@ -50,8 +50,14 @@ def register_schedule(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
 
     def decorate(fn: ScheduleFn) -> ScheduleFn:
         existing = _REGISTRY.get(name)
-        if existing is not None and existing.fn.__qualname__ != fn.__qualname__:
-            raise ValueError(f"a schedule named {name!r} is already registered")
+        if existing is not None and (
+            existing.fn.__module__,
+            existing.fn.__qualname__,
+        ) != (fn.__module__, fn.__qualname__):
+            raise ValueError(
+                f"a schedule named {name!r} is already registered (by "
+                f"{existing.fn.__module__}.{existing.fn.__qualname__}); choose another name"
+            )
         _REGISTRY[name] = _Entry(fn, inspect.getdoc(fn) or "")
         return fn
 
@@ -97,12 +103,16 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
         raise ValueError(
             f"schedule {name!r} is a function: give the number of ranks and microbatches"
         )
+    for what, value in (("ranks", num_ranks), ("microbatches", num_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"the number of {what} must be a positive integer, got {value!r}")
     params = inspect.signature(fn).parameters
     kwargs = dict(options)
-    if "num_chunks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs["num_chunks"] = num_chunks
-    elif num_chunks != 1:
-        raise ValueError(f"schedule {name!r} takes no chunks per rank, got {num_chunks}")
+    if num_chunks is not None:
+        if "num_chunks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs["num_chunks"] = num_chunks
+        elif num_chunks != 1:
+            raise ValueError(f"schedule {name!r} takes no chunks per rank, got {num_chunks}")
     rows = fn(num_ranks, num_microbatches, **kwargs)
     if isinstance(rows, Schedule):
         return dataclasses.replace(rows, name=rows.name or name)
@@ -113,10 +123,13 @@ def get_schedule(
     spec: str | Schedule,
     num_ranks: int | None = None,
     num_microbatches: int | None = None,
-    num_chunks: int = 1,
+    num_chunks: int | None = None,
     **options,
 ) -> Schedule:
     """Builds the schedule that `spec` names (see the module docstring).
+
+    `num_chunks` (stages per rank) goes to the schedule function when given;
+    `None` leaves the function's own default.
 
     For a CSV file the ranks and microbatches come from the file; if given they
     must agree with it.

@@ -227,7 +227,11 @@ class Schedule:
         return [[str(step) for step in row] for row in self.ranks]
 
     def to_csv(self, path: str | os.PathLike | None = None) -> str:
-        """Writes PyTorch's CSV form to `path` (if given) and returns it as text."""
+        """Writes PyTorch's CSV form to `path` (if given) and returns it as text.
+
+        The form has no marker for a rank with no actions: such ranks at the
+        end of the schedule do not survive a round trip.
+        """
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(self.to_rows())
         text = buf.getvalue()
@@ -278,9 +282,14 @@ def _undo_legacy_b(rows: Sequence[Sequence[Step]]) -> list[list[Step]]:
     """Rewrites ``B`` as ``I`` where a ``W`` of the same key follows on that rank."""
     fixed = []
     for row in rows:
-        w_keys = {a.key for step in row for a in step.parts if a.kind == "W"}
+        w_keys: set = set()  # keys whose W comes later than the current cell
+        for step in row:
+            w_keys.update(a.key for a in step.parts if a.kind == "W")
         new_row = []
         for step in row:
+            for a in step.parts:
+                if a.kind == "W":
+                    w_keys.discard(a.key)
             if isinstance(step, Action) and step.kind == "B" and step.key in w_keys:
                 step = Action("I", step.stage, step.microbatch)
             elif isinstance(step, Overlap) and step.backward.kind == "B" and step.backward.key in w_keys:

@@ -18,6 +18,8 @@ activations per rank (a `(stage, microbatch)` is live from its ``F`` until its
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 
 from jpipe._schedule import Action, Schedule
@@ -51,10 +53,10 @@ class Costs:
                 value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             for v in values:
-                if v is not None and (not isinstance(v, (int, float)) or v < 0):
-                    raise ValueError(f"cost {name} must be a non-negative number, got {v!r}")
-        if not isinstance(self.comm, (int, float)) or self.comm < 0:
-            raise ValueError(f"cost comm must be a non-negative number, got {self.comm!r}")
+                if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                    raise ValueError(f"cost {name} must be a finite non-negative number, got {v!r}")
+        if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
+            raise ValueError(f"cost comm must be a finite non-negative number, got {self.comm!r}")
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -112,7 +114,17 @@ class Simulation:
     busy: tuple[float, ...]
     bubble_fraction: float
     peak_activations: tuple[int, ...]
-    timeline: tuple[Event, ...]
+    starts: tuple[tuple[float, ...], ...] = dataclasses.field(repr=False)
+    ends: tuple[tuple[float, ...], ...] = dataclasses.field(repr=False)
+
+    @functools.cached_property
+    def timeline(self) -> tuple[Event, ...]:
+        """Every plain action with its start and end, rank by rank in list order."""
+        return tuple(
+            Event(r, a, self.starts[r][i], self.ends[r][i])
+            for r in range(self.schedule.num_ranks)
+            for i, a in enumerate(self.schedule.actions(r))
+        )
 
     def summary(self) -> dict:
         """The figures as plain JSON-ready values."""
@@ -178,9 +190,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
     makespan = max(free) - (first_start or 0.0)
     total = len(rows) * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
-    timeline = tuple(
-        Event(r, a, starts[r][i], ends[r][i]) for r, row in enumerate(rows) for i, a in enumerate(row)
-    )
     return Simulation(
         schedule=schedule,
         costs=costs,
@@ -188,5 +197,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
         busy=tuple(busy),
         bubble_fraction=bubble,
         peak_activations=info.peak_live,
-        timeline=timeline,
+        starts=tuple(map(tuple, starts)),
+        ends=tuple(map(tuple, ends)),
     )

@@ -37,6 +37,11 @@ class ScheduleError(ValueError):
     """A schedule that cannot run; the message says where and why."""
 
 
+def _count(n: int, noun: str) -> str:
+    plural = {"microbatch": "microbatches"}.get(noun, noun + "s")
+    return f"{n} {noun if n == 1 else plural}"
+
+
 def _where(rank: int, pos: int, action) -> str:
     return f"rank {rank}, position {pos} ({action!r})"
 
@@ -101,6 +106,7 @@ def analyze(
         raise ScheduleError("the schedule has no actions")
 
     # 1. indices
+    stages_seen, mbs_seen = set(), set()
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
             if a.stage < 0 or a.microbatch < 0:
@@ -110,81 +116,92 @@ def analyze(
             if num_stages is not None and a.stage >= num_stages:
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: stage {a.stage} is out of range; "
-                    f"the model has {num_stages} stages (0..{num_stages - 1})"
+                    f"the model has {_count(num_stages, 'stage')} (0..{num_stages - 1})"
                 )
             if num_microbatches is not None and a.microbatch >= num_microbatches:
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: microbatch {a.microbatch} is out of "
-                    f"range; there are {num_microbatches} microbatches (0..{num_microbatches - 1})"
+                    f"range; there {'is' if num_microbatches == 1 else 'are'} "
+                    f"{_count(num_microbatches, 'microbatch')} (0..{num_microbatches - 1})"
                 )
-    S = num_stages if num_stages is not None else schedule.num_stages
-    M = num_microbatches if num_microbatches is not None else schedule.num_microbatches
+            stages_seen.add(a.stage)
+            mbs_seen.add(a.microbatch)
+    S = num_stages if num_stages is not None else max(stages_seen) + 1
+    M = num_microbatches if num_microbatches is not None else max(mbs_seen) + 1
+    # Checked before anything of size S * M is built, so a stray huge index
+    # is reported rather than allocated.
+    for s in range(S):
+        if s not in stages_seen:
+            raise ScheduleError(f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled")
+    for m in range(M):
+        if m not in mbs_seen:
+            raise ScheduleError(
+                f"microbatch {m} is missing: no rank has an action for it "
+                f"(microbatches 0..{M - 1} must all be scheduled)"
+            )
 
-    # 2. placement, 3. duplicates
+    # 2. placement, 3. duplicates; where[kind][s * M + m] = (rank, index) or None
     owner: list[int] = [-1] * S
-    first_seen: dict[Action, tuple[int, int]] = {}
+    where: dict[str, list] = {kind: [None] * (S * M) for kind in "FBIW"}
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
-            o = owner[a.stage]
+            s = a.stage
+            o = owner[s]
             if o == -1:
-                owner[a.stage] = r
+                owner[s] = r
             elif o != r:
                 raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: stage {a.stage} is on two ranks, "
+                    f"{_where(r, cell_pos[r][i], a)}: stage {s} is on two ranks, "
                     f"{o} and {r}; a stage must live on exactly one rank"
                 )
-            prev = first_seen.get(a)
+            slots = where[a.kind]
+            k = s * M + a.microbatch
+            prev = slots[k]
             if prev is not None:
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: duplicate; {a!r} already appears "
                     f"at rank {prev[0]}, position {cell_pos[prev[0]][prev[1]]}"
                 )
-            first_seen[a] = (r, i)
+            slots[k] = (r, i)
 
     # 4. completeness
-    for s in range(S):
-        if owner[s] == -1:
-            raise ScheduleError(f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled")
-    kinds_of: dict[tuple[int, int], set[str]] = {}
-    for a in first_seen:
-        kinds_of.setdefault(a.key, set()).add(a.kind)
-    for m in range(M):
-        if not any((s, m) in kinds_of for s in range(S)):
-            raise ScheduleError(
-                f"microbatch {m} is missing: no rank has an action for it "
-                f"(microbatches 0..{M - 1} must all be scheduled)"
-            )
+    f_at, b_at, i_at, w_at = where["F"], where["B"], where["I"], where["W"]
     for s in range(S):
         r = owner[s]
         for m in range(M):
-            kinds = kinds_of.get((s, m), set())
+            k = s * M + m
             problem = None
-            if "F" not in kinds:
+            if f_at[k] is None:
                 problem = f"F({s},{m}) is missing"
-            elif "B" in kinds and ("I" in kinds or "W" in kinds):
+            elif b_at[k] is not None and (i_at[k] is not None or w_at[k] is not None):
                 problem = f"({s},{m}) has both a B and an I/W backward; use one or the other"
-            elif "I" in kinds and "W" not in kinds:
+            elif i_at[k] is not None and w_at[k] is None:
                 problem = f"I({s},{m}) has no matching W({s},{m})"
-            elif "W" in kinds and "I" not in kinds:
+            elif w_at[k] is not None and i_at[k] is None:
                 problem = f"W({s},{m}) has no matching I({s},{m})"
-            elif not kinds & {"B", "I"}:
-                problem = f"the backward of ({s},{m}) is missing: add B({s},{m}) or I({s},{m}) and W({s},{m})"
+            elif b_at[k] is None and i_at[k] is None:
+                problem = (
+                    f"the backward of ({s},{m}) is missing: add B({s},{m}) or I({s},{m}) "
+                    f"and W({s},{m})"
+                )
             if problem:
                 raise ScheduleError(f"rank {r} (which holds stage {s}): {problem}")
 
-    # 5. order on one rank
-    for r, row in enumerate(rows):
-        pos_of = {a: i for i, a in enumerate(row)}
-        for i, a in enumerate(row):
-            before = None
-            if a.kind in ("B", "I"):
-                before = Action("F", a.stage, a.microbatch)
-            elif a.kind == "W":
-                before = Action("I", a.stage, a.microbatch)
-            if before is not None and pos_of[before] > i:
+    # 5. order on one rank: a backward after its forward, a W after its I
+    for k in range(S * M):
+        fi = f_at[k][1]
+        for later, need, name in ((b_at[k], fi, "F"), (i_at[k], fi, "F"), (w_at[k], None, "I")):
+            if later is None:
+                continue
+            r, i = later
+            if need is None:
+                need = i_at[k][1]
+            if need > i:
+                a = rows[r][i]
+                before = Action(name, a.stage, a.microbatch)
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: comes before {before!r} at position "
-                    f"{cell_pos[r][pos_of[before]]}, which it needs"
+                    f"{cell_pos[r][need]}, which it needs"
                 )
 
     # 6. deadlock: walk the dependency graph
@@ -282,21 +299,29 @@ def _deadlock_message(rows, cell_pos, pc, S, M, owner) -> str:
         a = row[pc[r]]
         s, m = a.stage, a.microbatch
         if a.kind == "F":
-            dep = f"F({s - 1},{m})"
-            dep_stage = s - 1
+            deps = [Action("F", s - 1, m)]
         elif a.kind == "W":
-            dep, dep_stage = f"I({s},{m})", s
+            deps = [Action("I", s, m)]
         elif not _ran_before(rows, pc, owner[s], Action("F", s, m)):
-            dep, dep_stage = f"F({s},{m})", s
+            deps = [Action("F", s, m)]
         else:
-            dep, dep_stage = f"the backward of ({s + 1},{m})", s + 1
-        dep_rank = owner[dep_stage]
-        where = f"on rank {dep_rank}"
+            deps = [Action("B", s + 1, m), Action("I", s + 1, m)]
+        dep_rank = owner[deps[0].stage]
         dep_row = rows[dep_rank]
-        blocker = dep_row[pc[dep_rank]] if pc[dep_rank] < len(dep_row) else None
-        if blocker is not None:
-            where += f", which is itself stuck at position {cell_pos[dep_rank][pc[dep_rank]]} ({blocker!r})"
-        lines.append(f"  {_where(r, cell_pos[r][pc[r]], a)} waits for {dep} {where}")
+        dep_pos = next((i for i, b in enumerate(dep_row) if b in deps), None)
+        dep = deps[0] if dep_pos is None else dep_row[dep_pos]
+        name = repr(dep) if len(deps) == 1 or dep_pos is not None else f"the backward of ({s + 1},{m})"
+        if dep_rank == r and dep_pos is not None:
+            where = f"which comes later on this rank, at position {cell_pos[r][dep_pos]}"
+        else:
+            where = f"on rank {dep_rank}"
+            if pc[dep_rank] < len(dep_row):
+                blocker = dep_row[pc[dep_rank]]
+                where += (
+                    f", which is itself stuck at position {cell_pos[dep_rank][pc[dep_rank]]} "
+                    f"({blocker!r})"
+                )
+        lines.append(f"  {_where(r, cell_pos[r][pc[r]], a)} waits for {name} {where}")
     return "\n".join(lines)
 
 

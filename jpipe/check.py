@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     parser.add_argument("spec", help="a schedule name, a .csv file, or path/to/file.py:function")
     parser.add_argument("--ranks", type=int, default=None, help="pipeline ranks (R)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches (M)")
-    parser.add_argument("--chunks", type=int, default=1, help="stages per rank (V)")
+    parser.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (V); default: the schedule's own"
+    )
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
     parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

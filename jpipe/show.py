@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--chunks",
         type=_positive_int,
-        default=1,
-        help="chunks (stages) per rank V; default 1",
+        default=None,
+        help="chunks (stages) per rank V; default: the schedule's own",
     )
     parser.add_argument(
         "--cost",

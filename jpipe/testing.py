@@ -201,7 +201,7 @@ def check_schedule(
     spec: str | Schedule,
     num_ranks: int | None = None,
     num_microbatches: int | None = None,
-    num_chunks: int = 1,
+    num_chunks: int | None = None,
     *,
     data: int = 1,
     rows_per_microbatch: int = 2,

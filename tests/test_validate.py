@@ -97,14 +97,14 @@ BROKEN = [
         "stage_out_of_range",
         _gpipe(2, 1),
         {"num_stages": 1},
-        "rank 1, position 0 (F(1,0)): stage 1 is out of range; the model has 1 stages (0..0)",
+        "rank 1, position 0 (F(1,0)): stage 1 is out of range; the model has 1 stage (0..0)",
     ),
     (
         "microbatch_out_of_range",
         _gpipe(1, 2),
         {"num_microbatches": 1},
         "rank 0, position 1 (F(0,1)): microbatch 1 is out of range; "
-        "there are 1 microbatches (0..0)",
+        "there is 1 microbatch (0..0)",
     ),
     (
         "stage_missing_entirely",
@@ -125,7 +125,7 @@ BROKEN = [
         Schedule.of([[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 1), B(1, 1), F(1, 0), B(1, 0)]]),
         {},
         "deadlock: no rank can make progress.\n"
-        "  rank 0, position 1 (B(0,0)) waits for the backward of (1,0) on rank 1, "
+        "  rank 0, position 1 (B(0,0)) waits for B(1,0) on rank 1, "
         "which is itself stuck at position 0 (F(1,1))\n"
         "  rank 1, position 0 (F(1,1)) waits for F(0,1) on rank 0, "
         "which is itself stuck at position 1 (B(0,0))",
@@ -142,7 +142,7 @@ BROKEN = [
         ),
         {},
         "deadlock: no rank can make progress.\n"
-        "  rank 0, position 1 (B(0,0)) waits for the backward of (1,0) on rank 1, "
+        "  rank 0, position 1 (B(0,0)) waits for B(1,0) on rank 1, "
         "which is itself stuck at position 1 (F(1,1))\n"
         "  rank 1, position 1 (F(1,1)) waits for F(0,1) on rank 0, "
         "which is itself stuck at position 1 (B(0,0))\n"
