@@ -149,7 +149,7 @@ def test_invalid_schedule_exits_with_the_validators_message(capsys, user_file):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("error: deadlock: no rank can make progress.\n")
-    assert "rank 0, position 1 (B(0,0)) waits for the backward of (1,0) on rank 1" in err
+    assert "rank 0, position 1 (B(0,0)) waits for B(1,0) on rank 1" in err
     assert "Traceback" not in err
 
 
