@@ -39,16 +39,19 @@ class ParamLayout:
       trees: per stage, the treedef of its parameters.
       leaves: per stage, one ``(bucket name, shape, dtype)`` per array.
       stage_to_rank: the rank of each stage.
+      num_ranks: the ranks (a rank may hold no stage).
       buckets: ``{name: (shape, dtype)}`` for every bucket.
     """
 
     trees: tuple
     leaves: tuple
     stage_to_rank: tuple[int, ...]
+    num_ranks: int
     buckets: dict = dataclasses.field(hash=False)
 
     @classmethod
-    def of(cls, params_list, stage_to_rank) -> ParamLayout:
+    def of(cls, params_list, stage_to_rank, num_ranks: int) -> ParamLayout:
+        """Lays out `params_list` (one pytree per stage) over `num_ranks` ranks."""
         counts: dict = {}  # (rank, dtype, shape) -> arrays so far
         trees, leaves, buckets = [], [], {}
         for s, p in enumerate(params_list):
@@ -64,11 +67,7 @@ class ParamLayout:
                 buckets[name] = (shape, dtype)
                 entries.append((name, shape, dtype))
             leaves.append(tuple(entries))
-        return cls(tuple(trees), tuple(leaves), tuple(stage_to_rank), buckets)
-
-    @property
-    def num_ranks(self) -> int:
-        return max(self.stage_to_rank) + 1
+        return cls(tuple(trees), tuple(leaves), tuple(stage_to_rank), num_ranks, buckets)
 
     def stage_avals(self, s: int):
         return jax.tree.unflatten(

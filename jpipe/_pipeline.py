@@ -113,7 +113,7 @@ class Pipeline:
             raise ValueError(
                 f"got parameters for {len(params_list)} stages, the model has {len(self.stages)}"
             )
-        layout = ParamLayout.of(params_list, self.plan.stage_to_rank)
+        layout = ParamLayout.of(params_list, self.plan.stage_to_rank, self.schedule.num_ranks)
         if self.layout is None:
             self.layout = layout
         elif layout != self.layout:

@@ -1,0 +1,96 @@
+"""Property tests: random valid schedules run exactly; broken ones are refused.
+
+A random valid schedule comes from a random placement of stages on ranks, a
+random choice of B or I+W for every backward, and a random order of all
+actions that respects the dependencies (so no rank can deadlock). Every one
+must give the unpipelined loss and gradients. A corrupted one (an action
+dropped, duplicated, or two swapped on a rank) must either be refused with a
+ScheduleError or, where the swap left it valid, still be exact.
+"""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jpipe
+from jpipe import testing
+
+
+def random_schedule(seed: int, ranks: int, stages: int, microbatches: int) -> jpipe.Schedule:
+    rng = random.Random(seed)
+    owner = [rng.randrange(ranks) for _ in range(stages)]
+    split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}
+    done: set = set()
+    rows: list[list] = [[] for _ in range(ranks)]
+    # The next action of each (stage, microbatch): F, then B or I, then W.
+    todo = {(s, m): ["F"] + (["I", "W"] if split[(s, m)] else ["B"]) for (s, m) in split}
+
+    def ready(s, m, kind):
+        if kind == "F":
+            return s == 0 or ("F", s - 1, m) in done
+        if kind == "W":
+            return True  # its I ran: it was before W in the same list
+        return s == stages - 1 or ("G", s + 1, m) in done
+
+    while todo:
+        choices = [(key, kinds[0]) for key, kinds in todo.items() if ready(*key, kinds[0])]
+        (s, m), kind = rng.choice(choices)
+        rows[owner[s]].append(jpipe.Action(kind, s, m))
+        done.add(("F" if kind == "F" else "G" if kind in "BI" else "W", s, m))
+        todo[(s, m)].pop(0)
+        if not todo[(s, m)]:
+            del todo[(s, m)]
+    return jpipe.Schedule.of(rows, name=f"random-{seed}")
+
+
+sizes = st.tuples(
+    st.integers(0, 2**31), st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)
+).map(lambda t: (t[0], t[1], max(t[1], t[2]), t[3]))
+
+slow = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@slow
+@given(sizes)
+def test_random_valid_schedules_are_exact(size):
+    seed, ranks, stages, microbatches = size
+    schedule = random_schedule(seed, ranks, stages, microbatches)
+    jpipe.validate(schedule)
+    result = testing.check_schedule(schedule)
+    assert result.passed, (schedule, result)
+
+
+def corrupt(schedule: jpipe.Schedule, seed: int) -> jpipe.Schedule:
+    rng = random.Random(seed)
+    rows = [list(schedule.actions(r)) for r in range(schedule.num_ranks)]
+    r = rng.choice([i for i, row in enumerate(rows) if row])
+    row = rows[r]
+    how = rng.choice(["drop", "duplicate", "swap"])
+    i = rng.randrange(len(row))
+    if how == "drop":
+        del row[i]
+    elif how == "duplicate":
+        row.insert(rng.randrange(len(row) + 1), row[i])
+    else:
+        j = rng.randrange(len(row))
+        row[i], row[j] = row[j], row[i]
+    return jpipe.Schedule.of(rows, name=f"{schedule.name}-{how}")
+
+
+@slow
+@given(sizes, st.integers(0, 2**31))
+def test_corrupted_schedules_are_refused_or_exact(size, corruption_seed):
+    seed, ranks, stages, microbatches = size
+    schedule = corrupt(random_schedule(seed, ranks, stages, microbatches), corruption_seed)
+    try:
+        jpipe.validate(schedule)
+    except jpipe.ScheduleError:
+        with pytest.raises(jpipe.ScheduleError):
+            testing.check_schedule(schedule)
+        return
+    result = testing.check_schedule(schedule)
+    assert result.passed, (schedule, result)
