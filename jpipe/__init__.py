@@ -9,24 +9,11 @@ the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
 microbatch size, L sequence length, D model width.
 """
 
-from jpipe._schedule import Action
-from jpipe._schedule import B
-from jpipe._schedule import F
-from jpipe._schedule import I
-from jpipe._schedule import Overlap
-from jpipe._schedule import Schedule
-from jpipe._schedule import W
-from jpipe._pipeline import Pipeline
-from jpipe._pipeline import make_mesh
-from jpipe._pipeline import reference_value_and_grad
-from jpipe._registry import get_schedule
-from jpipe._registry import register_schedule
-from jpipe._registry import registered_schedules
-from jpipe._simulate import Costs
-from jpipe._simulate import Simulation
-from jpipe._simulate import simulate
-from jpipe._validate import ScheduleError
-from jpipe._validate import validate
+from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+from jpipe._registry import get_schedule, register_schedule, registered_schedules
+from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
+from jpipe._simulate import Costs, Simulation, simulate
+from jpipe._validate import ScheduleError, validate
 
 __all__ = [
     "Action",

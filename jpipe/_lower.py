@@ -1,7 +1,8 @@
 """Lowering: a plan and its stage kernels become one SPMD program.
 
 The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
-``data`` axis, if there is one; any other axis stays under the compiler), around a `lax.scan` over ticks. The
+``data`` axis, if there is one; any other axis stays under the compiler),
+around a `lax.scan` over ticks. The
 scan reads one row of the plan's table per tick; on each rank the row says
 which piece to run (a `lax.switch` over the F, I and W of every stage, plus
 idle, so only the chosen piece's work runs) and which buffer slots it reads
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._pack import ParamLayout
 from jpipe._plan import COLUMNS, Plan, table
-from jpipe._stage import FlatLayout, StageKernels, merge_widths
+from jpipe._stage import StageKernels, merge_widths
 
 
 def _zeros(widths: dict) -> dict:
@@ -45,7 +46,12 @@ def _zeros(widths: dict) -> dict:
 
 
 def build_step(
-    stage_fns, plan: Plan, layout: ParamLayout, mesh, microbatch_inputs, pipe_axis: str,
+    stage_fns,
+    plan: Plan,
+    layout: ParamLayout,
+    mesh,
+    microbatch_inputs,
+    pipe_axis: str,
     data_axis: str | None = None,
 ):
     """Returns ``step(packed_params, batch_mb, table) -> (loss, packed_grads)``.
@@ -77,8 +83,10 @@ def build_step(
         x = k.y
     last = kernels[-1]
     loss_leaves = jax.tree.leaves(last.y)
-    if len(loss_leaves) != 1 or loss_leaves[0].shape != () or not jnp.issubdtype(
-        loss_leaves[0].dtype, jnp.floating
+    if (
+        len(loss_leaves) != 1
+        or loss_leaves[0].shape != ()
+        or not jnp.issubdtype(loss_leaves[0].dtype, jnp.floating)
     ):
         raise ValueError(
             f"the last stage must return the microbatch's loss as a float scalar, got {last.y}"
@@ -104,7 +112,10 @@ def build_step(
         return {dt: lax.dynamic_index_in_dim(buf, slot, 0, False) for dt, buf in arena.items()}
 
     def write(arena, slot, values):
-        return {dt: lax.dynamic_update_index_in_dim(buf, values[dt], slot, 0) for dt, buf in arena.items()}
+        return {
+            dt: lax.dynamic_update_index_in_dim(buf, values[dt], slot, 0)
+            for dt, buf in arena.items()
+        }
 
     # Each kind of piece runs inside its own two-way `cond` (this tick's piece
     # is of that kind, or not), and inside it a `switch` over the stages. The
@@ -170,13 +181,11 @@ def build_step(
         flat = {b: v[0] for b, v in packed.items()}
         tab = tab[:, 0]
         carry0 = (
-            (
-                {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
-                jnp.zeros((), loss_dtype),
-                {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
-                {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
-                {dt: jnp.zeros((plan.num_carry + 1, n), dt) for dt, n in carry_widths.items()},
-            )
+            {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
+            jnp.zeros((), loss_dtype),
+            {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
+            {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
+            {dt: jnp.zeros((plan.num_carry + 1, n), dt) for dt, n in carry_widths.items()},
         )
 
         def tick(state, row):
@@ -200,7 +209,11 @@ def build_step(
 
             def input_grad(carry):
                 send, carry_new = lax.switch(
-                    stage, i_branches, flat, inputs, read(io, row[col["io_in"]]),
+                    stage,
+                    i_branches,
+                    flat,
+                    inputs,
+                    read(io, row[col["io_in"]]),
                     read(res, row[col["res"]]),
                 )
                 return write(carry, row[col["carry"]], carry_new), send
@@ -209,7 +222,11 @@ def build_step(
 
             def weight_grad(grads):
                 dp = lax.switch(
-                    stage, w_branches, flat, inputs, read(res, row[col["res"]]),
+                    stage,
+                    w_branches,
+                    flat,
+                    inputs,
+                    read(res, row[col["res"]]),
                     read(carry, row[col["carry"]]),
                 )
                 return {b: g + dp[b] for b, g in grads.items()}

@@ -91,18 +91,24 @@ class ParamLayout:
     def pack_host(self, params_list) -> dict:
         """Packs on the host: ``{bucket: numpy [R, *shape]}``."""
         if len(params_list) != len(self.trees):
-            raise ValueError(f"got {len(params_list)} stages' parameters, expected {len(self.trees)}")
+            raise ValueError(
+                f"got {len(params_list)} stages' parameters, expected {len(self.trees)}"
+            )
         R = self.num_ranks
         out = {name: np.zeros((R,) + shape, dt) for name, (shape, dt) in self.buckets.items()}
         for s, p in enumerate(params_list):
             flat, tree = jax.tree.flatten(p)
             if tree != self.trees[s]:
-                raise ValueError(f"stage {s}'s parameters changed structure: {tree} vs {self.trees[s]}")
+                raise ValueError(
+                    f"stage {s}'s parameters changed structure: {tree} vs {self.trees[s]}"
+                )
             r = self.stage_to_rank[s]
             for leaf, (name, shape, _) in zip(flat, self.leaves[s]):
                 a = np.asarray(leaf)
                 if a.shape != shape:
-                    raise ValueError(f"stage {s}: a parameter has shape {a.shape}, expected {shape}")
+                    raise ValueError(
+                        f"stage {s}: a parameter has shape {a.shape}, expected {shape}"
+                    )
                 out[name][r] = a
         return out
 

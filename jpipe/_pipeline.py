@@ -117,7 +117,9 @@ class Pipeline:
         if self.layout is None:
             self.layout = layout
         elif layout != self.layout:
-            raise ValueError("these parameters do not have the structure this pipeline was packed with")
+            raise ValueError(
+                "these parameters do not have the structure this pipeline was packed with"
+            )
         return layout
 
     def pack(self, params_list) -> dict:
@@ -214,7 +216,9 @@ class Pipeline:
         return jitted(packed, batch)
 
 
-def reference_value_and_grad(stages: Sequence[Callable], params_list, batch, num_microbatches: int = 1):
+def reference_value_and_grad(
+    stages: Sequence[Callable], params_list, batch, num_microbatches: int = 1
+):
     """The unpipelined model: `jax.value_and_grad` of the mean microbatch loss.
 
     Runs the stages one after another on each microbatch (cut as `Pipeline`

@@ -37,7 +37,7 @@ import heapq
 
 import numpy as np
 
-from jpipe._schedule import Action, Schedule
+from jpipe._schedule import Schedule
 from jpipe._simulate import Costs, simulate
 
 # Phases inside one tick, in program order.
@@ -124,9 +124,7 @@ def _ticks(schedule: Schedule):
             placed[(tick, ev.rank)] = piece
     first = min(t for t, _ in placed)
     last = max(t for t, _ in placed)
-    ticks = tuple(
-        tuple(placed.get((t, r)) for r in range(R)) for t in range(first, last + 1)
-    )
+    ticks = tuple(tuple(placed.get((t, r)) for r in range(R)) for t in range(first, last + 1))
     return ticks, sim
 
 
@@ -220,7 +218,8 @@ COLUMNS = (
 def table(plan: Plan) -> np.ndarray:
     """The int32 table ``[ticks, ranks, columns]`` that the program scans over.
 
-    Columns are `COLUMNS`, then one arrival io slot per shift (`Plan.shifts`). The spare slot of each arena (index `num_*`) takes
+    Columns are `COLUMNS`, then one arrival io slot per shift (`Plan.shifts`).
+    The spare slot of each arena (index `num_*`) takes
     writes that nobody reads and feeds reads whose value is not used.
     """
     S = plan.schedule.num_stages

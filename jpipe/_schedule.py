@@ -25,7 +25,6 @@ import io
 import os
 import re
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 KINDS = ("F", "B", "I", "W")
 BACKWARD_KINDS = ("B", "I")  # the kinds that pass a gradient upstream
@@ -50,9 +49,7 @@ class Action:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(
-                f"Action kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
-            )
+            raise ValueError(f"Action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         for name in ("stage", "microbatch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -89,9 +86,7 @@ class Overlap:
         if not isinstance(self.forward, Action) or self.forward.kind != "F":
             raise ValueError(f"Overlap.forward must be an F action, got {self.forward!r}")
         if not isinstance(self.backward, Action) or self.backward.kind not in ("B", "I"):
-            raise ValueError(
-                f"Overlap.backward must be a B or I action, got {self.backward!r}"
-            )
+            raise ValueError(f"Overlap.backward must be a B or I action, got {self.backward!r}")
 
     @property
     def parts(self) -> tuple[Action, Action]:
@@ -104,7 +99,7 @@ class Overlap:
         return f"Overlap({self.forward!r}, {self.backward!r})"
 
 
-Step = Union[Action, Overlap]
+Step = Action | Overlap
 
 
 def F(stage: int, microbatch: int) -> Action:
@@ -170,9 +165,7 @@ class Schedule:
                 if isinstance(cell, str):
                     cell = parse_action(cell)
                 if not isinstance(cell, (Action, Overlap)):
-                    raise TypeError(
-                        f"a schedule holds Action or Overlap entries, got {cell!r}"
-                    )
+                    raise TypeError(f"a schedule holds Action or Overlap entries, got {cell!r}")
                 cells.append(cell)
             rows.append(tuple(cells))
         return cls(tuple(rows), name=name)
@@ -292,7 +285,11 @@ def _undo_legacy_b(rows: Sequence[Sequence[Step]]) -> list[list[Step]]:
                     w_keys.discard(a.key)
             if isinstance(step, Action) and step.kind == "B" and step.key in w_keys:
                 step = Action("I", step.stage, step.microbatch)
-            elif isinstance(step, Overlap) and step.backward.kind == "B" and step.backward.key in w_keys:
+            elif (
+                isinstance(step, Overlap)
+                and step.backward.kind == "B"
+                and step.backward.key in w_keys
+            ):
                 step = Overlap(step.forward, Action("I", *step.backward.key))
             new_row.append(step)
         fixed.append(new_row)

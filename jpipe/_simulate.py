@@ -53,7 +53,9 @@ class Costs:
                 value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             for v in values:
-                if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                if v is not None and (
+                    not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                ):
                     raise ValueError(f"cost {name} must be a finite non-negative number, got {v!r}")
         if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
             raise ValueError(f"cost comm must be a finite non-negative number, got {self.comm!r}")
@@ -67,7 +69,8 @@ class Costs:
             key = key.strip()
             if not sep or key not in ("F", "I", "W", "B", "comm"):
                 raise ValueError(
-                    f"cannot read cost {item!r}: expected KEY=VALUE with KEY one of F, I, W, B, comm"
+                    f"cannot read cost {item!r}: expected KEY=VALUE with KEY one of "
+                    "F, I, W, B, comm"
                 )
             try:
                 kwargs[key] = float(value)
@@ -82,7 +85,8 @@ class Costs:
             if isinstance(value, tuple):
                 if len(value) != num_stages:
                     raise ValueError(
-                        f"cost {name} has {len(value)} values but the schedule has {num_stages} stages"
+                        f"cost {name} has {len(value)} values but the schedule has "
+                        f"{num_stages} stages"
                     )
                 return tuple(float(v) for v in value)
             return (float(value),) * num_stages

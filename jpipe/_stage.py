@@ -119,7 +119,9 @@ class StageKernels:
     inputs: object
 
     def __post_init__(self):
-        abstract = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        def abstract(tree):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
         self.params = abstract(self.params)
         self.x = None if self.x is None else abstract(self.x)
         self.inputs = abstract(self.inputs)
@@ -153,9 +155,7 @@ class StageKernels:
         n_x = len(jax.tree.leaves(self.x)) if self.has_x else 0
         p_vars = jaxpr.invars[:n_p]
         in_vars = jaxpr.invars[n_p + n_x :]
-        y_shape = jax.eval_shape(
-            lambda p, x, i: self.fn(p, x, i), self.params, self.x, self.inputs
-        )
+        y_shape = jax.eval_shape(lambda p, x, i: self.fn(p, x, i), self.params, self.x, self.inputs)
         self.y = y_shape
         n_y = len(jax.tree.leaves(y_shape))
         y_out, leaf_out = jaxpr.outvars[:n_y], jaxpr.outvars[n_y:]
@@ -189,7 +189,9 @@ class StageKernels:
     def _backward_flat(self, p_leaves, in_leaves, res, g_leaves):
         leaves = []
         for kind, j in self.classes:
-            leaves.append(j if kind == "const" else {"p": p_leaves, "in": in_leaves, "res": res}[kind][j])
+            leaves.append(
+                j if kind == "const" else {"p": p_leaves, "in": in_leaves, "res": res}[kind][j]
+            )
         vjp_fn = jax.tree.unflatten(self.vjp_tree, leaves)
         cts = vjp_fn(jax.tree.unflatten(self.y_tree, g_leaves))
         dparams = jax.tree.leaves(cts[0])

@@ -132,7 +132,9 @@ def analyze(
     # is reported rather than allocated.
     for s in range(S):
         if s not in stages_seen:
-            raise ScheduleError(f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled")
+            raise ScheduleError(
+                f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled"
+            )
     for m in range(M):
         if m not in mbs_seen:
             raise ScheduleError(
@@ -310,7 +312,9 @@ def _deadlock_message(rows, cell_pos, pc, S, M, owner) -> str:
         dep_row = rows[dep_rank]
         dep_pos = next((i for i, b in enumerate(dep_row) if b in deps), None)
         dep = deps[0] if dep_pos is None else dep_row[dep_pos]
-        name = repr(dep) if len(deps) == 1 or dep_pos is not None else f"the backward of ({s + 1},{m})"
+        name = (
+            repr(dep) if len(deps) == 1 or dep_pos is not None else f"the backward of ({s + 1},{m})"
+        )
         if dep_rank == r and dep_pos is not None:
             where = f"which comes later on this rank, at position {cell_pos[r][dep_pos]}"
         else:

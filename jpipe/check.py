@@ -24,10 +24,12 @@ from jpipe._validate import ScheduleError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jpipe.check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m jpipe.check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("spec", help="a schedule name, a .csv file, or path/to/file.py:function")
-    parser.add_argument("--ranks", type=int, default=None, help="pipeline ranks (R)")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches (M)")
+    parser.add_argument("-r", "--ranks", type=int, default=None, help="pipeline ranks (R)")
+    parser.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches (M)")
     parser.add_argument(
         "--chunks", type=int, default=None, help="stages per rank (V); default: the schedule's own"
     )
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")
         print(
             f"compile {result.compile_seconds:.2f}s, per device: temp "
-            f"{result.temp_bytes / 2**20:.2f} MiB, arguments {result.argument_bytes / 2**20:.2f} MiB"
+            f"{result.temp_bytes / 2**20:.2f} MiB, "
+            f"arguments {result.argument_bytes / 2**20:.2f} MiB"
         )
         print("PASS" if result.passed else f"FAIL (tolerance {result.rtol:g})")
     return 0 if result.passed else 1

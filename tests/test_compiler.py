@@ -21,8 +21,12 @@ PYTORCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "pytorch-sch
 # (schedule, ranks, microbatches, chunks): fewer microbatches than ranks,
 # not divisible by the ranks, and divisible, for 2 and 4 ranks.
 ONE_STAGE_PER_RANK = ["gpipe", "1f1b", "eager_1f1b", "zb_h1", "zb_h2"]
-CASES = [(name, r, m, 1) for name in ONE_STAGE_PER_RANK for r, m in [(2, 1), (2, 3), (4, 3), (4, 6)]]
-CASES += [(name, r, m, 2) for name in ["interleaved_1f1b", "looped_bfs"] for r, m in [(2, 3), (4, 6)]]
+CASES = [
+    (name, r, m, 1) for name in ONE_STAGE_PER_RANK for r, m in [(2, 1), (2, 3), (4, 3), (4, 6)]
+]
+CASES += [
+    (name, r, m, 2) for name in ["interleaved_1f1b", "looped_bfs"] for r, m in [(2, 3), (4, 6)]
+]
 CASES += [("interleaved_1f1b", 2, 4, 3)]
 CASES += [("zbv", r, m, 2) for r, m in [(2, 1), (2, 3), (4, 6)]]
 CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
@@ -37,8 +41,17 @@ def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks):
 
 @pytest.mark.parametrize(
     "name,microbatches,chunks",
-    [("gpipe", 4, 1), ("1f1b", 3, 1), ("interleaved_1f1b", 4, 2), ("zb_h1", 4, 1), ("zbv", 4, 2),
-     ("dualpipev", 4, 2), ("eager_1f1b", 2, 1), ("zb_h2", 5, 1), ("looped_bfs", 2, 2)],
+    [
+        ("gpipe", 4, 1),
+        ("1f1b", 3, 1),
+        ("interleaved_1f1b", 4, 2),
+        ("zb_h1", 4, 1),
+        ("zbv", 4, 2),
+        ("dualpipev", 4, 2),
+        ("eager_1f1b", 2, 1),
+        ("zb_h2", 5, 1),
+        ("looped_bfs", 2, 2),
+    ],
 )
 def test_pipe_by_data_mesh(name, microbatches, chunks):
     result = testing.check_schedule(name, 2, microbatches, chunks, data=2)
@@ -83,28 +96,36 @@ def _pipeline(schedule, data=1):
 def test_refuses_a_schedule_that_does_not_fit_the_mesh():
     schedule = jpipe.get_schedule("1f1b", 4, 4)
     stages, _, _ = testing.small_model(4)
-    with pytest.raises(ValueError, match="the schedule has 4 ranks but the mesh's 'pipe' axis has 2"):
+    with pytest.raises(
+        ValueError, match="the schedule has 4 ranks but the mesh's 'pipe' axis has 2"
+    ):
         Pipeline(stages, schedule, make_mesh(2, 1))
 
 
 def test_refuses_a_schedule_that_does_not_fit_the_model():
     schedule = jpipe.get_schedule("1f1b", 2, 4)
     stages, _, _ = testing.small_model(3)
-    with pytest.raises(ValueError, match="the schedule has 2 stages but the model has 3 stage functions"):
+    with pytest.raises(
+        ValueError, match="the schedule has 2 stages but the model has 3 stage functions"
+    ):
         Pipeline(stages, schedule, make_mesh(2, 1))
 
 
 def test_refuses_a_batch_the_microbatches_do_not_divide():
     pipe, params, make_batch = _pipeline(jpipe.get_schedule("1f1b", 2, 4))
     packed = pipe.pack(params)
-    with pytest.raises(ValueError, match=r"batch\['targets'\] has 6 rows, which 4 microbatches do not divide"):
+    with pytest.raises(
+        ValueError, match=r"batch\['targets'\] has 6 rows, which 4 microbatches do not divide"
+    ):
         pipe.value_and_grad(packed, make_batch(6))
 
 
 def test_refuses_microbatches_the_data_axis_does_not_divide():
     pipe, params, make_batch = _pipeline(jpipe.get_schedule("1f1b", 2, 2), data=2)
     packed = pipe.pack(params)
-    with pytest.raises(ValueError, match="microbatches of 3 rows cannot be split over the 2-way 'data' axis"):
+    with pytest.raises(
+        ValueError, match="microbatches of 3 rows cannot be split over the 2-way 'data' axis"
+    ):
         pipe.value_and_grad(packed, make_batch(6))
 
 

@@ -49,9 +49,7 @@ sizes = st.tuples(
     st.integers(0, 2**31), st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)
 ).map(lambda t: (t[0], t[1], max(t[1], t[2]), t[3]))
 
-slow = settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+slow = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @slow
