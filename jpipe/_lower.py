@@ -165,7 +165,8 @@ def build_step(
         def run(flat, inputs, res_val, carry_val):
             residuals = k.res_layout.unpack(res_val)
             kept = k.carry_layout.unpack(carry_val)
-            dp = dict(zip(names, k.weight_grad(stage_params(s, flat), inputs, residuals, kept)))
+            grads = k.weight_grad(stage_params(s, flat), inputs, residuals, kept)
+            dp = {name: g.reshape(-1) for name, g in zip(names, grads)}
             return {b: dp[b] if b in dp else jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()}
 
         return run

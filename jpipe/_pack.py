@@ -2,16 +2,19 @@
 
 Stages differ in structure (the first embeds, the last has the head), so their
 parameters cannot simply be stacked on a ``pipe`` axis. Instead every array a
-rank holds goes into a *bucket*: the n-th array of a given shape and dtype on
-a rank goes into bucket ``(dtype, shape, n)``, an array ``[R, *shape]`` sharded
-over ``pipe`` whose row `r` is rank `r`'s array. Inside the program a stage's
-array is the local row of its bucket, which XLA reads in place (a slice of a
-flat vector would be copied before every matmul).
+rank holds goes into a *bucket*: the n-th array of a given size and dtype on a
+rank goes into bucket ``(dtype, size, n)``, an array ``[R, size]`` sharded over
+``pipe`` whose row `r` is rank `r`'s array, flattened. Inside the program a
+stage's array is the local row of its bucket reshaped, which XLA reads in
+place (a reshape of a whole row is free; a slice of one long flat vector would
+be copied before every matmul).
 
 Padding: a bucket has a row on every rank, so a rank that has no array of that
-shape holds zeros. When the stages of all ranks are alike (the blocks of a
-transformer) nothing is padded; an array that only one rank has (an embedding
-table, a head) costs R - 1 rows of padding. `ParamLayout.padding` reports the
+size holds zeros. When the stages of all ranks are alike (the blocks of a
+transformer) nothing is padded; arrays of the same size share a bucket
+whatever their shape (an embedding ``[V, D]`` on the first rank and a head
+``[D, V]`` on the last share one); an array whose size only one rank has costs
+R - 1 rows of padding. `ParamLayout.padding` reports the
 figures. Optimizer state built on the packed dict (`optax` works on it
 directly) has the same layout.
 """
@@ -27,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def _bucket_name(dtype: str, shape: tuple, n: int) -> str:
-    return f"{dtype}[{','.join(map(str, shape))}]#{n}"
+def _bucket_name(dtype: str, size: int, n: int) -> str:
+    return f"{dtype}[{size}]#{n}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,7 @@ class ParamLayout:
       leaves: per stage, one ``(bucket name, shape, dtype)`` per array.
       stage_to_rank: the rank of each stage.
       num_ranks: the ranks (a rank may hold no stage).
-      buckets: ``{name: (shape, dtype)}`` for every bucket.
+      buckets: ``{name: ((size,), dtype)}`` for every bucket.
     """
 
     trees: tuple
@@ -61,10 +64,11 @@ class ParamLayout:
             entries = []
             for leaf in flat:
                 shape, dtype = tuple(leaf.shape), str(np.dtype(leaf.dtype))
-                n = counts.get((r, dtype, shape), 0)
-                counts[(r, dtype, shape)] = n + 1
-                name = _bucket_name(dtype, shape, n)
-                buckets[name] = (shape, dtype)
+                size = math.prod(shape)
+                n = counts.get((r, dtype, size), 0)
+                counts[(r, dtype, size)] = n + 1
+                name = _bucket_name(dtype, size, n)
+                buckets[name] = ((size,), dtype)
                 entries.append((name, shape, dtype))
             leaves.append(tuple(entries))
         return cls(tuple(trees), tuple(leaves), tuple(stage_to_rank), num_ranks, buckets)
@@ -75,8 +79,10 @@ class ParamLayout:
         )
 
     def stage_params(self, s: int, local: dict):
-        """Stage `s`'s parameters from its rank's rows ``{bucket: [*shape]}``."""
-        return jax.tree.unflatten(self.trees[s], [local[name] for name, _, _ in self.leaves[s]])
+        """Stage `s`'s parameters from its rank's rows ``{bucket: [size]}``."""
+        return jax.tree.unflatten(
+            self.trees[s], [local[name].reshape(shape) for name, shape, _ in self.leaves[s]]
+        )
 
     def stage_buckets(self, s: int) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.leaves[s])
@@ -109,7 +115,7 @@ class ParamLayout:
                     raise ValueError(
                         f"stage {s}: a parameter has shape {a.shape}, expected {shape}"
                     )
-                out[name][r] = a
+                out[name][r] = a.reshape(-1)
         return out
 
     def unpack_host(self, packed: dict) -> list:
@@ -117,7 +123,8 @@ class ParamLayout:
         host = {name: np.asarray(jax.device_get(v)) for name, v in packed.items()}
         return [
             jax.tree.unflatten(
-                self.trees[s], [host[name][self.stage_to_rank[s]] for name, _, _ in self.leaves[s]]
+                self.trees[s],
+                [host[name][self.stage_to_rank[s]].reshape(sh) for name, sh, _ in self.leaves[s]],
             )
             for s in range(len(self.trees))
         ]
