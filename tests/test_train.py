@@ -1,0 +1,397 @@
+"""The trainer end to end, on a shrunken config and the 8 fake CPU devices of conftest.py.
+
+The runs are small (a 4-block GPT of width 32 on 16 sequences of 16 bytes)
+but real: the same `jpipe.trainer.train` that ``train.py`` calls, with
+checkpoints, evaluation and metrics. Runs that several tests compare against
+are made once per module.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+import jpipe
+from jpipe import trainer
+from jpipe.checkpoint import Checkpoints
+from jpipe.models import gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
+default = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(default)
+
+# Losses of the pipelined run (pipe=4) against the unpipelined one (pipe=1),
+# float32 on CPU. Measured with jax 0.10.2: bit-identical, step for step (each
+# microbatch runs the same stage code, and the microbatch losses are summed in
+# the same order). The tolerance only leaves room for XLA fusing the two
+# programs differently on another backend or version: 1e-5 is about 100 float32
+# ulps of a loss near 5, far below what a real bug does (a stage's gradients
+# missing from the global norm, weight decay on the wrong rows). If it fails,
+# look for such a bug before anything else; do not loosen it.
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_once(tmp_path_factory):
+    """Programs that several runs here share (same config, same shapes) compile once.
+
+    An on-disk XLA cache for this module only: a run that hits it loads the
+    executable a fresh compile would produce, so no test depends on it.
+    """
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update(names[1], 0)
+    jax.config.update(names[2], 0)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def tiny_config(**overrides):
+    """configs/default.py shrunken so a run compiles and trains in seconds."""
+    config = default.get_config()
+    config.steps = 6
+    config.log_every = 1
+    config.eval_every = 3
+    config.eval_batches = 2
+    config.checkpoint_every = 4
+    config.batch_size = 16
+    config.num_microbatches = 4
+    config.mesh.pipe = 4
+    config.mesh.data = 2
+    config.data.max_bytes = 64 * 1024
+    config.model.seq_len = 16
+    config.model.num_layers = 4
+    config.model.num_heads = 2
+    config.model.d_model = 32
+    config.model.d_ff = 64
+    config.optimizer.warmup_steps = 2
+    # Below the gradient norm (~2 at the start), so clipping is active and the
+    # pipe=4 vs pipe=1 comparison checks that its norm covers every stage.
+    config.optimizer.grad_clip_norm = 0.5
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
+def read_metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 6-step pipelined run (pipe=4 x data=2, 1F1B)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    return trainer.train(tiny_config(), str(workdir), progress=False), workdir
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The same run, killed while loading step 5's batch: the checkpoint of step 4 remains."""
+    workdir = tmp_path_factory.mktemp("interrupted")
+    original = trainer.device_batch
+
+    def load(batches, step, sharding):
+        if step == 4 and batches.name == "train":  # the batch of the 5th step
+            raise _Killed
+        return original(batches, step, sharding)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "device_batch", load)
+        with pytest.raises(_Killed):
+            trainer.train(tiny_config(), str(workdir), progress=False)
+    return workdir
+
+
+def test_pipelined_losses_match_unpipelined(reference, tmp_path):
+    result, _ = reference
+    single = trainer.train(tiny_config(**{"mesh.pipe": 1}), str(tmp_path), progress=False)
+    assert sorted(single.losses) == sorted(result.losses) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(
+        [single.losses[s] for s in range(1, 7)],
+        [result.losses[s] for s in range(1, 7)],
+        rtol=RTOL,
+    )
+    np.testing.assert_allclose(
+        [single.eval_losses[s] for s in (0, 3, 6)],
+        [result.eval_losses[s] for s in (0, 3, 6)],
+        rtol=RTOL,
+    )
+    # It learns: the held-out loss falls from about ln 256.
+    assert result.eval_losses[0] > 5.4
+    assert result.eval_losses[6] < result.eval_losses[0] - 0.3
+
+
+def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
+    result, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(interrupted, workdir)
+    assert Checkpoints(workdir / "checkpoints").latest_step() == 4
+    resumed = trainer.train(tiny_config(), str(workdir), progress=False)
+    assert resumed.start_step == 4
+    # Exactly equal: same state bits, same batches, same compiled program.
+    assert resumed.losses == {s: result.losses[s] for s in (5, 6)}
+    assert resumed.eval_losses == {6: result.eval_losses[6]}
+    # metrics.jsonl reads as if the run had never stopped (but for timings).
+    assert _untimed(read_metrics(workdir)) == _untimed(read_metrics(reference[1]))
+
+
+def _untimed(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_s")} for r in records]
+
+
+def test_half_written_checkpoint_is_ignored(reference, interrupted, tmp_path):
+    result, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(interrupted, workdir)
+    checkpoints = workdir / "checkpoints"
+    # A save of step 6 killed midway, as orbax leaves it (a tmp directory) ...
+    shutil.copytree(checkpoints / "4", checkpoints / "6.orbax-checkpoint-tmp-1234")
+    shutil.rmtree(checkpoints / "6.orbax-checkpoint-tmp-1234" / "state")
+    # ... and as a non-atomic file system would (no metadata written yet).
+    shutil.copytree(checkpoints / "4", checkpoints / "8")
+    os.remove(checkpoints / "8" / "_CHECKPOINT_METADATA")
+    (checkpoints / "8" / "state" / "manifest.ocdbt").write_bytes(b"cut short")
+    assert Checkpoints(checkpoints).latest_step() == 4
+
+    resumed = trainer.train(tiny_config(), str(workdir), progress=False)
+    assert resumed.start_step == 4
+    assert resumed.losses == {s: result.losses[s] for s in (5, 6)}
+    assert Checkpoints(checkpoints).complete_steps() == [4, 6]
+    assert not (checkpoints / "8").exists()
+
+
+def test_resuming_with_another_split_is_refused(interrupted, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(interrupted, workdir)
+    count = _count_compiles()
+    before = count[0]
+    config = tiny_config(**{"mesh.pipe": 2, "layers_per_stage": "1,3"})
+    with pytest.raises(trainer.ConfigError, match=r"another model or pipeline split .*\[1, 3\]"):
+        trainer.train(config, str(workdir), progress=False)
+    assert count[0] == before
+
+
+def test_metrics_jsonl(reference):
+    _, workdir = reference
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == list(range(7))
+    assert set(records[0]) == {"step", "eval_loss"}  # before training
+    for r in records[1:]:
+        assert {"step", "loss", "grad_norm", "lr", "step_time", "tokens_per_s"} <= set(r)
+        assert ("eval_loss" in r) == (r["step"] in (3, 6))
+    assert [r["loss"] for r in records[1:]] == [reference[0].losses[s] for s in range(1, 7)]
+
+
+def _count_compiles():
+    count = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return count
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({"schedule": "no_such_schedule"}, "config.schedule='no_such_schedule': unknown schedule"),
+        ({"schedule": "missing.csv"}, "config.schedule='missing.csv'"),
+        ({"mesh.data": 4}, "config.mesh.pipe=4 x config.mesh.data=4 needs 16 devices, but only 8"),
+        (
+            {"batch_size": 20},
+            "config.batch_size=20: must be divisible by num_microbatches (4) x mesh.data (2) = 8",
+        ),
+        ({"layers_per_stage": "3,3,3"}, "config.layers_per_stage='3,3,3'"),
+        ({"model.num_layers": 1}, "config.layers_per_stage=''"),
+        ({"steps": 0}, "config.steps=0: must be a positive integer"),
+        ({"optimizer.b2": 1.5}, "config.optimizer.b2=1.5: must be in [0, 1)"),
+        ({"model.d_model": 33}, "config.model: GPTConfig.d_model=33"),
+        ({"data.max_bytes": 2000}, "config.data: the eval part of the corpus"),
+    ],
+)
+def test_bad_config_refused_before_compiling(overrides, expected, tmp_path):
+    count = _count_compiles()
+    before = count[0]
+    with pytest.raises(trainer.ConfigError) as error:
+        trainer.train(tiny_config(**overrides), str(tmp_path / "run"), progress=False)
+    assert expected in str(error.value)
+    assert count[0] == before, "the config was refused only after compiling"
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_config_messages_say_what_is_accepted():
+    with pytest.raises(trainer.ConfigError, match="nope.*unknown schedule.*use one of 1f1b"):
+        trainer.prepare(tiny_config(schedule="nope"))
+    with pytest.raises(trainer.ConfigError, match=r"accepted: pipe \* data <= 8"):
+        trainer.prepare(tiny_config(**{"mesh.pipe": 8, "mesh.data": 2}))
+    with pytest.raises(trainer.ConfigError, match="accepted: a multiple of 8"):
+        trainer.prepare(tiny_config(batch_size=12))
+    with pytest.raises(trainer.ConfigError, match="middle stage"):
+        trainer.prepare(tiny_config(**{"model.num_layers": 1}))
+    config = tiny_config()
+    config.unlock()
+    config.learning_rate = 1.0  # at the top level by mistake
+    with pytest.raises(trainer.ConfigError, match="unknown config field.*config.learning_rate"):
+        trainer.prepare(config)
+    del config["learning_rate"]
+    del config["steps"]
+    with pytest.raises(trainer.ConfigError, match="missing config.steps"):
+        trainer.prepare(config)
+
+
+def test_interleaved_schedule_has_chunks_stages():
+    prepared = trainer.prepare(
+        tiny_config(schedule="interleaved_1f1b", chunks=2, **{"model.num_layers": 8})
+    )
+    assert prepared.schedule.num_stages == 8
+    assert prepared.layers_per_stage == (1,) * 8
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    original = trainer.train_step
+
+    def poisoned(state, batch, **kwargs):
+        new_state, metrics = original(state, batch, **kwargs)
+        bad = state.step >= 2  # from the 3rd step on
+        params = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), new_state.params)
+        metrics["loss"] = jnp.where(bad, jnp.nan, metrics["loss"])
+        return new_state._replace(params=params), metrics
+
+    monkeypatch.setattr(trainer, "train_step", poisoned)
+    workdir = tmp_path / "run"
+    config = tiny_config(eval_every=0, checkpoint_every=2)
+    with pytest.raises(trainer.DivergedError, match="step 3: the loss is nan.*step 2"):
+        trainer.train(config, str(workdir), progress=False)
+    checkpoints = Checkpoints(workdir / "checkpoints")
+    assert checkpoints.complete_steps() == [2]
+    assert [r["step"] for r in read_metrics(workdir)] == [0, 1, 2]
+
+
+def test_optimizer_keeps_padding_zero_and_clips_globally():
+    prepared = trainer.prepare(tiny_config())
+    model = gpt.make_stages(prepared.config.model, prepared.layers_per_stage)
+    pipeline = jpipe.Pipeline(model.stages, prepared.schedule, prepared.mesh)
+    params = pipeline.pack(model.init(0))
+    layout = pipeline.layout
+
+    # Weight decay on matrices and embeddings, not on norm scales and biases,
+    # row by row: a bucket holds arrays of one size whatever their shape.
+    rows = trainer.packed_decay_rows(pipeline)
+    padding = {name: set(range(layout.num_ranks)) for name in layout.buckets}
+    for s, leaves in enumerate(layout.leaves):
+        rank = layout.stage_to_rank[s]
+        for bucket, shape, _ in leaves:
+            assert rows[bucket][rank] == (len(shape) >= 2), (s, bucket, shape)
+            padding[bucket].discard(rank)
+    padding = {name: sorted(ranks) for name, ranks in padding.items() if ranks}
+    assert padding, "this model should have padded buckets (the embedding, the head)"
+    for name, ranks in padding.items():
+        assert not rows[name][ranks].any()
+
+    batch = trainer.device_batch(prepared.train_data, 0, pipeline.batch_sharding)
+    _, grads = pipeline.value_and_grad(params, batch)
+    # The norm of the packed gradients is the norm over every stage's gradients.
+    per_stage = jax.tree.leaves(pipeline.unpack(grads))
+    expected = np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in per_stage))
+    np.testing.assert_allclose(float(optax.tree.norm(grads)), expected, rtol=1e-6)
+
+    # Padding rows get zero gradients and stay zero through clipping and AdamW.
+    optimizer = trainer.make_optimizer(prepared.config.optimizer, 10, rows)
+    opt_state = optimizer.init(params)
+    for _ in range(3):
+        for name, ranks in padding.items():
+            assert not np.asarray(grads[name])[ranks].any(), name
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    for name, ranks in padding.items():
+        assert not np.asarray(params[name])[ranks].any(), name
+
+
+def test_decay_by_row_matches_optax_adamw_masking():
+    rows = {"a": np.array([True, False]), "b": np.array([False, False])}
+    params = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((2, 4))}
+    grads = jax.tree.map(lambda p: 0.1 * p + 0.5, params)
+    ours = optax.chain(
+        optax.scale_by_adam(), trainer.decay_by_row(0.1, rows), optax.scale_by_learning_rate(0.01)
+    )
+    updates, _ = ours.update(grads, ours.init(params), params)
+    # The same thing per leaf with optax.adamw: row 0 of "a" decays, nothing else.
+    split = lambda t: {"a0": t["a"][0], "a1": t["a"][1], "b": t["b"]}  # noqa: E731
+    theirs = optax.adamw(0.01, weight_decay=0.1, mask={"a0": True, "a1": False, "b": False})
+    expected, _ = theirs.update(split(grads), theirs.init(split(params)), split(params))
+    chex.assert_trees_all_close(split(updates), expected, rtol=1e-6)
+
+
+def test_use_cpu_devices_leaves_a_started_jax_alone():
+    jax.devices()  # started (conftest asked for 8)
+    assert trainer.use_cpu_devices(tiny_config(cpu_devices=3)) is None
+    assert len(jax.devices()) == 8
+
+
+def test_train_py_runs(tmp_path):
+    """The entry point, in its own process: fakes 2 CPU devices and trains 2 steps."""
+    common = [sys.executable, str(ROOT / "train.py"), f"--workdir={tmp_path / 'run'}"]
+    tiny = [
+        "--config.mesh.pipe=2",
+        "--config.mesh.data=1",
+        "--config.steps=2",
+        "--config.num_microbatches=2",
+        "--config.batch_size=4",
+        "--config.eval_batches=1",
+        "--config.data.max_bytes=32768",
+        "--config.model.seq_len=16",
+        "--config.model.num_layers=2",
+        "--config.model.d_model=32",
+        "--config.model.d_ff=64",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        common + tiny, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "devices: 2 cpu devices" in done.stdout
+    assert "1f1b: 2 ranks" in done.stdout
+    assert "held-out loss" in done.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 2]
+
+    bad = subprocess.run(
+        common + ["--config.schedule=nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert bad.returncode == 1
+    assert "error: config.schedule='nope': unknown schedule" in bad.stderr

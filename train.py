@@ -1,0 +1,50 @@
+"""Trains a GPT with a pipeline schedule, from a config file and flags.
+
+  python train.py                                   # configs/default.py, runs/default
+  python train.py --config=configs/FILE.py --config.schedule=zb_h1 \\
+      --config.num_microbatches=16 --config.mesh.pipe=4 --config.mesh.data=2 --workdir=DIR
+
+Restarting with the same --workdir resumes from its newest checkpoint. On a
+CPU-only machine as many CPU devices are faked as the mesh needs
+(--cpu_devices or --config.cpu_devices overrides); never when a GPU or TPU is present.
+See jpipe/trainer.py for what happens and configs/*.py for every field.
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jpipe import trainer
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_HERE, "configs", "default.py"), "Training config file."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard logs go here."
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", None, "CPU devices to fake on a CPU-only host (sets config.cpu_devices)."
+)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs each save at INFO; -v 0 shows that
+    config = _CONFIG.value
+    if _CPU_DEVICES.value is not None:
+        config.cpu_devices = _CPU_DEVICES.value
+    trainer.use_cpu_devices(config)  # before JAX starts its backends
+    try:
+        trainer.train(config, _WORKDIR.value)
+    except (trainer.ConfigError, trainer.DivergedError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    app.run(main)
