@@ -53,6 +53,7 @@ def build_step(
     microbatch_inputs,
     pipe_axis: str,
     data_axis: str | None = None,
+    forward_only: bool = False,
 ):
     """Returns ``step(packed_params, batch_mb, table) -> (loss, packed_grads)``.
 
@@ -69,6 +70,8 @@ def build_step(
         averaged over it once, after the loop. (Left to the compiler, the data
         axis made XLA insert collectives inside the branches, where ranks that
         take different branches deadlock.)
+      forward_only: build only the forward pieces, for a plan of forwards
+        (`jpipe._plan.make_forward_plan`); the gradients come back as zeros.
     """
     S = plan.schedule.num_stages
     M = plan.schedule.num_microbatches
@@ -219,7 +222,10 @@ def build_step(
                 )
                 return write(carry, row[col["carry"]], carry_new), send
 
-            carry, send_i = lax.cond(is_i, input_grad, lambda c: (c, zero_send()), carry)
+            if forward_only:
+                send_i = zero_send()
+            else:
+                carry, send_i = lax.cond(is_i, input_grad, lambda c: (c, zero_send()), carry)
 
             def weight_grad(grads):
                 dp = lax.switch(
@@ -232,7 +238,8 @@ def build_step(
                 )
                 return {b: g + dp[b] for b, g in grads.items()}
 
-            grads = lax.cond(is_w, weight_grad, lambda g: g, grads)
+            if not forward_only:
+                grads = lax.cond(is_w, weight_grad, lambda g: g, grads)
             send = {dt: jnp.where(is_f, send_f[dt], send_i[dt]) for dt in send_f}
             io = write(io, row[col["local"]], send)
             loss = loss + loss_piece

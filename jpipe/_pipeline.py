@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._lower import build_step
 from jpipe._pack import ParamLayout
-from jpipe._plan import make_plan
+from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
 from jpipe._validate import analyze
 
@@ -102,6 +102,7 @@ class Pipeline:
             )
         self.num_microbatches = info.num_microbatches
         self.plan = make_plan(schedule)
+        self.forward_plan = make_forward_plan(schedule)
         self.layout: ParamLayout | None = None
         self._steps: dict = {}
         self.compile_seconds: float | None = None
@@ -161,17 +162,31 @@ class Pipeline:
                     f"be split over the {D}-way {self.data_axis!r} axis"
                 )
 
+    def _key(self, batch) -> tuple:
+        shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)
+        return (jax.tree.structure(batch), tuple(jax.tree.leaves(shapes)))
+
+    def _microbatch_shapes(self, batch):
+        """One microbatch as one device sees it (its rows of the data axis)."""
+        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
+        M = self.num_microbatches
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // M // D,) + a.shape[1:], a.dtype), batch
+        )
+
     def _build(self, batch):
         self.check_batch(batch)
-        key = jax.tree.map(lambda a: (a.shape, str(a.dtype)), batch)
-        key = (jax.tree.structure(batch), tuple(jax.tree.leaves(key)))
+        key = self._key(batch)
         if key in self._steps:
             return self._steps[key]
-        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
-        rows = lambda a: a.shape[0] // self.num_microbatches // D  # noqa: E731
-        mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows(a),) + a.shape[1:], a.dtype), batch)
         step = build_step(
-            self.stages, self.plan, self.layout, self.mesh, mb, self.pipe_axis, self.data_axis
+            self.stages,
+            self.plan,
+            self.layout,
+            self.mesh,
+            self._microbatch_shapes(batch),
+            self.pipe_axis,
+            self.data_axis,
         )
         M = self.num_microbatches
 
@@ -185,6 +200,35 @@ class Pipeline:
         )
         self._steps[key] = (jitted, step)
         return self._steps[key]
+
+    def loss(self, packed, batch):
+        """The mean loss over microbatches, running only the forwards.
+
+        Each rank runs its forwards in the schedule's order and keeps nothing
+        for a backward, so this costs about a third of `value_and_grad`.
+        """
+        if self.layout is None:
+            raise ValueError("pack parameters first with Pipeline.pack")
+        self.check_batch(batch)
+        key = ("loss",) + self._key(batch)
+        if key not in self._steps:
+            step = build_step(
+                self.stages,
+                self.forward_plan,
+                self.layout,
+                self.mesh,
+                self._microbatch_shapes(batch),
+                self.pipe_axis,
+                self.data_axis,
+                forward_only=True,
+            )
+            M = self.num_microbatches
+            self._steps[key] = jax.jit(
+                lambda packed, batch: step(packed, split_microbatches(batch, M))[0],
+                in_shardings=(self.param_sharding, self.batch_sharding),
+                out_shardings=NamedSharding(self.mesh, P()),
+            )
+        return self._steps[key](packed, batch)
 
     def step_fn(self, batch) -> Callable:
         """The pure, unjitted ``(packed_params, batch) -> (loss, packed_grads)``.

@@ -39,6 +39,7 @@ import numpy as np
 
 from jpipe._schedule import Schedule
 from jpipe._simulate import Costs, simulate
+from jpipe._validate import analyze
 
 # Phases inside one tick, in program order.
 _PH_READ, _PH_WRITE_RES, _PH_WRITE_CARRY, _PH_SEND = range(4)
@@ -200,6 +201,65 @@ def make_plan(schedule: Schedule) -> Plan:
         num_io=counts[0],
         num_res=counts[1],
         num_carry=counts[2],
+        slot=slot,
+    )
+
+
+def make_forward_plan(schedule: Schedule) -> Plan:
+    """A plan that runs only the forwards of `schedule` (to compute a loss).
+
+    Each rank runs its ``F`` actions in the schedule's order, one per tick, as
+    soon as the forward it depends on has run; nothing is kept for a backward
+    (every residual write goes to the spare slot).
+    """
+    info = analyze(schedule)
+    owner = info.stage_to_rank
+    S, R = info.num_stages, schedule.num_ranks
+    rows = [[a for a in schedule.actions(r) if a.kind == "F"] for r in range(R)]
+    done_at: dict[tuple[int, int], int] = {}
+    pc = [0] * R
+    ticks = []
+    while any(pc[r] < len(rows[r]) for r in range(R)):
+        t = len(ticks)
+        row = []
+        for r in range(R):
+            piece = None
+            if pc[r] < len(rows[r]):
+                a = rows[r][pc[r]]
+                dep = done_at.get((a.stage - 1, a.microbatch))
+                if a.stage == 0 or (dep is not None and dep < t):
+                    piece = ("F", a.stage, a.microbatch)
+            row.append(piece)
+        for r, piece in enumerate(row):
+            if piece is not None:
+                done_at[piece[1:]] = t
+                pc[r] += 1
+        ticks.append(tuple(row))
+    when = {piece: t for t, row in enumerate(ticks) for piece in row if piece is not None}
+    io_iv = [[] for _ in range(R)]
+    shifts = set()
+    for (_, s, m), t in when.items():
+        if s + 1 < S:
+            consumer = ("F", s + 1, m)
+            dst = owner[s + 1]
+            io_iv[dst].append((_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer))
+            if dst != owner[s]:
+                shifts.add((dst - owner[s]) % R)
+    slot, most = {}, 0
+    for ivs in io_iv:
+        n, assign = _colour(ivs)
+        most = max(most, n)
+        slot.update({("io", k): v for k, v in assign.items()})
+    for piece in when:
+        slot[("res", piece[1:])] = 0  # the spare slot: nothing is kept
+    return Plan(
+        schedule=schedule,
+        ticks=tuple(ticks),
+        stage_to_rank=tuple(owner),
+        shifts=tuple(sorted(shifts)),
+        num_io=most,
+        num_res=0,
+        num_carry=0,
         slot=slot,
     )
 

@@ -22,7 +22,7 @@
    device holds only its own stages' state.
 3. **Compile.** `train_step` is jitted once, in `_compile_train_step`, with
    explicit shardings and the state donated. Evaluation uses the pipeline's
-   own loss (`Pipeline.value_and_grad`, gradients dropped).
+   own forward-only loss (`Pipeline.loss`).
 4. **Run.** The loop dispatches step N before it reads step N-1's metrics, so
    the host never waits on the device except to evaluate, to checkpoint
    (only after checking the loss) and at the end. Batches come from
@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpipe
 from jpipe import data as data_lib
-from jpipe._chart import text_chart
+from jpipe.show import text_chart
 from jpipe.checkpoint import Checkpoints
 from jpipe.models import gpt
 
@@ -934,9 +934,7 @@ def _evaluate(pipeline: jpipe.Pipeline, params: dict, eval_data, batches: int) -
     """Mean held-out loss over `batches` fixed batches."""
     total = 0.0
     for i in range(batches):
-        loss, _ = pipeline.value_and_grad(
-            params, device_batch(eval_data, i, pipeline.batch_sharding)
-        )
+        loss = pipeline.loss(params, device_batch(eval_data, i, pipeline.batch_sharding))
         total = total + loss
     return float(total) / batches
 

@@ -174,3 +174,20 @@ def test_buffer_slots_match_the_simulated_peak():
         pipe = Pipeline(testing.small_model(schedule.num_stages)[0], schedule, make_mesh(4, 1))
         peak = max(jpipe.simulate(schedule).peak_activations)
         assert pipe.plan.num_res == peak, name
+
+
+@pytest.mark.parametrize(
+    "name,chunks,data", [("1f1b", 1, 1), ("zbv", 2, 2), ("interleaved_1f1b", 2, 1)]
+)
+def test_forward_only_loss(name, chunks, data):
+    schedule = jpipe.get_schedule(name, 2, 4, chunks)
+    pipe, params, make_batch = _pipeline(schedule, data=data)
+    packed = pipe.pack(params)
+    batch = make_batch(8 * data)
+    loss, _ = pipe.value_and_grad(packed, batch)
+    ref, _ = jpipe.reference_value_and_grad(pipe.stages, params, batch)
+    assert abs(float(pipe.loss(packed, batch)) - float(ref)) <= RTOL * abs(float(ref))
+    assert float(pipe.loss(packed, batch)) == pytest.approx(float(loss), rel=RTOL)
+    # Only forwards: as many ticks as the slowest rank's forwards need, no residual slots.
+    assert pipe.forward_plan.num_res == 0
+    assert all(p is None or p[0] == "F" for row in pipe.forward_plan.ticks for p in row)
