@@ -71,9 +71,9 @@ from jax.sharding import PartitionSpec as P
 
 import jpipe
 from jpipe import data as data_lib
-from jpipe.show import text_chart
 from jpipe.checkpoint import Checkpoints
 from jpipe.models import gpt
+from jpipe.show import text_chart
 
 
 class ConfigError(ValueError):
