@@ -148,61 +148,49 @@ def _colour(intervals):
     return count, out
 
 
-def make_plan(schedule: Schedule) -> Plan:
-    """Lays `schedule` out in ticks and assigns its buffer slots."""
-    ticks, sim = _ticks(schedule)
-    R = schedule.num_ranks
-    owner = sim.schedule.stage_to_rank
-    S = len(owner)
-    when: dict[tuple[str, int, int], int] = {}
-    for t, row in enumerate(ticks):
-        for piece in row:
-            if piece is not None:
-                when[piece] = t
+def _slots(ticks, owner, R: int) -> tuple[dict, tuple[int, int, int], tuple[int, ...]]:
+    """Colours every value's lifetime: ``(slot, (num_io, num_res, num_carry), shifts)``.
 
-    io_iv = [[] for _ in range(R)]
-    res_iv = [[] for _ in range(R)]
-    carry_iv = [[] for _ in range(R)]
-    fwd_shifts, bwd_shifts = set(), set()
-    for piece, t in when.items():
-        kind, s, m = piece
-        if kind == "F":
-            if s + 1 < S:
-                consumer = ("F", s + 1, m)
-                dst = owner[s + 1]
-                io_iv[dst].append((_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer))
-                if dst != owner[s]:
-                    fwd_shifts.add((dst - owner[s]) % R)
-            end = when[("W", s, m)]
-            res_iv[owner[s]].append((_pos(t, _PH_WRITE_RES), _pos(end, _PH_READ), (s, m)))
-        elif kind == "I":
-            if s > 0:
-                consumer = ("I", s - 1, m)
-                dst = owner[s - 1]
-                io_iv[dst].append((_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer))
-                if dst != owner[s]:
-                    bwd_shifts.add((dst - owner[s]) % R)
-            end = when[("W", s, m)]
-            carry_iv[owner[s]].append((_pos(t, _PH_WRITE_CARRY), _pos(end, _PH_READ), (s, m)))
-    slot = {}
-    counts = []
-    for arena, per_rank in (("io", io_iv), ("res", res_iv), ("carry", carry_iv)):
+    Works for any tick table: a forward's residuals live until its ``W``
+    piece when there is one (a forward-only plan keeps none).
+    """
+    S = len(owner)
+    when = {piece: t for t, row in enumerate(ticks) for piece in row if piece is not None}
+    intervals = {arena: [[] for _ in range(R)] for arena in ("io", "res", "carry")}
+    shifts = set()
+    for (kind, s, m), t in when.items():
+        if kind == "W":
+            continue
+        nxt = s + 1 if kind == "F" else s - 1
+        if 0 <= nxt < S:  # the output goes to the next stage's piece of the same kind
+            consumer = (kind, nxt, m)
+            dst = owner[nxt]
+            intervals["io"][dst].append(
+                (_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer)
+            )
+            if dst != owner[s]:
+                shifts.add((dst - owner[s]) % R)
+        end = when.get(("W", s, m))
+        if end is not None:
+            arena, phase = ("res", _PH_WRITE_RES) if kind == "F" else ("carry", _PH_WRITE_CARRY)
+            intervals[arena][owner[s]].append((_pos(t, phase), _pos(end, _PH_READ), (s, m)))
+    slot, counts = {}, []
+    for arena, per_rank in intervals.items():
         most = 0
         for ivs in per_rank:
             n, assign = _colour(ivs)
             most = max(most, n)
             slot.update({(arena, k): v for k, v in assign.items()})
         counts.append(most)
-    return Plan(
-        schedule=schedule,
-        ticks=ticks,
-        stage_to_rank=tuple(owner),
-        shifts=tuple(sorted(fwd_shifts | bwd_shifts)),
-        num_io=counts[0],
-        num_res=counts[1],
-        num_carry=counts[2],
-        slot=slot,
-    )
+    return slot, tuple(counts), tuple(sorted(shifts))
+
+
+def make_plan(schedule: Schedule) -> Plan:
+    """Lays `schedule` out in ticks and assigns its buffer slots."""
+    ticks, sim = _ticks(schedule)
+    owner = sim.schedule.stage_to_rank
+    slot, (num_io, num_res, num_carry), shifts = _slots(ticks, owner, schedule.num_ranks)
+    return Plan(schedule, ticks, tuple(owner), shifts, num_io, num_res, num_carry, slot)
 
 
 def make_forward_plan(schedule: Schedule) -> Plan:
@@ -214,7 +202,7 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     """
     info = analyze(schedule)
     owner = info.stage_to_rank
-    S, R = info.num_stages, schedule.num_ranks
+    R = schedule.num_ranks
     rows = [[a for a in schedule.actions(r) if a.kind == "F"] for r in range(R)]
     done_at: dict[tuple[int, int], int] = {}
     pc = [0] * R
@@ -235,33 +223,10 @@ def make_forward_plan(schedule: Schedule) -> Plan:
                 done_at[piece[1:]] = t
                 pc[r] += 1
         ticks.append(tuple(row))
-    when = {piece: t for t, row in enumerate(ticks) for piece in row if piece is not None}
-    io_iv = [[] for _ in range(R)]
-    shifts = set()
-    for (_, s, m), t in when.items():
-        if s + 1 < S:
-            consumer = ("F", s + 1, m)
-            dst = owner[s + 1]
-            io_iv[dst].append((_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer))
-            if dst != owner[s]:
-                shifts.add((dst - owner[s]) % R)
-    slot, most = {}, 0
-    for ivs in io_iv:
-        n, assign = _colour(ivs)
-        most = max(most, n)
-        slot.update({("io", k): v for k, v in assign.items()})
-    for piece in when:
-        slot[("res", piece[1:])] = 0  # the spare slot: nothing is kept
-    return Plan(
-        schedule=schedule,
-        ticks=tuple(ticks),
-        stage_to_rank=tuple(owner),
-        shifts=tuple(sorted(shifts)),
-        num_io=most,
-        num_res=0,
-        num_carry=0,
-        slot=slot,
-    )
+    slot, (num_io, num_res, num_carry), shifts = _slots(ticks, owner, R)
+    for piece in {p for row in ticks for p in row if p is not None}:
+        slot[("res", piece[1:])] = num_res  # the spare slot: nothing is kept
+    return Plan(schedule, tuple(ticks), tuple(owner), shifts, num_io, num_res, num_carry, slot)
 
 
 # Columns of the per-tick table that drives the program.
