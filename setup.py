@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Pipeline-parallel training schedules for JAX: write, check, see and run them.",
     python_requires=">=3.11",
-    packages=["jpipe", "jpipe.schedules"],
+    packages=["jpipe", "jpipe.models", "jpipe.schedules"],
     package_dir={"jpipe": "jpipe", "jpipe.schedules": "schedules"},
     install_requires=[
         "jax>=0.10",

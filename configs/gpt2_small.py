@@ -26,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Pipeline.
     config.schedule = "1f1b"  # built-in name, a CSV file, or "path/to/file.py:function"
     config.num_microbatches = 16  # M; must divide batch_size / mesh.data
-    config.chunks = 1  # stages per rank V, e.g. 2 for interleaved_1f1b (zbv, dualpipev: always 2)
+    config.chunks = 0  # stages per rank V; 0 = the schedule's own (interleaved_1f1b, zbv: 2)
     config.layers_per_stage = ""  # blocks per stage, e.g. "2,4,4,2"; "" = balanced
 
     # Devices.

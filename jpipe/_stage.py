@@ -89,6 +89,63 @@ def _is_lit(v) -> bool:
     return isinstance(v, Literal)
 
 
+# Call-like primitives whose body the I/W split must see: a stage that is
+# itself jitted, or rematerialised, puts its whole backward in one equation.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_REMATS = ("remat", "checkpoint", "remat2")
+
+
+def _body(eqn):
+    """``(jaxpr, consts)`` of a call-like equation, or None."""
+    name = eqn.primitive.name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+        sub = eqn.params[_CALLS[name]]
+    elif name in _REMATS and "jaxpr" in eqn.params:
+        sub = eqn.params["jaxpr"]
+    else:
+        return None
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, []
+
+
+def _eval_inline(jaxpr, consts, args):
+    """Evaluates `jaxpr`, running the bodies of call-like equations inline."""
+    env = {}
+
+    def read(v):
+        return v.val if _is_lit(v) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        body = _body(eqn)
+        if body is not None:
+            outs = _eval_inline(body[0], body[1], invals)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns = []
+            if isinstance(params, tuple):  # older JAX: (subfuns, params)
+                subfuns, params = params
+            outs = eqn.primitive.bind(*subfuns, *invals, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, out in zip(eqn.outvars, outs):
+            env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same computation with jit and remat bodies spliced in (recursively)."""
+    if not any(_body(e) is not None for e in closed.jaxpr.eqns):
+        return closed
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *args: _eval_inline(closed.jaxpr, closed.consts, args))(*avals)
+
+
 def _piece(constvars, invars, outvars, eqns, consts, name: str):
     """A callable that runs `eqns` of a traced jaxpr as one piece."""
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
@@ -202,7 +259,9 @@ class StageKernels:
         p_avals = jax.tree.leaves(self.params)
         in_avals = jax.tree.leaves(self.inputs)
         g_avals = jax.tree.leaves(self.y)
-        closed = jax.make_jaxpr(self._backward_flat)(p_avals, in_avals, self.res_avals, g_avals)
+        closed = _inline_calls(
+            jax.make_jaxpr(self._backward_flat)(p_avals, in_avals, self.res_avals, g_avals)
+        )
         jaxpr = closed.jaxpr
         n_p, n_in, n_res = len(p_avals), len(in_avals), len(self.res_avals)
         invars = list(jaxpr.invars)

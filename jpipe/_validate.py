@@ -128,18 +128,31 @@ def analyze(
             mbs_seen.add(a.microbatch)
     S = num_stages if num_stages is not None else max(stages_seen) + 1
     M = num_microbatches if num_microbatches is not None else max(mbs_seen) + 1
+
     # Checked before anything of size S * M is built, so a stray huge index
     # is reported rather than allocated.
+    def highest(attr):
+        """Where the action with the largest `attr` first appears."""
+        best = None
+        for r, row in enumerate(rows):
+            for i, a in enumerate(row):
+                if best is None or getattr(a, attr) > getattr(rows[best[0]][best[1]], attr):
+                    best = (r, i)
+        r, i = best
+        return _where(r, cell_pos[r][i], rows[r][i])
+
     for s in range(S):
         if s not in stages_seen:
             raise ScheduleError(
-                f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled"
+                f"stage {s} appears on no rank; stages 0..{S - 1} must all be scheduled "
+                f"(the highest stage is at {highest('stage')})"
             )
     for m in range(M):
         if m not in mbs_seen:
             raise ScheduleError(
                 f"microbatch {m} is missing: no rank has an action for it "
-                f"(microbatches 0..{M - 1} must all be scheduled)"
+                f"(microbatches 0..{M - 1} must all be scheduled; the highest is at "
+                f"{highest('microbatch')})"
             )
 
     # 2. placement, 3. duplicates; where[kind][s * M + m] = (rank, index) or None

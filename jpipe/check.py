@@ -41,6 +41,12 @@ def main(argv=None) -> int:
         schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
         if args.data < 1:
             raise ValueError(f"--data must be at least 1, got {args.data}")
+        import jax
+
+        try:  # the check runs on the CPU; do not start (or grab) an accelerator
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:
+            pass
         from jpipe.testing import check_schedule, ensure_cpu_devices
 
         ensure_cpu_devices(schedule.num_ranks * args.data)

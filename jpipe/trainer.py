@@ -188,7 +188,7 @@ class TrainConfig:
     data: DataConfig
     model: gpt.GPTConfig
     optimizer: OptimizerConfig
-    chunks: int = 1
+    chunks: int = 0  # 0: the schedule's own default
     layers_per_stage: str = ""
     cpu_devices: int = 0
     profile: bool = False
@@ -200,7 +200,7 @@ class TrainConfig:
         if not self.schedule.strip():
             raise _fail("schedule", self.schedule, f"is empty; {_schedule_choices()}")
         _check_int("num_microbatches", self.num_microbatches, 1)
-        _check_int("chunks", self.chunks, 1)
+        _check_int("chunks", self.chunks, 0)
         _check_type("layers_per_stage", self.layers_per_stage, str, "a string such as '3,4,4,3'")
         _check_int("steps", self.steps, 1)
         _check_int("log_every", self.log_every, 1)
@@ -382,7 +382,7 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
                 )
     setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
     try:
-        schedule = jpipe.get_schedule(c.schedule, R, M, V)
+        schedule = jpipe.get_schedule(c.schedule, R, M, V or None)
     except ValueError as e:
         raise _fail("schedule", c.schedule, f"{e} ({setting})") from None
     if schedule.num_ranks != R or schedule.num_microbatches != M:
@@ -1051,7 +1051,9 @@ def _run(
         _say(f"removed unfinished checkpoint(s) {removed}")
     if start:
         _say(f"resuming from the checkpoint of step {start} in {checkpoints.directory}")
-    metrics = _Metrics(workdir, start, lead)
+    # Records past the checkpoint are rewritten by this run; a fresh start
+    # (no checkpoint) rewrites them all, step 0 included.
+    metrics = _Metrics(workdir, start if start else -1, lead)
     if lead and metrics.tensorboard_name:
         _say(f"TensorBoard ({metrics.tensorboard_name}): {os.path.join(workdir, 'tensorboard')}")
 

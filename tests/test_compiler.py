@@ -191,3 +191,68 @@ def test_forward_only_loss(name, chunks, data):
     # Only forwards: as many ticks as the slowest rank's forwards need, no residual slots.
     assert pipe.forward_plan.num_res == 0
     assert all(p is None or p[0] == "F" for row in pipe.forward_plan.ticks for p in row)
+
+
+def _dense_block(params, x, inputs):
+    h = jax.numpy.tanh(x @ params["w1"])
+    return jax.numpy.tanh(h @ params["w2"]) + inputs["bias"]
+
+
+@pytest.mark.parametrize(
+    "wrap", [lambda f: f, jax.jit, jax.checkpoint], ids=["plain", "jit", "remat"]
+)
+def test_input_and_weight_gradients_are_really_split(wrap):
+    from jpipe._stage import StageKernels
+
+    params = {"w1": np.ones((16, 64), np.float32), "w2": np.ones((64, 16), np.float32)}
+    x = np.ones((4, 16), np.float32)
+    kernels = StageKernels(wrap(_dense_block), params, x, {"bias": np.ones((4, 16), np.float32)})
+    carried = sum(int(np.prod(a.shape)) for a in kernels.carry_avals)
+    weights = sum(a.size for a in params.values())
+    # W gets the activations and cotangents it needs, never a finished weight
+    # gradient, which would mean I did all the work.
+    assert carried < weights, (carried, weights)
+    assert not {tuple(a.shape) for a in kernels.carry_avals} & {v.shape for v in params.values()}
+    assert kernels.i_flops_share < 1.0
+
+    # And the split is exact through a zero-bubble schedule.
+    def first(p, x, inputs):
+        return inputs["x"] @ p["w"]
+
+    def last(p, x, inputs):
+        return jax.numpy.mean((x @ p["w"]) ** 2)
+
+    stages = [first, wrap(_dense_block), last]
+    rng = np.random.default_rng(0)
+    stage_params = [
+        {"w": rng.normal(size=(8, 16)).astype(np.float32) / 4},
+        {k: rng.normal(size=v.shape).astype(np.float32) / 8 for k, v in params.items()},
+        {"w": rng.normal(size=(16, 2)).astype(np.float32)},
+    ]
+    batch = {
+        "x": rng.normal(size=(8, 8)).astype(np.float32),
+        "bias": rng.normal(size=(8, 16)).astype(np.float32),
+    }
+    schedule = jpipe.Schedule.of(
+        [
+            [jpipe.F(0, m) for m in range(2)]
+            + [x for m in range(2) for x in (jpipe.I(0, m), jpipe.W(0, m))],
+            [a for m in range(2) for a in (jpipe.F(1, m), jpipe.F(2, m))]
+            + [a for m in range(2) for a in (jpipe.I(2, m), jpipe.I(1, m), jpipe.W(2, m))]
+            + [jpipe.W(1, m) for m in range(2)],
+        ]
+    )
+    pipe = Pipeline(stages, schedule, make_mesh(2, 1))
+    loss, grads = pipe.value_and_grad(pipe.pack(stage_params), batch)
+    ref_loss, ref_grads = jpipe.reference_value_and_grad(stages, stage_params, batch)
+    abs_err, rel_err = testing.compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
+    assert rel_err <= RTOL, (abs_err, rel_err)
+
+
+def test_compare_counts_nan_as_a_failure():
+    ref = (np.float32(1.0), {"a": np.array([1.0, 1.0], np.float32)})
+    assert testing.compare(ref, ref) == (0.0, 0.0)
+    bad = (np.float32(np.nan), {"a": np.array([1.0, 1.0], np.float32)})
+    assert testing.compare(bad, ref)[1] == float("inf")
+    bad = (np.float32(1.0), {"a": np.array([np.nan, 1.0], np.float32)})
+    assert testing.compare(bad, ref)[1] == float("inf")

@@ -103,21 +103,22 @@ BROKEN = [
         "microbatch_out_of_range",
         _gpipe(1, 2),
         {"num_microbatches": 1},
-        "rank 0, position 1 (F(0,1)): microbatch 1 is out of range; "
-        "there is 1 microbatch (0..0)",
+        "rank 0, position 1 (F(0,1)): microbatch 1 is out of range; there is 1 microbatch (0..0)",
     ),
     (
         "stage_missing_entirely",
         Schedule.of([[F(0, 0), B(0, 0)], [F(2, 0), B(2, 0)]]),
         {},
-        "stage 1 appears on no rank; stages 0..2 must all be scheduled",
+        "stage 1 appears on no rank; stages 0..2 must all be scheduled "
+        "(the highest stage is at rank 1, position 0 (F(2,0)))",
     ),
     (
         "microbatch_missing_entirely",
         Schedule.of([[F(0, 0), B(0, 0), F(0, 2), B(0, 2)]]),
         {},
         "microbatch 1 is missing: no rank has an action for it "
-        "(microbatches 0..2 must all be scheduled)",
+        "(microbatches 0..2 must all be scheduled; the highest is at "
+        "rank 0, position 2 (F(0,2)))",
     ),
     (
         "deadlock_2_ranks",
