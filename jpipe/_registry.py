@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import operator
 import os
 import pkgutil
 import sys
@@ -90,8 +91,11 @@ def _load_file_function(spec: str) -> ScheduleFn:
     if module is None:
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(f"cannot load {path!r}: {type(e).__name__}: {e}") from e
         sys.modules[module_name] = module
-        module_spec.loader.exec_module(module)
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):
         raise ValueError(f"{path!r} has no function named {fn_name!r}")
@@ -104,8 +108,13 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
             f"schedule {name!r} is a function: give the number of ranks and microbatches"
         )
     for what, value in (("ranks", num_ranks), ("microbatches", num_microbatches)):
-        if not isinstance(value, int) or value < 1:
+        try:
+            ok = operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
             raise ValueError(f"the number of {what} must be a positive integer, got {value!r}")
+    num_ranks, num_microbatches = operator.index(num_ranks), operator.index(num_microbatches)
     params = inspect.signature(fn).parameters
     kwargs = dict(options)
     if num_chunks is not None:
@@ -113,10 +122,25 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
             kwargs["num_chunks"] = num_chunks
         elif num_chunks != 1:
             raise ValueError(f"schedule {name!r} takes no chunks per rank, got {num_chunks}")
-    rows = fn(num_ranks, num_microbatches, **kwargs)
+    try:
+        rows = fn(num_ranks, num_microbatches, **kwargs)
+    except ValueError:
+        raise  # the schedule's own sentence about what it cannot serve
+    except Exception as e:
+        raise ValueError(
+            f"schedule {name!r} failed for {num_ranks} ranks and {num_microbatches} "
+            f"microbatches: {type(e).__name__}: {e}"
+        ) from e
     if isinstance(rows, Schedule):
         return dataclasses.replace(rows, name=rows.name or name)
-    return Schedule.of(rows, name=name)
+    if rows is None or isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
+        raise ValueError(
+            f"schedule {name!r} must return one list of actions per rank, got {type(rows).__name__}"
+        )
+    try:
+        return Schedule.of(rows, name=name)
+    except TypeError as e:
+        raise ValueError(f"schedule {name!r} returned something that is not a schedule: {e}") from e
 
 
 def get_schedule(

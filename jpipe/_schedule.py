@@ -153,6 +153,16 @@ class Schedule:
     ranks: tuple[tuple[Step, ...], ...]
     name: str = dataclasses.field(default="", compare=False)
 
+    def __post_init__(self):
+        if not isinstance(self.ranks, tuple) or not all(
+            isinstance(row, tuple) and all(isinstance(a, (Action, Overlap)) for a in row)
+            for row in self.ranks
+        ):
+            raise TypeError(
+                "Schedule(ranks) takes a tuple of tuples of Action/Overlap; use "
+                "Schedule.of(lists) to build one from lists or strings like '2F0'"
+            )
+
     @classmethod
     def of(cls, ranks: Iterable[Iterable[Step | str | None]], name: str = "") -> Schedule:
         """Builds a schedule from per-rank lists; strings are parsed, `None` skipped."""
@@ -259,8 +269,11 @@ class Schedule:
         ``W`` of the same stage and microbatch is read as ``I`` (the older
         PyTorch convention).
         """
-        with open(path, newline="") as f:
-            text = f.read()
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{os.fspath(path)} is not a UTF-8 text file: {e}") from None
         return cls.from_csv_text(text, name=os.path.basename(os.fspath(path)))
 
     def __str__(self) -> str:

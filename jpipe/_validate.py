@@ -28,6 +28,7 @@ and the compiler's planner reuse.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 from jpipe._schedule import Action, Schedule
@@ -224,7 +225,16 @@ def analyze(
 
     # 7. live-activation budget
     if max_live is not None:
-        budgets = [max_live] * len(rows) if isinstance(max_live, int) else list(max_live)
+        try:
+            budgets = (
+                [operator.index(max_live)] * len(rows)
+                if not hasattr(max_live, "__iter__")
+                else [operator.index(b) for b in max_live]
+            )
+        except TypeError:
+            raise ScheduleError(
+                f"max_live must be an integer or one integer per rank, got {max_live!r}"
+            ) from None
         if len(budgets) != len(rows):
             raise ScheduleError(f"max_live has {len(budgets)} entries for {len(rows)} ranks")
         for r, row in enumerate(rows):

@@ -101,6 +101,9 @@ def _figures(sim: Simulation) -> str:
     return "\n".join(lines)
 
 
+_MAX_CHART_ACTIONS = 20_000  # a terminal chart of more is slow and unreadable
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0, or 2 on an error)."""
     try:
@@ -132,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({**sim.summary(), "costs": dataclasses.asdict(costs)}))
     else:
-        print(text_chart(sim, width=args.width))
+        actions = sum(len(sim.schedule.actions(r)) for r in range(sim.schedule.num_ranks))
+        if actions <= _MAX_CHART_ACTIONS:
+            print(text_chart(sim, width=args.width))
+        else:
+            print(
+                f"{sim.schedule.name}: {actions} actions, too many for a terminal chart "
+                f"(over {_MAX_CHART_ACTIONS}); --trace F draws them all in Perfetto"
+            )
         print()
         print(_figures(sim))
     notes = sys.stderr if args.json else sys.stdout
