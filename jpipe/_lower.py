@@ -2,14 +2,20 @@
 
 The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
 ``data`` axis, if there is one; any other axis stays under the compiler),
-around a `lax.scan` over ticks. The
-scan reads one row of the plan's table per tick; on each rank the row says
-which piece to run (a `lax.switch` over the F, I and W of every stage, plus
-idle, so only the chosen piece's work runs) and which buffer slots it reads
-and writes. After the switch every rank takes part in the same collectives,
+around a `lax.scan` over ticks. The scan reads one row of the plan's table
+per tick; on each rank the row says which piece to run and which buffer
+slots it reads and writes.
+
+Each kind of piece runs inside its own two-way `lax.cond` (this tick's piece
+is an F, or not; an I, or not; a W, or not) around a `lax.switch` over the
+stages, so only the chosen piece's work runs and idle ranks compute nothing.
+Each cond holds the single in-place write to its buffer: the F writes its
+residual slot, the I its carry slot, the W adds to the gradient accumulator.
+(Passing every buffer through one many-branch switch made XLA copy them all
+every tick.) After the conds every rank takes part in the same collectives,
 one `ppermute` per distinct shift between sender and receiver, outside any
-branch; what arrives is written to the slot the table names (or to a spare
-slot nobody reads).
+branch; what arrives is written to the slot the table names, or to a spare
+slot nobody reads.
 
 Buffers, all with a fixed number of slots that does not grow with the
 microbatches (see `jpipe._plan`):
@@ -19,13 +25,9 @@ microbatches (see `jpipe._plan`):
 - ``carry``: what each I keeps for its W;
 - the gradient accumulator, laid out like the packed parameters.
 
-Large buffers stay out of the branches: the branches read a slot's value and
-return new values, and the slot writes (`dynamic_update_slice`) happen outside,
-unconditionally, so XLA updates the scan carry in place.
-
-Parameters arrive packed (`jpipe._pack`): one flat vector per dtype per rank,
-holding only that rank's stages. Inside the branch of stage `s` the stage's
-arrays are static slices of the local vector.
+Values in the slots are flat vectors, one per dtype (`jpipe._stage.FlatLayout`).
+Parameters arrive packed in buckets (`jpipe._pack`): a rank's row of a bucket
+is one of its own stages' arrays, which the stage's branch reshapes in place.
 """
 
 from __future__ import annotations
@@ -55,12 +57,15 @@ def build_step(
     data_axis: str | None = None,
     forward_only: bool = False,
 ):
-    """Returns ``step(packed_params, batch_mb, table) -> (loss, packed_grads)``.
+    """Returns ``step(packed_params, batch_mb) -> (loss, packed_grads)``.
+
+    `batch_mb` is the batch cut into microbatches, ``[M, rows, ...]`` per leaf
+    (`jpipe._pipeline.split_microbatches`).
 
     Args:
       stage_fns: the user's stage functions.
       plan: the plan of the schedule.
-      layout: where each stage's parameters live in the packed vectors.
+      layout: which bucket holds each stage's parameters.
       mesh: the device mesh (axis types Auto).
       microbatch_inputs: one microbatch's inputs as one device sees them
         (shape structs), to trace with.

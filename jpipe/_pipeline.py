@@ -124,7 +124,10 @@ class Pipeline:
         return layout
 
     def pack(self, params_list) -> dict:
-        """Places each stage's parameters on its rank: ``{dtype: Array [R, width]}``."""
+        """Places each stage's parameters on its rank: ``{bucket: Array [R, size]}``.
+
+        See `jpipe._pack` for the buckets; `unpack` gives the per-stage pytrees back.
+        """
         return self._layout_for(params_list).pack(params_list, self.mesh, self.pipe_axis)
 
     def unpack(self, packed: dict) -> list:

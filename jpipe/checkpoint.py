@@ -12,8 +12,8 @@ so a run killed while writing leaves only the temporary directory, which
 `Checkpoints` never reads. On file systems where the rename is not atomic a
 step directory may exist without its ``_CHECKPOINT_METADATA`` file (orbax
 writes it last, before the rename); such a step counts as incomplete too.
-Incomplete steps newer than the one restored are removed, since orbax would
-refuse to save over them later.
+Incomplete steps are removed when a run starts, since orbax would refuse to
+save over them later.
 
 Saving is synchronous: `save` returns once the state is on disk, so the next
 train step may donate (overwrite) the arrays just saved, and a checkpoint that
