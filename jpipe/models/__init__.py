@@ -17,8 +17,11 @@ from jpipe.models.gpt import (
     split_stage_params,
     weight_decay_mask,
 )
+from jpipe.models.staged import FlaxStages, split_flax_model
 
 __all__ = [
+    "FlaxStages",
+    "split_flax_model",
     "GPTConfig",
     "StagedModel",
     "example_batch",
