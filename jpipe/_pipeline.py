@@ -243,6 +243,14 @@ class Pipeline:
         M = self.num_microbatches
         return lambda packed, batch: step(packed, split_microbatches(batch, M))
 
+    def stage_kernels(self, batch) -> list:
+        """The F, I and W pieces (`jpipe._stage.StageKernels`) the step runs, per stage.
+
+        For profiling: they are traced for one microbatch as one device sees it.
+        """
+        _, step = self._build(batch)
+        return list(step.kernels)
+
     def lower(self, packed, batch):
         """The lowered (not yet compiled) step, for inspection."""
         jitted, _ = self._build(batch)

@@ -764,54 +764,46 @@ def _median_seconds(fn, *args, reps: int) -> float:
 
 
 def measure_stages(
-    pipeline: jpipe.Pipeline, params: dict, microbatch: dict, reps: int = 5
+    pipeline: jpipe.Pipeline, params: dict, batch: dict, microbatch: dict, reps: int = 5
 ) -> StageTimes:
-    """Times each stage's F, I, W and B on one microbatch, on the device of its rank.
+    """Times each stage's F, I and W pieces on one microbatch, on its rank's device.
 
-    F is the forward that keeps the residuals (`jax.vjp`); B the whole backward
-    from them; I and W the backward's input-gradient and weight-gradient
-    outputs alone (XLA drops what the other needs). The first stage has no
-    input gradient, so its I is 0 and its W is its B.
+    The pieces are the ones the compiled step runs (`Pipeline.stage_kernels`):
+    F keeps the residuals, I computes the input gradient and the carry, W the
+    weight gradient from them; B is I + W, as the program runs it.
 
     Args:
       pipeline: the pipeline, with parameters packed.
       params: the packed parameters.
+      batch: a global batch (fixes the shapes the pieces were traced for).
       microbatch: one microbatch as one device sees it (host arrays).
       reps: timed runs per piece, after one warm-up.
     """
     params_list = pipeline.unpack(params)
+    kernels = pipeline.stage_kernels(batch)
     stage_to_rank = pipeline.plan.stage_to_rank
-    data_index = 0
-    F, I, W, B = [], [], [], []
+    M = pipeline.num_microbatches
+    F, I, W = [], [], []
     x = None
-    for s, stage in enumerate(pipeline.stages):
-        device = pipeline.mesh.devices[stage_to_rank[s], data_index]
+    for s, k in enumerate(kernels):
+        device = pipeline.mesh.devices[stage_to_rank[s], 0]
         p = jax.device_put(params_list[s], device)
         inputs = jax.device_put(microbatch, device)
         x = None if x is None else jax.device_put(x, device)
-        if x is None:
-            forward = jax.jit(
-                lambda p, inputs, stage=stage: jax.vjp(lambda p: stage(p, None, inputs), p)
-            )
-            args = (p, inputs)
+        forward = jax.jit(k.forward)
+        F.append(_median_seconds(forward, p, x, inputs, reps=reps))
+        y, res = forward(p, x, inputs)
+        if s == len(kernels) - 1:
+            g = [jnp.full((), 1.0 / M, y[0].dtype)]
         else:
-            forward = jax.jit(
-                lambda p, x, inputs, stage=stage: jax.vjp(lambda p, x: stage(p, x, inputs), p, x)
-            )
-            args = (p, x, inputs)
-        F.append(_median_seconds(forward, *args, reps=reps))
-        y, vjp_fn = forward(*args)
-        dy = jnp.ones_like(y)
-        backward = jax.jit(lambda f, g: f(g))
-        B.append(_median_seconds(backward, vjp_fn, dy, reps=reps))
-        if s == 0:
-            I.append(0.0)
-            W.append(B[-1])
-        else:
-            I.append(_median_seconds(jax.jit(lambda f, g: f(g)[1]), vjp_fn, dy, reps=reps))
-            W.append(_median_seconds(jax.jit(lambda f, g: f(g)[0]), vjp_fn, dy, reps=reps))
-        x = y
-    return StageTimes(tuple(F), tuple(I), tuple(W), tuple(B))
+            g = [jnp.ones_like(leaf) for leaf in y]
+        input_grad = jax.jit(k.input_grad)
+        I.append(_median_seconds(input_grad, p, inputs, res, g, reps=reps))
+        _, carry = input_grad(p, inputs, res, g)
+        W.append(_median_seconds(jax.jit(k.weight_grad), p, inputs, res, carry, reps=reps))
+        x = jax.tree.unflatten(k.y_tree, y)
+    B = tuple(i + w for i, w in zip(I, W))
+    return StageTimes(tuple(F), tuple(I), tuple(W), B)
 
 
 def _profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> None:
@@ -819,7 +811,7 @@ def _profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> Non
     if jax.process_count() > 1:
         _say("profile: skipped, it runs every stage from one process (single-process runs only)")
         return
-    times = measure_stages(pipeline, state.params, microbatch, reps=reps)
+    times = measure_stages(pipeline, state.params, batch, microbatch, reps=reps)
     ms = lambda t: f"{t * 1e3:8.2f}"  # noqa: E731
     _say(f"profile: time of one microbatch on one device, ms (median of {reps} runs)")
     _say("  stage         F        I        W        B")
