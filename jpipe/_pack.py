@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,11 +59,18 @@ class ParamLayout:
         counts: dict = {}  # (rank, dtype, shape) -> arrays so far
         trees, leaves, buckets = [], [], {}
         for s, p in enumerate(params_list):
-            flat, tree = jax.tree.flatten(p)
+            with_paths, tree = jax.tree_util.tree_flatten_with_path(p)
             trees.append(tree)
             r = stage_to_rank[s]
             entries = []
-            for leaf in flat:
+            for path, leaf in with_paths:
+                dtype = getattr(leaf, "dtype", None)
+                if not hasattr(leaf, "shape") or not jnp.issubdtype(dtype, jnp.floating):
+                    raise ValueError(
+                        f"stage {s}'s parameter {jax.tree_util.keystr(path) or '(root)'} is "
+                        f"{type(leaf).__name__} {dtype or ''}; parameters must be floating-point "
+                        "arrays (keep integer constants in the stage function or the inputs)"
+                    )
                 shape, dtype = tuple(leaf.shape), str(np.dtype(leaf.dtype))
                 size = math.prod(shape)
                 n = counts.get((r, dtype, size), 0)

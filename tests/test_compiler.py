@@ -256,3 +256,11 @@ def test_compare_counts_nan_as_a_failure():
     assert testing.compare(bad, ref)[1] == float("inf")
     bad = (np.float32(1.0), {"a": np.array([np.nan, 1.0], np.float32)})
     assert testing.compare(bad, ref)[1] == float("inf")
+
+
+def test_refuses_parameters_that_are_not_float_arrays():
+    stages, params, _ = testing.small_model(2)
+    params[1]["count"] = np.arange(3)
+    pipe = Pipeline(stages, jpipe.get_schedule("1f1b", 2, 2), make_mesh(2, 1))
+    with pytest.raises(ValueError, match=r"stage 1's parameter \['count'\] is ndarray int64"):
+        pipe.pack(params)
