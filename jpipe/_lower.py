@@ -59,7 +59,7 @@ def build_step(
 ):
     """Returns ``step(packed_params, batch_mb) -> (loss, packed_grads)``.
 
-    `batch_mb` is the batch cut into microbatches, ``[M, rows, ...]`` per leaf
+    `batch_mb` is the batch cut into microbatches, ``[rows, M, ...]`` per leaf
     (`jpipe._pipeline.split_microbatches`).
 
     Args:
@@ -124,6 +124,10 @@ def build_step(
             dt: lax.dynamic_update_index_in_dim(buf, values[dt], slot, 0)
             for dt, buf in arena.items()
         }
+
+    def write_if_used(io, slot, values):
+        """An io write, skipped when the table sends it to the spare slot."""
+        return lax.cond(slot != plan.num_io, lambda io: write(io, slot, values), lambda io: io, io)
 
     # Each kind of piece runs inside its own two-way `cond` (this tick's piece
     # is of that kind, or not), and inside it a `switch` over the stages. The
@@ -201,14 +205,17 @@ def build_step(
             grads, loss, io, res, carry = state
             branch, mb = row[col["branch"]], row[col["microbatch"]]
             stage = (branch - 1) % S
-            inputs = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 0, False), batch_mb)
+
+            def microbatch():  # read inside the pieces only: idle ticks read nothing
+                return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
+
             is_f = (branch >= 1) & (branch <= S)
             is_i = (branch > S) & (branch <= 2 * S)
             is_w = branch > 2 * S
 
             def forward(res):
                 send, res_new, loss_piece = lax.switch(
-                    stage, f_branches, flat, inputs, read(io, row[col["io_in"]])
+                    stage, f_branches, flat, microbatch(), read(io, row[col["io_in"]])
                 )
                 return write(res, row[col["res"]], res_new), send, loss_piece
 
@@ -221,7 +228,7 @@ def build_step(
                     stage,
                     i_branches,
                     flat,
-                    inputs,
+                    microbatch(),
                     read(io, row[col["io_in"]]),
                     read(res, row[col["res"]]),
                 )
@@ -237,7 +244,7 @@ def build_step(
                     stage,
                     w_branches,
                     flat,
-                    inputs,
+                    microbatch(),
                     read(res, row[col["res"]]),
                     read(carry, row[col["carry"]]),
                 )
@@ -246,12 +253,12 @@ def build_step(
             if not forward_only:
                 grads = lax.cond(is_w, weight_grad, lambda g: g, grads)
             send = {dt: jnp.where(is_f, send_f[dt], send_i[dt]) for dt in send_f}
-            io = write(io, row[col["local"]], send)
+            io = write_if_used(io, row[col["local"]], send)
             loss = loss + loss_piece
             for i, d in enumerate(shifts):
                 perm = [(j, (j + d) % R) for j in range(R)]
                 arrived = {dt: lax.ppermute(send[dt], pipe_axis, perm) for dt in send}
-                io = write(io, row[len(COLUMNS) + i], arrived)
+                io = write_if_used(io, row[len(COLUMNS) + i], arrived)
             return (grads, loss, io, res, carry), None
 
         (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
@@ -264,7 +271,7 @@ def build_step(
     program = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(pipe_axis), P(None, data_axis), P(None, pipe_axis)),
+        in_specs=(P(pipe_axis), P(data_axis), P(None, pipe_axis)),
         out_specs=(P(), P(pipe_axis)),
         axis_names={pipe_axis} | ({data_axis} if data_axis else set()),
         # The kernels are pre-traced jaxprs replayed with `jaxpr_as_fun`, which

@@ -51,11 +51,16 @@ def _auto(mesh: Mesh) -> Mesh:
 
 
 def split_microbatches(batch, num_microbatches: int):
-    """``[N, ...] -> [M, N / M, ...]``; microbatch m holds rows m, m + M, ..."""
+    """``[N, ...] -> [N / M, M, ...]``: microbatch m is ``[:, m]``, rows m, m + M, ...
+
+    A reshape, so it costs nothing (a transpose to ``[M, N / M]`` would copy
+    the whole batch every step), and a batch sharded over ``data`` on its rows
+    stays sharded on the first axis.
+    """
 
     def cut(a):
         n = a.shape[0]
-        return a.reshape((n // num_microbatches, num_microbatches) + a.shape[1:]).swapaxes(0, 1)
+        return a.reshape((n // num_microbatches, num_microbatches) + a.shape[1:])
 
     return jax.tree.map(cut, batch)
 
@@ -282,7 +287,7 @@ def reference_value_and_grad(
     """
 
     def loss_fn(params_list):
-        mbs = split_microbatches(batch, num_microbatches)
+        mbs = jax.tree.map(lambda a: a.swapaxes(0, 1), split_microbatches(batch, num_microbatches))
 
         def one(inputs):
             x = None
