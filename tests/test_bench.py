@@ -1,0 +1,110 @@
+"""The benchmark: its peer is exact, and ``python -m bench --quick`` gives a sane table.
+
+No timing is asserted: the machine is shared. What is checked is that every
+row ran and computed the same loss, that every figure is a positive number,
+that jpipe has a row for every schedule, and that memory behaves as the
+schedules promise (GPipe's grows with the microbatches, 1F1B's much less).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `bench` lives beside `jpipe`, not in the installed package
+
+from bench.baselines import spmd_pipeline  # noqa: E402
+from bench.workloads import get_workload, sequential_loss  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+
+
+@pytest.mark.parametrize("num_microbatches,repeats", [(4, 1), (6, 1), (5, 2)])
+def test_peer_matches_the_unpipelined_model(num_microbatches, repeats):
+    """The vmap-style GPipe baseline computes the model's loss and every gradient."""
+    workload = get_workload("tiny-dense")
+    R = 4
+    stage_fns, params = workload.stages(R * repeats)
+    batch = workload.batch(num_microbatches)
+    want_loss, want_grads = jax.jit(
+        jax.value_and_grad(lambda p, b: sequential_loss(stage_fns, p, b))
+    )(params, batch)
+
+    peer = spmd_pipeline(workload, num_microbatches, jax.devices()[:R], repeats=repeats)
+    loss, grads = peer.lowerable(*peer.args)
+
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for piece, want in enumerate(want_grads):
+        r, s = divmod(piece, R)
+        got = jax.tree.map(lambda a, r=r, s=s: np.asarray(a)[r, s], grads["blocks"])
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6), got, want)
+
+
+def test_quick_bench_writes_a_sane_table(tmp_path):
+    """``python -m bench --quick`` (smallest model) writes JSON, Markdown and a plot."""
+    out = tmp_path / "bench"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)  # the bench fakes its own devices
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--model", "tiny-dense", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("bench.json", "bench.md", "bench.png"):
+        assert (out / name).stat().st_size > 0, name
+
+    result = json.loads((out / "bench.json").read_text())
+    rows = result["rows"]
+    Ms = sorted({r["microbatches"] for r in rows})
+    assert len(Ms) >= 2, "quick mode compares at least two microbatch counts"
+
+    for r in rows:
+        where = f"M={r['microbatches']} {r['name']}"
+        assert "error" not in r, f"{where}: {r.get('error')}"
+        for key in (
+            "compile_seconds",
+            "step_seconds",
+            "argument_bytes",
+            "temp_bytes",
+            "vs_one_device",
+        ):
+            assert r[key] > 0, f"{where}: {key} = {r[key]}"
+        assert r["loss_rel_err"] < 1e-4, f"{where} computes a different loss"
+        if r["kind"] == "jpipe":
+            for key in ("predicted_overlap_seconds", "predicted_lockstep_seconds", "work_seconds"):
+                assert r[key] > 0, f"{where}: {key} = {r[key]}"
+
+    names = {(r["microbatches"], r["name"]) for r in rows}
+    for M in Ms:
+        assert (M, "one device") in names and (M, "data parallel") in names
+        assert (M, "peer gpipe") in names
+        for schedule in SCHEDULES:
+            assert any(n == M and name.startswith(f"jpipe {schedule}") for n, name in names), (
+                f"no jpipe {schedule} row at M={M}"
+            )
+
+    def temp(schedule, M):
+        (r,) = [r for r in rows if r["microbatches"] == M and r["name"] == f"jpipe {schedule}"]
+        return r["temp_bytes"]
+
+    small, large = Ms[0], Ms[-1]
+    gpipe_growth = temp("gpipe", large) - temp("gpipe", small)
+    one_f_one_b_growth = temp("1f1b", large) - temp("1f1b", small)
+    assert temp("gpipe", large) > 1.5 * temp("gpipe", small), "GPipe's memory should grow with M"
+    assert gpipe_growth > 2 * one_f_one_b_growth, (
+        f"1F1B's temp memory grew by {one_f_one_b_growth} bytes from M={small} to M={large}, "
+        f"GPipe's by {gpipe_growth}: 1F1B should stay much flatter"
+    )
+
+    table = (out / "bench.md").read_text()
+    assert "| jpipe 1f1b |" in table and "| peer gpipe |" in table
