@@ -94,6 +94,19 @@ TABLE_COLUMNS = (
 )
 
 
+def _timing_cells(rec: dict) -> list[str]:
+    """The step time, its ratios and the predictions: the columns both tables end with."""
+    return [
+        _ms_pair(rec),
+        _pair(rec, "vs_one_device"),
+        _pair(rec, "vs_data_parallel"),
+        _pair(rec, "vs_peer"),
+        _ms(rec.get("predicted_overlap_seconds")),
+        _ms(rec.get("predicted_lockstep_seconds")),
+        _ms(rec.get("work_seconds")),
+    ]
+
+
 def table_markdown(result: dict) -> str:
     """The benchmark table, one section per microbatch count."""
     lines = ["# jpipe benchmark", ""] + _header(result["meta"])
@@ -118,13 +131,7 @@ def table_markdown(result: dict) -> str:
                         _s(rec.get("compile_seconds")),
                         mib(rec.get("temp_bytes")),
                         mib(rec.get("argument_bytes")),
-                        _ms_pair(rec),
-                        _pair(rec, "vs_one_device"),
-                        _pair(rec, "vs_data_parallel"),
-                        _pair(rec, "vs_peer"),
-                        _ms(rec.get("predicted_overlap_seconds")),
-                        _ms(rec.get("predicted_lockstep_seconds")),
-                        _ms(rec.get("work_seconds")),
+                        *_timing_cells(rec),
                     ]
                 )
                 + " |"
@@ -260,13 +267,7 @@ def compiler_markdown(result: dict) -> str:
                     str(rec.get("ticks", rec.get("iterations", "-"))),
                     _s(rec.get("compile_seconds")),
                     mib(rec.get("temp_bytes")),
-                    _ms_pair(rec),
-                    _pair(rec, "vs_one_device"),
-                    _pair(rec, "vs_data_parallel"),
-                    _pair(rec, "vs_peer"),
-                    _ms(rec.get("predicted_overlap_seconds")),
-                    _ms(rec.get("predicted_lockstep_seconds")),
-                    _ms(rec.get("work_seconds")),
+                    *_timing_cells(rec),
                 ]
             )
             + " |"

@@ -47,6 +47,17 @@ def _zeros(widths: dict) -> dict:
     return {dt: jnp.zeros((n,), dt) for dt, n in widths.items()}
 
 
+def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[StageKernels]:
+    """Traces every stage's F, I and W, feeding each the previous one's output shape."""
+    kernels: list[StageKernels] = []
+    x = None
+    for s, fn in enumerate(stage_fns):
+        k = StageKernels(fn, layout.stage_avals(s), x, microbatch_inputs)
+        kernels.append(k)
+        x = k.y
+    return kernels
+
+
 def build_step(
     stage_fns,
     plan: Plan,
@@ -56,6 +67,7 @@ def build_step(
     pipe_axis: str,
     data_axis: str | None = None,
     forward_only: bool = False,
+    kernels: list[StageKernels] | None = None,
 ):
     """Returns ``step(packed_params, batch_mb) -> (loss, packed_grads)``.
 
@@ -77,18 +89,15 @@ def build_step(
         take different branches deadlock.)
       forward_only: build only the forward pieces, for a plan of forwards
         (`jpipe._plan.make_forward_plan`); the gradients come back as zeros.
+      kernels: the stages' pieces from `trace_kernels`, if already traced.
     """
     S = plan.schedule.num_stages
     M = plan.schedule.num_microbatches
     R = plan.num_ranks
 
     # Trace every stage's kernels, feeding each stage the previous one's output shape.
-    kernels: list[StageKernels] = []
-    x = None
-    for s, fn in enumerate(stage_fns):
-        k = StageKernels(fn, layout.stage_avals(s), x, microbatch_inputs)
-        kernels.append(k)
-        x = k.y
+    if kernels is None:
+        kernels = trace_kernels(stage_fns, layout, microbatch_inputs)
     last = kernels[-1]
     loss_leaves = jax.tree.leaves(last.y)
     if (

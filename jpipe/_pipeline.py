@@ -14,7 +14,6 @@ the batch is sharded over a ``data`` axis every microbatch is too.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import build_step
+from jpipe._lower import build_step, trace_kernels
 from jpipe._pack import ParamLayout
 from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
@@ -182,6 +181,15 @@ class Pipeline:
             lambda a: jax.ShapeDtypeStruct((a.shape[0] // M // D,) + a.shape[1:], a.dtype), batch
         )
 
+    def _kernels(self, batch) -> list:
+        """The stages' pieces for this batch's shapes, traced once for every step."""
+        key = ("kernels",) + self._key(batch)
+        if key not in self._steps:
+            self._steps[key] = trace_kernels(
+                self.stages, self.layout, self._microbatch_shapes(batch)
+            )
+        return self._steps[key]
+
     def _build(self, batch):
         self.check_batch(batch)
         key = self._key(batch)
@@ -195,6 +203,7 @@ class Pipeline:
             self._microbatch_shapes(batch),
             self.pipe_axis,
             self.data_axis,
+            kernels=self._kernels(batch),
         )
         M = self.num_microbatches
 
@@ -229,6 +238,7 @@ class Pipeline:
                 self.pipe_axis,
                 self.data_axis,
                 forward_only=True,
+                kernels=self._kernels(batch),
             )
             M = self.num_microbatches
             self._steps[key] = jax.jit(
@@ -298,8 +308,3 @@ def reference_value_and_grad(
         return jnp.mean(jax.lax.map(one, mbs))
 
     return jax.value_and_grad(loss_fn)(params_list)
-
-
-@functools.wraps(Pipeline)
-def pipeline(*args, **kwargs) -> Pipeline:
-    return Pipeline(*args, **kwargs)

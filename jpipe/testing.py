@@ -241,8 +241,9 @@ def check_schedule(
     mesh = make_mesh(R, data, jax.devices("cpu")[: R * data])
     pipe = Pipeline(stages, schedule, mesh)
     packed = pipe.pack(params)
-    compiled = pipe.compile(packed, jax.device_put(batch, pipe.batch_sharding))
-    loss, grads = compiled(packed, jax.device_put(batch, pipe.batch_sharding))
+    placed = jax.device_put(batch, pipe.batch_sharding)
+    compiled = pipe.compile(packed, placed)
+    loss, grads = compiled(packed, placed)
     with jax.default_device(jax.devices("cpu")[0]):  # full float32 matmuls
         ref_loss, ref_grads = reference_value_and_grad(stages, params, batch, 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
