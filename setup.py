@@ -20,5 +20,5 @@ setup(
         "matplotlib",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "hypothesis", "chex"]},
+    extras_require={"test": ["pytest", "hypothesis", "chex", "tensorboardX"]},
 )

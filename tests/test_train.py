@@ -395,3 +395,25 @@ def test_train_py_runs(tmp_path):
     )
     assert bad.returncode == 1
     assert "error: config.schedule='nope': unknown schedule" in bad.stderr
+
+
+def test_tensorboard_gets_the_same_numbers(reference):
+    pytest.importorskip("tensorboardX")  # optional: written only where it is installed
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    _, workdir = reference
+    (events,) = Path(workdir, "tensorboard").glob("events.out.tfevents.*")
+    data, i, seen = events.read_bytes(), 0, {}
+    while i < len(data):  # TFRecord framing: length, its CRC, the record, its CRC
+        (n,) = struct.unpack("<Q", data[i : i + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[i + 12 : i + 12 + n])
+        i += 12 + n + 4
+        for value in event.summary.value:
+            seen[(value.tag, event.step)] = value.simple_value
+    for record in read_metrics(workdir):
+        for key in ("loss", "eval_loss"):
+            if key in record:
+                assert seen[(key, record["step"])] == pytest.approx(record[key], rel=1e-6)
