@@ -75,14 +75,19 @@ def peer_row(workload: Workload, num_microbatches: int, devices, repeats: int = 
 
 
 def jpipe_row(
-    workload: Workload, schedule: str, num_microbatches: int, devices, chunks: int = 2
+    workload: Workload,
+    schedule: str,
+    num_microbatches: int,
+    devices,
+    chunks: int = 2,
+    tick_layout: str = "auto",
 ) -> Row:
     """jpipe running `schedule` on a ``pipe`` mesh of `devices`."""
     R = len(devices)
     V = chunks_for(schedule, chunks)
     sched = jpipe.get_schedule(schedule, R, num_microbatches, V)
     stage_fns, params = workload.stages(sched.num_stages)
-    pipe = jpipe.Pipeline(stage_fns, sched, jpipe.make_mesh(R, 1, devices))
+    pipe = jpipe.Pipeline(stage_fns, sched, jpipe.make_mesh(R, 1, devices), tick_layout=tick_layout)
     packed = pipe.pack(params)
     batch = jax.device_put(workload.batch(num_microbatches), pipe.batch_sharding)
     info = {
@@ -90,6 +95,9 @@ def jpipe_row(
         "stages": sched.num_stages,
         "chunks": V,
         "ticks": pipe.plan.num_ticks,
+        "tick_layout": pipe.plan.layout,
     }
     name = f"jpipe {schedule}" + (f" (V={V})" if V > 1 else "")
+    if tick_layout != "auto":
+        name += f", {tick_layout}"
     return Row(name, "jpipe", pipe, (packed, batch), info, pipeline=pipe)

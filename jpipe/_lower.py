@@ -197,7 +197,7 @@ def build_step(
     w_branches = [make_w(s) for s in range(S)]
 
     col = {name: i for i, name in enumerate(COLUMNS)}
-    shifts = plan.shifts
+    channels = plan.channels
 
     def per_rank(packed, batch_mb, tab):
         flat = {b: v[0] for b, v in packed.items()}
@@ -212,61 +212,77 @@ def build_step(
 
         def tick(state, row):
             grads, loss, io, res, carry = state
-            branch, mb = row[col["branch"]], row[col["microbatch"]]
-            stage = (branch - 1) % S
+            row = row.astype(jnp.int32)
 
-            def microbatch():  # read inside the pieces only: idle ticks read nothing
+            def microbatch(mb):  # read inside the pieces only: idle ticks read nothing
                 return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
 
-            is_f = (branch >= 1) & (branch <= S)
-            is_i = (branch > S) & (branch <= 2 * S)
-            is_w = branch > 2 * S
+            def piece(kind):
+                stage = row[col[f"{kind}_stage"]]
+                return stage > 0, stage - 1, microbatch(row[col[f"{kind}_microbatch"]])
+
+            runs_f, f_stage, _ = piece("f")
 
             def forward(res):
+                _, _, inputs = piece("f")
                 send, res_new, loss_piece = lax.switch(
-                    stage, f_branches, flat, microbatch(), read(io, row[col["io_in"]])
+                    f_stage, f_branches, flat, inputs, read(io, row[col["f_in"]])
                 )
-                return write(res, row[col["res"]], res_new), send, loss_piece
+                return write(res, row[col["f_res"]], res_new), send, loss_piece
 
             res, send_f, loss_piece = lax.cond(
-                is_f, forward, lambda r: (r, zero_send(), jnp.zeros((), loss_dtype)), res
+                runs_f, forward, lambda r: (r, zero_send(), jnp.zeros((), loss_dtype)), res
             )
 
+            runs_i, i_stage, _ = piece("i")
+
             def input_grad(carry):
+                _, _, inputs = piece("i")
                 send, carry_new = lax.switch(
-                    stage,
+                    i_stage,
                     i_branches,
                     flat,
-                    microbatch(),
-                    read(io, row[col["io_in"]]),
-                    read(res, row[col["res"]]),
+                    inputs,
+                    read(io, row[col["i_in"]]),
+                    read(res, row[col["i_res"]]),
                 )
-                return write(carry, row[col["carry"]], carry_new), send
+                return write(carry, row[col["i_carry"]], carry_new), send
 
             if forward_only:
                 send_i = zero_send()
             else:
-                carry, send_i = lax.cond(is_i, input_grad, lambda c: (c, zero_send()), carry)
+                carry, send_i = lax.cond(runs_i, input_grad, lambda c: (c, zero_send()), carry)
+
+            runs_w, w_stage, _ = piece("w")
 
             def weight_grad(grads):
+                _, _, inputs = piece("w")
                 dp = lax.switch(
-                    stage,
+                    w_stage,
                     w_branches,
                     flat,
-                    microbatch(),
-                    read(res, row[col["res"]]),
-                    read(carry, row[col["carry"]]),
+                    inputs,
+                    read(res, row[col["w_res"]]),
+                    read(carry, row[col["w_carry"]]),
                 )
                 return {b: g + dp[b] for b, g in grads.items()}
 
             if not forward_only:
-                grads = lax.cond(is_w, weight_grad, lambda g: g, grads)
-            send = {dt: jnp.where(is_f, send_f[dt], send_i[dt]) for dt in send_f}
-            io = write_if_used(io, row[col["local"]], send)
+                grads = lax.cond(runs_w, weight_grad, lambda g: g, grads)
             loss = loss + loss_piece
-            for i, d in enumerate(shifts):
+            io = write_if_used(io, row[col["f_local"]], send_f)
+            if not forward_only:
+                io = write_if_used(io, row[col["i_local"]], send_i)
+            # One collective per channel, every tick, outside any branch. A
+            # shared channel (unit layout: a rank sends at most one value a
+            # tick) carries whichever of the F and I outputs this rank made.
+            if any(kind is None for kind, _ in channels):
+                either = {dt: jnp.where(runs_f, send_f[dt], send_i[dt]) for dt in send_f}
+            sends = {"F": send_f, "I": send_i}
+            for i, (kind, d) in enumerate(channels):
+                value = either if kind is None else sends[kind]
                 perm = [(j, (j + d) % R) for j in range(R)]
-                arrived = {dt: lax.ppermute(send[dt], pipe_axis, perm) for dt in send}
+                arrived = {dt: lax.ppermute(value[dt], pipe_axis, perm) for dt in value}
                 io = write_if_used(io, row[len(COLUMNS) + i], arrived)
             return (grads, loss, io, res, carry), None
 
@@ -290,6 +306,12 @@ def build_step(
         check_vma=False,
     )
     tab = np.asarray(table(plan))
+    # The table is the one part of the program that grows with the
+    # microbatches: keep it in the narrowest integer type that holds it.
+    for narrow in (np.int8, np.int16):
+        if tab.size == 0 or tab.max() <= np.iinfo(narrow).max:
+            tab = tab.astype(narrow)
+            break
 
     def step(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(tab))

@@ -74,6 +74,12 @@ class Pipeline:
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count (and
         optionally a ``data`` axis).
       pipe_axis, data_axis: the mesh axis names.
+      tick_layout: how pieces are laid out in lock-step ticks: ``"unit"`` (one
+        piece per rank per tick, following the unit-cost timeline),
+        ``"packed"`` (up to one F, one I and one W per rank per tick: fewer
+        ticks, but a transfer still costs one) or ``"auto"`` (the default:
+        packed where that does not lengthen the critical path). See
+        `jpipe._plan`.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class Pipeline:
         *,
         pipe_axis: str = "pipe",
         data_axis: str = "data",
+        tick_layout: str = "auto",
     ):
         info = analyze(schedule)
         self.stages = tuple(stages)
@@ -105,7 +112,7 @@ class Pipeline:
                 f"{len(self.stages)} stage functions"
             )
         self.num_microbatches = info.num_microbatches
-        self.plan = make_plan(schedule)
+        self.plan = make_plan(schedule, tick_layout)
         self.forward_plan = make_forward_plan(schedule)
         self.layout: ParamLayout | None = None
         self._steps: dict = {}

@@ -1,19 +1,29 @@
 """Planning: from a validated schedule to a lock-step table and buffer slots.
 
-The compiled program runs in lock-step ticks: in each tick every rank runs at
-most one piece of work, then all ranks meet at the tick's transfers to their
-neighbours. A piece is an ``F``, an ``I`` or a ``W``; a full backward ``B`` runs
-as its ``I`` part in one tick and its ``W`` part in the next, on the same rank,
-with nothing recomputed (the split is exact, see `jpipe._stage`).
+The compiled program runs in lock-step ticks: in each tick every rank runs its
+pieces of work, then all ranks meet at the tick's transfers to their
+neighbours. A piece is an ``F``, an ``I`` or a ``W``; a full backward ``B``
+runs as its ``I`` part and then its ``W`` part, on the same rank, with nothing
+recomputed (the split is exact, see `jpipe._stage`). Each rank keeps its
+list order, so the live activations on every rank are what the simulator
+reports. Two layouts of the ticks:
 
-Why ticks of one piece: in a transformer stage a forward, an input-gradient
-and a weight-gradient pass cost about the same (one pass over the weights
-each), so ranks that run different pieces in the same tick wait little for
-each other, and a transfer costs one tick, as in the event simulation. The
-tick of every piece is exactly its start time in `jpipe.simulate` with unit
-costs (F = I = W = 1, B = 2, no latency): the compiled program follows the
-simulated timeline, and each rank keeps its list order, so the live
-activations on every rank are what the simulator reports.
+- ``"unit"``: at most one piece per rank per tick. The tick of every piece is
+  its start time in `jpipe.simulate` with unit costs (F = I = W = 1, B = 2,
+  no latency), so the program follows the simulated timeline and a transfer
+  costs one tick. In a transformer stage the three pieces cost about the
+  same, so on devices that run independently (GPUs, TPUs) ranks wait little
+  for each other, and the ticks are as few as the timeline allows.
+- ``"packed"``: each rank runs at most one piece of each kind per tick, in
+  the order F, I, W, as many as its list order and its inputs allow (greedy,
+  earliest tick first). Fewer ticks, so fewer barriers and less per-tick
+  bookkeeping. A transfer still costs a tick while a tick now holds up to
+  three pieces, so a schedule whose warm-up is only just deep enough for the
+  unit timeline (1F1B) runs at half its rate; one with slack (GPipe,
+  interleaved 1F1B) keeps its critical path in fewer ticks.
+- ``"auto"`` (the default) takes the packed layout where its lock-step time
+  with unit costs is no longer than the unit layout's.
+  `docs/compiler-measurements.md` has the measurements behind this.
 
 `make_plan` then assigns buffer slots. Every value that must outlive a tick
 lives in a slot of one of three arenas:
@@ -42,11 +52,26 @@ from jpipe._simulate import Costs, simulate
 from jpipe._validate import analyze
 
 # Phases inside one tick, in program order.
-_PH_READ, _PH_WRITE_RES, _PH_WRITE_CARRY, _PH_SEND = range(4)
+(
+    _PH_F_READ,
+    _PH_F_WRITE_RES,
+    _PH_I_READ,
+    _PH_I_WRITE_CARRY,
+    _PH_W_READ,
+    _PH_SEND,
+) = range(6)
+_READ_PHASE = {"F": _PH_F_READ, "I": _PH_I_READ, "W": _PH_W_READ}
+_NUM_PHASES = 6
+
+KINDS = ("F", "I", "W")  # the program order of the pieces inside a tick
+LAYOUTS = ("auto", "unit", "packed")
 
 
 def _pos(tick: int, phase: int) -> int:
-    return 4 * tick + phase
+    return _NUM_PHASES * tick + phase
+
+
+Piece = tuple  # (kind, stage, microbatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +80,16 @@ class Plan:
 
     Attributes:
       schedule: the validated schedule.
-      ticks: ``ticks[t][r]`` is the piece rank `r` runs in tick `t`, as
-        ``(kind, stage, microbatch)`` with kind ``F``, ``I`` or ``W``, or None.
+      layout: ``"unit"`` or ``"packed"`` (see the module docstring).
+      ticks: ``ticks[t][r]`` is the tuple of pieces rank `r` runs in tick `t`,
+        in program order, each ``(kind, stage, microbatch)`` with kind ``F``,
+        ``I`` or ``W``; at most one of each kind.
       stage_to_rank: the rank of each stage.
-      shifts: the distinct ``(receiver - sender) % R`` of all transfers between
-        different ranks, activations and gradients alike; the program runs one
-        collective per shift per tick (a rank sends at most one value a tick).
+      channels: the transfers between different ranks the program makes every
+        tick, one collective each, as ``(kind, shift)`` with shift
+        ``(receiver - sender) % R``. Kind is ``"F"`` or ``"I"`` for the output
+        of that kind of piece, or None when a rank sends at most one value a
+        tick (the unit layout), so F and I outputs share the collective.
       num_io, num_res, num_carry: slots needed in each arena (worst rank).
       slot: ``slot[("io", piece)]`` is the io slot that the value consumed by
         `piece` waits in; ``slot[("res", key)]`` the residual slot of a
@@ -68,9 +97,10 @@ class Plan:
     """
 
     schedule: Schedule
-    ticks: tuple[tuple[tuple[str, int, int] | None, ...], ...]
+    layout: str
+    ticks: tuple[tuple[tuple[Piece, ...], ...], ...]
     stage_to_rank: tuple[int, ...]
-    shifts: tuple[int, ...]
+    channels: tuple[tuple[str | None, int], ...]
     num_io: int
     num_res: int
     num_carry: int
@@ -84,49 +114,112 @@ class Plan:
     def num_ranks(self) -> int:
         return self.schedule.num_ranks
 
-    def predicted_time(self, costs: Costs | None = None) -> float:
-        """Time of the lock-step program: each tick costs its busiest rank's piece.
+    def pieces(self):
+        """Yields ``(tick, rank, piece)`` for every piece."""
+        for t, row in enumerate(self.ticks):
+            for r, pieces in enumerate(row):
+                for piece in pieces:
+                    yield t, r, piece
 
-        A ``B``'s two pieces share its cost in the ratio of ``I`` to ``W``.
+    def predicted_time(self, costs: Costs | None = None) -> float:
+        """Time of the lock-step program on devices that run independently.
+
+        Each tick costs its busiest rank's pieces, summed. A ``B``'s two
+        pieces share its cost in the ratio of ``I`` to ``W``.
         """
         cost = (costs or Costs()).table(self.schedule.num_stages)
         full_b = {a.key for _, _, a in self.schedule.all_actions() if a.kind == "B"}
         total = 0.0
         for row in self.ticks:
             worst = 0.0
-            for piece in row:
-                if piece is None:
-                    continue
-                kind, s, m = piece
-                c = cost[kind][s]
-                if kind != "F" and (s, m) in full_b:
-                    i, w = cost["I"][s], cost["W"][s]
-                    c = cost["B"][s] * (c / (i + w) if i + w > 0 else 0.5)
-                worst = max(worst, c)
+            for pieces in row:
+                busy = 0.0
+                for kind, s, m in pieces:
+                    c = cost[kind][s]
+                    if kind != "F" and (s, m) in full_b:
+                        i, w = cost["I"][s], cost["W"][s]
+                        c = cost["B"][s] * (c / (i + w) if i + w > 0 else 0.5)
+                    busy += c
+                worst = max(worst, busy)
             total += worst
         return total
 
 
-def _ticks(schedule: Schedule):
+def _pieces_of(action) -> list[Piece]:
+    if action.kind == "B":
+        return [("I", action.stage, action.microbatch), ("W", action.stage, action.microbatch)]
+    return [(action.kind, action.stage, action.microbatch)]
+
+
+def _needs(piece: Piece, num_stages: int) -> list[Piece]:
+    """The pieces whose outputs `piece` consumes."""
+    kind, s, m = piece
+    if kind == "F":
+        return [("F", s - 1, m)] if s > 0 else []
+    if kind == "I":
+        return [("F", s, m)] + ([("I", s + 1, m)] if s + 1 < num_stages else [])
+    return [("I", s, m)]
+
+
+def _unit_ticks(schedule: Schedule):
     """Places every piece at its start in the unit-cost simulation."""
     sim = simulate(schedule, Costs(F=1, I=1, W=1, B=2, comm=0))
     R = schedule.num_ranks
     placed = {}
     for ev in sim.timeline:
-        a = ev.action
         t = int(round(ev.start))
-        if a.kind == "B":
-            pieces = [(t, ("I", a.stage, a.microbatch)), (t + 1, ("W", a.stage, a.microbatch))]
-        else:
-            pieces = [(t, (a.kind, a.stage, a.microbatch))]
-        for tick, piece in pieces:
-            if (tick, ev.rank) in placed:
+        for i, piece in enumerate(_pieces_of(ev.action)):
+            if (t + i, ev.rank) in placed:
                 raise AssertionError("two pieces in one tick on one rank")
-            placed[(tick, ev.rank)] = piece
+            placed[(t + i, ev.rank)] = (piece,)
     first = min(t for t, _ in placed)
     last = max(t for t, _ in placed)
-    ticks = tuple(tuple(placed.get((t, r)) for r in range(R)) for t in range(first, last + 1))
-    return ticks, sim
+    return tuple(tuple(placed.get((t, r), ()) for r in range(R)) for t in range(first, last + 1))
+
+
+def _packed_ticks(schedule: Schedule, kinds: tuple[str, ...] = KINDS):
+    """Each rank runs its next pieces in list order, one of each kind per tick.
+
+    In tick t a rank takes its next piece if the piece's kind comes later in
+    `kinds` than the kind of the piece it took before in the same tick, and
+    everything the piece consumes is ready: made on another rank in an
+    earlier tick, or on this rank earlier (in this tick, by program order).
+    A valid schedule always makes progress, so this ends.
+    """
+    info = analyze(schedule)
+    owner = info.stage_to_rank
+    S, R = info.num_stages, schedule.num_ranks
+    order = {k: i for i, k in enumerate(kinds)}
+    lists = [
+        [p for a in schedule.actions(r) for p in _pieces_of(a) if p[0] in order] for r in range(R)
+    ]
+    done: dict = {}
+    pc = [0] * R
+    remaining = sum(len(x) for x in lists)
+    ticks = []
+    while remaining:
+        t = len(ticks)
+        row = []
+        for r in range(R):
+            taken: list[Piece] = []
+            while pc[r] < len(lists[r]):
+                piece = lists[r][pc[r]]
+                if taken and order[piece[0]] <= order[taken[-1][0]]:
+                    break
+                ready = all(
+                    d in done and (done[d] < t or owner[d[1]] == r) for d in _needs(piece, S)
+                )
+                if not ready:
+                    break
+                taken.append(piece)
+                done[piece] = t
+                pc[r] += 1
+            row.append(tuple(taken))
+        if not any(row):
+            raise AssertionError(f"packing made no progress at tick {t}")
+        remaining -= sum(len(x) for x in row)
+        ticks.append(tuple(row))
+    return tuple(ticks)
 
 
 def _colour(intervals):
@@ -148,16 +241,21 @@ def _colour(intervals):
     return count, out
 
 
-def _slots(ticks, owner, R: int) -> tuple[dict, tuple[int, int, int], tuple[int, ...]]:
-    """Colours every value's lifetime: ``(slot, (num_io, num_res, num_carry), shifts)``.
+def _slots(ticks, owner, R: int):
+    """Colours every value's lifetime: ``(slot, (num_io, num_res, num_carry), channels)``.
 
     Works for any tick table: a forward's residuals live until its ``W``
     piece when there is one (a forward-only plan keeps none).
     """
     S = len(owner)
-    when = {piece: t for t, row in enumerate(ticks) for piece in row if piece is not None}
+    when = {p: t for t, row in enumerate(ticks) for pieces in row for p in pieces}
+    # Where no rank sends more than one value a tick, F and I outputs can
+    # share one collective per shift.
+    shared_channels = all(
+        sum(1 for p in pieces if p[0] != "W") <= 1 for row in ticks for pieces in row
+    )
     intervals = {arena: [[] for _ in range(R)] for arena in ("io", "res", "carry")}
-    shifts = set()
+    channels = set()
     for (kind, s, m), t in when.items():
         if kind == "W":
             continue
@@ -166,14 +264,14 @@ def _slots(ticks, owner, R: int) -> tuple[dict, tuple[int, int, int], tuple[int,
             consumer = (kind, nxt, m)
             dst = owner[nxt]
             intervals["io"][dst].append(
-                (_pos(t, _PH_SEND), _pos(when[consumer], _PH_READ), consumer)
+                (_pos(t, _PH_SEND), _pos(when[consumer], _READ_PHASE[kind]), consumer)
             )
             if dst != owner[s]:
-                shifts.add((dst - owner[s]) % R)
+                channels.add((None if shared_channels else kind, (dst - owner[s]) % R))
         end = when.get(("W", s, m))
         if end is not None:
-            arena, phase = ("res", _PH_WRITE_RES) if kind == "F" else ("carry", _PH_WRITE_CARRY)
-            intervals[arena][owner[s]].append((_pos(t, phase), _pos(end, _PH_READ), (s, m)))
+            arena, phase = ("res", _PH_F_WRITE_RES) if kind == "F" else ("carry", _PH_I_WRITE_CARRY)
+            intervals[arena][owner[s]].append((_pos(t, phase), _pos(end, _PH_W_READ), (s, m)))
     slot, counts = {}, []
     for arena, per_rank in intervals.items():
         most = 0
@@ -182,15 +280,29 @@ def _slots(ticks, owner, R: int) -> tuple[dict, tuple[int, int, int], tuple[int,
             most = max(most, n)
             slot.update({(arena, k): v for k, v in assign.items()})
         counts.append(most)
-    return slot, tuple(counts), tuple(sorted(shifts))
+    order = sorted(channels, key=lambda c: (c[0] or "", c[1]))
+    return slot, tuple(counts), tuple(order)
 
 
-def make_plan(schedule: Schedule) -> Plan:
-    """Lays `schedule` out in ticks and assigns its buffer slots."""
-    ticks, sim = _ticks(schedule)
-    owner = sim.schedule.stage_to_rank
-    slot, (num_io, num_res, num_carry), shifts = _slots(ticks, owner, schedule.num_ranks)
-    return Plan(schedule, ticks, tuple(owner), shifts, num_io, num_res, num_carry, slot)
+def make_plan(schedule: Schedule, layout: str = "auto") -> Plan:
+    """Lays `schedule` out in ticks and assigns its buffer slots.
+
+    `layout` is ``"unit"``, ``"packed"`` or ``"auto"``: the packed layout
+    where its lock-step time with unit costs (`Plan.predicted_time`) is no
+    longer than the unit layout's (it then has the same critical path in
+    fewer ticks: GPipe, interleaved 1F1B), else the unit layout (1F1B, whose
+    bounded warm-up cannot keep packed ticks full).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "auto":
+        unit, packed = make_plan(schedule, "unit"), make_plan(schedule, "packed")
+        return packed if packed.predicted_time() <= unit.predicted_time() else unit
+    owner = analyze(schedule).stage_to_rank
+    R = schedule.num_ranks
+    ticks = _packed_ticks(schedule) if layout == "packed" else _unit_ticks(schedule)
+    slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
+    return Plan(schedule, layout, ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
 
 
 def make_forward_plan(schedule: Schedule) -> Plan:
@@ -200,86 +312,78 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     soon as the forward it depends on has run; nothing is kept for a backward
     (every residual write goes to the spare slot).
     """
-    info = analyze(schedule)
-    owner = info.stage_to_rank
+    owner = analyze(schedule).stage_to_rank
     R = schedule.num_ranks
-    rows = [[a for a in schedule.actions(r) if a.kind == "F"] for r in range(R)]
-    done_at: dict[tuple[int, int], int] = {}
-    pc = [0] * R
-    ticks = []
-    while any(pc[r] < len(rows[r]) for r in range(R)):
-        t = len(ticks)
-        row = []
-        for r in range(R):
-            piece = None
-            if pc[r] < len(rows[r]):
-                a = rows[r][pc[r]]
-                dep = done_at.get((a.stage - 1, a.microbatch))
-                if a.stage == 0 or (dep is not None and dep < t):
-                    piece = ("F", a.stage, a.microbatch)
-            row.append(piece)
-        for r, piece in enumerate(row):
-            if piece is not None:
-                done_at[piece[1:]] = t
-                pc[r] += 1
-        ticks.append(tuple(row))
-    slot, (num_io, num_res, num_carry), shifts = _slots(ticks, owner, R)
-    for piece in {p for row in ticks for p in row if p is not None}:
+    ticks = _packed_ticks(schedule, kinds=("F",))
+    slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
+    for _, _, piece in Plan(schedule, "unit", ticks, owner, (), 0, 0, 0, {}).pieces():
         slot[("res", piece[1:])] = num_res  # the spare slot: nothing is kept
-    return Plan(schedule, tuple(ticks), tuple(owner), shifts, num_io, num_res, num_carry, slot)
+    return Plan(schedule, "unit", ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
 
 
-# Columns of the per-tick table that drives the program.
+# Columns of the per-tick table that drives the program: for each kind of
+# piece, which stage runs it (0: none; 1 + s: stage s), its microbatch and its
+# slots. The spare slot of each arena (index `num_*`) takes writes that nobody
+# reads and feeds reads whose value is not used.
 COLUMNS = (
-    "branch",  # 0: idle; 1 + s: F of stage s; 1 + S + s: I of s; 1 + 2S + s: W of s
-    "microbatch",
-    "io_in",  # io slot read: the F's input activation or the I's output gradient
-    "res",  # res slot: written by F, read by I and W
-    "carry",  # carry slot: written by I, read by W
-    "local",  # io slot for an output whose consumer is on this rank
+    "f_stage",
+    "f_microbatch",
+    "f_in",  # io slot of the input activation
+    "f_res",  # res slot written
+    "f_local",  # io slot for the output when its consumer is on this rank
+    "i_stage",
+    "i_microbatch",
+    "i_in",  # io slot of the output gradient
+    "i_res",  # res slot read
+    "i_carry",  # carry slot written
+    "i_local",
+    "w_stage",
+    "w_microbatch",
+    "w_res",
+    "w_carry",
 )
+STAGE_COLUMNS = ("f_stage", "i_stage", "w_stage")
 
 
 def table(plan: Plan) -> np.ndarray:
     """The int32 table ``[ticks, ranks, columns]`` that the program scans over.
 
-    Columns are `COLUMNS`, then one arrival io slot per shift (`Plan.shifts`).
-    The spare slot of each arena (index `num_*`) takes
-    writes that nobody reads and feeds reads whose value is not used.
+    Columns are `COLUMNS`, then the io slot that each of `Plan.channels`
+    delivers to on the receiving rank.
     """
     S = plan.schedule.num_stages
     R = plan.num_ranks
     owner = plan.stage_to_rank
-    ncol = len(COLUMNS) + len(plan.shifts)
+    ncol = len(COLUMNS) + len(plan.channels)
     out = np.zeros((plan.num_ticks, R, ncol), np.int32)
     col = {name: i for i, name in enumerate(COLUMNS)}
-    scol = {d: len(COLUMNS) + i for i, d in enumerate(plan.shifts)}
-    out[:, :, col["io_in"]] = plan.num_io
-    out[:, :, col["res"]] = plan.num_res
-    out[:, :, col["carry"]] = plan.num_carry
-    out[:, :, col["local"]] = plan.num_io
-    for c in scol.values():
+    chan = {c: len(COLUMNS) + i for i, c in enumerate(plan.channels)}
+    spare = {"in": plan.num_io, "local": plan.num_io, "res": plan.num_res, "carry": plan.num_carry}
+    for name, i in col.items():
+        kind_col = name.split("_", 1)[1]
+        if kind_col in spare:
+            out[:, :, i] = spare[kind_col]
+    for c in chan.values():
         out[:, :, c] = plan.num_io
     slot = plan.slot
-    offset = {"F": 1, "I": 1 + S, "W": 1 + 2 * S}
-    for t, row in enumerate(plan.ticks):
-        for r, piece in enumerate(row):
-            if piece is None:
-                continue
-            kind, s, m = piece
-            out[t, r, col["branch"]] = offset[kind] + s
-            out[t, r, col["microbatch"]] = m
-            out[t, r, col["res"]] = slot[("res", (s, m))]
-            if kind == "F" and s > 0 or kind == "I" and s + 1 < S:
-                out[t, r, col["io_in"]] = slot[("io", piece)]
-            if kind in ("I", "W"):
-                out[t, r, col["carry"]] = slot[("carry", (s, m))]
-            nxt = s + 1 if kind == "F" else s - 1
-            if kind != "W" and 0 <= nxt < S:
-                consumer = (kind, nxt, m)
-                dst = owner[nxt]
-                if dst == r:
-                    out[t, r, col["local"]] = slot[("io", consumer)]
-                else:
-                    out[t, dst, scol[(dst - r) % R]] = slot[("io", consumer)]
+    for t, r, piece in plan.pieces():
+        kind, s, m = piece
+        k = kind.lower()
+        out[t, r, col[f"{k}_stage"]] = 1 + s
+        out[t, r, col[f"{k}_microbatch"]] = m
+        out[t, r, col[f"{k}_res"]] = slot[("res", (s, m))]
+        if kind == "F" and s > 0 or kind == "I" and s + 1 < S:
+            out[t, r, col[f"{k}_in"]] = slot[("io", piece)]
+        if kind in ("I", "W"):
+            out[t, r, col[f"{k}_carry"]] = slot[("carry", (s, m))]
+        nxt = s + 1 if kind == "F" else s - 1
+        if kind != "W" and 0 <= nxt < S:
+            consumer = (kind, nxt, m)
+            dst = owner[nxt]
+            if dst == r:
+                out[t, r, col[f"{k}_local"]] = slot[("io", consumer)]
+            else:
+                shared = (None, (dst - r) % R)
+                c = chan[shared] if shared in chan else chan[(kind, (dst - r) % R)]
+                out[t, dst, c] = slot[("io", consumer)]
     return out

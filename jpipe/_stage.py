@@ -293,7 +293,23 @@ class StageKernels:
                 frontier.extend(u for u in jaxpr.eqns[idx].invars if not _is_lit(u))
             return needed
 
-        i_eqns = slice_for(dx_out)
+        # I: everything the input gradient needs, and the whole cotangent chain
+        # through the stage: every equation that reads a parameter (as
+        # ``dy @ w.T`` does) and what it needs. W: the rest, the products that
+        # make parameter gradients (``x.T @ dy``) from what I carries over.
+        # For a middle stage the chain is what dx needs anyway; for the first
+        # stage, which has no dx, it keeps the backward through its layers in
+        # I instead of leaving all of it to W, so I and W cost about the same
+        # on every stage.
+        live = slice_for(dp_out + dx_out)
+        params_read = set(p_vars)
+        chain = [
+            v
+            for idx in sorted(live)
+            if any(not _is_lit(u) and u in params_read for u in jaxpr.eqns[idx].invars)
+            for v in jaxpr.eqns[idx].outvars
+        ]
+        i_eqns = slice_for(dx_out + chain)
         w_eqns = slice_for(dp_out, stop=frozenset(i_eqns))
         # The carry: values the W piece reads that the I piece made or received.
         i_made = {v for idx in i_eqns for v in jaxpr.eqns[idx].outvars}

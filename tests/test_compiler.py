@@ -190,7 +190,8 @@ def test_forward_only_loss(name, chunks, data):
     assert float(pipe.loss(packed, batch)) == pytest.approx(float(loss), rel=RTOL)
     # Only forwards: as many ticks as the slowest rank's forwards need, no residual slots.
     assert pipe.forward_plan.num_res == 0
-    assert all(p is None or p[0] == "F" for row in pipe.forward_plan.ticks for p in row)
+    assert all(piece[0] == "F" for _, _, piece in pipe.forward_plan.pieces())
+    assert all(len(pieces) <= 1 for row in pipe.forward_plan.ticks for pieces in row)
 
 
 def _dense_block(params, x, inputs):
