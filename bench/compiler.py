@@ -7,8 +7,11 @@ two dense layers of width 1024, microbatches of 64 rows, float32):
    the peer) compiled at each M, fresh each time (tracing included), the
    median of ``--compile-reps`` compiles, with the compiled per-device temp
    bytes. 1F1B should stay flat, GPipe should grow.
-2. Performance at one M: the one-device step, data parallelism, the peer and
-   every jpipe schedule, timed together. For each jpipe row the same program
+2. Performance at one M: the one-device step, data parallelism, the peer,
+   every jpipe schedule and three diagnostics (`bench.baselines.lockstep`:
+   every device runs one stage's pieces with no pipeline, without barriers,
+   with a barrier per piece in phase, and rotated as in a pipeline), timed
+   together. For each jpipe row the same program
    is also compiled with an all-idle table (every rank idle at every tick:
    the loop, the branch selection, the slot bookkeeping and the collectives
    still run, no stage does). Its time divided by the ticks sizes the
@@ -55,12 +58,17 @@ def idle_tables():
         yield False
         return
 
-    columns = getattr(lower, "COLUMNS", ("branch",))
-    branch = columns.index("branch") if "branch" in columns else 0
+    import jpipe._plan as plan_module
+
+    columns = list(getattr(plan_module, "COLUMNS", ()))
+    stage_columns = [columns.index(c) for c in getattr(plan_module, "STAGE_COLUMNS", ())]
+    if not stage_columns:
+        yield False
+        return
 
     def idle(plan):
         t = original(plan).copy()
-        t[:, :, branch] = 0  # branch 0 is idle
+        t[:, :, stage_columns] = 0  # stage 0 in a kind's column: no piece of that kind
         return t
 
     lower.table = idle
@@ -144,13 +152,17 @@ def performance(workload, devices, args, pieces, log) -> tuple[dict, dict]:
         if M >= len(devices):
             built.append(rows.peer_row(workload, M, devices, args.chunks))
     built += [rows.jpipe_row(workload, name, M, devices, args.chunks) for name in args.schedules]
+    if workload.num_layers % max(3, len(devices)) == 0:
+        built += rows.lockstep_rows(workload, M, devices)
     records, programs, predicted_rows = [], [], {}
     for row in built:
         rec = {"microbatches": M, "name": row.name, "kind": row.kind, **row.info}
         records.append(rec)
         try:
             prog = measure.compile_program(row.name, row.lowerable, row.args)
-            rec["loss"] = float(jax.block_until_ready(prog.fn(*prog.args))[0])
+            out = jax.block_until_ready(prog.fn(*prog.args))
+            if row.kind != "diagnostic":  # the diagnostics return gradients only
+                rec["loss"] = float(out[0])
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             continue

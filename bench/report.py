@@ -210,6 +210,14 @@ def write_table(result: dict, out: str, plot: bool = True) -> list[str]:
 # -- the compiler suite ------------------------------------------------------------
 
 
+def _ticks(rec: dict) -> str:
+    """A jpipe row's ticks and their layout, or the peer's loop length."""
+    if "ticks" in rec:
+        layout = rec.get("tick_layout")
+        return f"{rec['ticks']} ({layout})" if layout else str(rec["ticks"])
+    return str(rec.get("iterations", "-"))
+
+
 def compiler_markdown(result: dict) -> str:
     """Memory and compile time against M, then the performance shape."""
     lines = ["# jpipe compiler measurements", ""] + _header(result["meta"])
@@ -264,7 +272,7 @@ def compiler_markdown(result: dict) -> str:
                 [
                     rec["name"],
                     str(rec.get("stages", "-")),
-                    str(rec.get("ticks", rec.get("iterations", "-"))),
+                    _ticks(rec),
                     _s(rec.get("compile_seconds")),
                     mib(rec.get("temp_bytes")),
                     *_timing_cells(rec),

@@ -13,7 +13,13 @@ from typing import Any
 import jax
 
 import jpipe
-from bench.baselines import data_parallel, one_device, one_device_microbatched, spmd_pipeline
+from bench.baselines import (
+    data_parallel,
+    lockstep,
+    one_device,
+    one_device_microbatched,
+    spmd_pipeline,
+)
 from bench.workloads import Workload
 
 # Schedules that place several stages on each rank take `chunks` of them.
@@ -101,3 +107,16 @@ def jpipe_row(
     if tick_layout != "auto":
         name += f", {tick_layout}"
     return Row(name, "jpipe", pipe, (packed, batch), info, pipeline=pipe)
+
+
+def lockstep_rows(workload: Workload, num_microbatches: int, devices) -> list[Row]:
+    """The diagnostics of `bench.baselines.lockstep`: a pipeline's work, then lock-step alone."""
+    out = []
+    for variant in lockstep.VARIANTS:
+        program = lockstep.stage_pieces(workload, num_microbatches, devices, variant)
+        name = "stage pieces, " + (
+            "no barriers" if variant == "free" else f"barrier per piece, {variant}"
+        )
+        info = {"devices": len(devices), "variant": variant}
+        out.append(Row(name, "diagnostic", program.lowerable, program.args, info))
+    return out

@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.schedule = "1f1b"  # built-in name, a CSV file, or "path/to/file.py:function"
     config.num_microbatches = 16  # M; must divide batch_size / mesh.data
     config.chunks = 0  # stages per rank V; 0 = the schedule's own (interleaved_1f1b, zbv: 2)
+    config.tick_layout = "auto"  # "unit", "packed", or "auto": packed where no slower
     config.layers_per_stage = ""  # blocks per stage, e.g. "2,4,4,2"; "" = balanced
 
     # Devices.

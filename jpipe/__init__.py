@@ -1,7 +1,8 @@
 """jpipe: write, check, see and run pipeline-parallel training schedules in JAX.
 
 The data flows one way: a schedule (Python or PyTorch CSV) -> `validate` ->
-`simulate` and charts -> a program lowered onto a device mesh -> a train step.
+`simulate` and charts -> `make_plan` (lock-step ticks and buffer slots) -> a
+program lowered onto a device mesh -> a train step.
 Everything before the lowering is pure Python and needs no devices.
 
 Glossary for shapes and sizes, used throughout: S stages, R ranks (devices on
@@ -10,6 +11,7 @@ microbatch size, L sequence length, D model width.
 """
 
 from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+from jpipe._plan import Plan, make_plan
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
 from jpipe._simulate import Costs, Simulation, simulate
@@ -23,12 +25,14 @@ __all__ = [
     "I",
     "Overlap",
     "Pipeline",
+    "Plan",
     "Schedule",
     "ScheduleError",
     "Simulation",
     "W",
     "get_schedule",
     "make_mesh",
+    "make_plan",
     "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",

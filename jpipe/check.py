@@ -34,6 +34,13 @@ def main(argv=None) -> int:
         "--chunks", type=int, default=None, help="stages per rank (V); default: the schedule's own"
     )
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
+    parser.add_argument(
+        "--layout",
+        choices=("auto", "unit", "packed"),
+        default="auto",
+        help="tick layout: one piece per rank per tick (unit), up to one F, I and W "
+        "(packed), or packed where no slower (auto, the default)",
+    )
     parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -50,7 +57,7 @@ def main(argv=None) -> int:
         from jpipe.testing import check_schedule, ensure_cpu_devices
 
         ensure_cpu_devices(schedule.num_ranks * args.data)
-        result = check_schedule(schedule, data=args.data, rtol=args.rtol)
+        result = check_schedule(schedule, data=args.data, rtol=args.rtol, tick_layout=args.layout)
     except (ScheduleError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -59,7 +66,8 @@ def main(argv=None) -> int:
     else:
         print(
             f"{result.schedule}: {result.ranks} ranks x {result.data} data, {result.stages} "
-            f"stages, {result.microbatches} microbatches, {result.ticks} ticks"
+            f"stages, {result.microbatches} microbatches, {result.ticks} ticks "
+            f"({result.tick_layout})"
         )
         print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")

@@ -151,6 +151,7 @@ class CheckResult:
       compile_seconds: time to compile the pipelined step.
       temp_bytes, argument_bytes: per-device figures from `memory_analysis()`.
       ticks: the lock-step program's length.
+      tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``).
       rtol: the tolerance used.
     """
 
@@ -163,6 +164,7 @@ class CheckResult:
     temp_bytes: int
     argument_bytes: int
     ticks: int
+    tick_layout: str
     rtol: float
     schedule: str
     ranks: int
@@ -209,6 +211,7 @@ def check_schedule(
     rows_per_microbatch: int = 2,
     rtol: float = 1e-5,
     seed: int = 0,
+    tick_layout: str = "auto",
     **options,
 ) -> CheckResult:
     """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
@@ -222,6 +225,7 @@ def check_schedule(
       rows_per_microbatch: rows per microbatch per data shard.
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       seed: for the model's weights and the batch.
+      tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
       **options: passed to the schedule function.
 
     Returns:
@@ -239,7 +243,7 @@ def check_schedule(
     stages, params, make_batch = small_model(S, seed)
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
     mesh = make_mesh(R, data, jax.devices("cpu")[: R * data])
-    pipe = Pipeline(stages, schedule, mesh)
+    pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout)
     packed = pipe.pack(params)
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
@@ -258,6 +262,7 @@ def check_schedule(
         temp_bytes=int(memory.temp_size_in_bytes),
         argument_bytes=int(memory.argument_size_in_bytes),
         ticks=pipe.plan.num_ticks,
+        tick_layout=pipe.plan.layout,
         rtol=rtol,
         schedule=schedule.name or str(spec),
         ranks=R,

@@ -71,6 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 import jpipe
 from jpipe import data as data_lib
+from jpipe._plan import LAYOUTS as TICK_LAYOUTS
 from jpipe.checkpoint import Checkpoints
 from jpipe.models import gpt
 from jpipe.show import text_chart
@@ -189,6 +190,7 @@ class TrainConfig:
     model: gpt.GPTConfig
     optimizer: OptimizerConfig
     chunks: int = 0  # 0: the schedule's own default
+    tick_layout: str = "auto"  # "auto", "unit" or "packed" (see jpipe.Pipeline)
     layers_per_stage: str = ""
     cpu_devices: int = 0
     profile: bool = False
@@ -201,6 +203,10 @@ class TrainConfig:
             raise _fail("schedule", self.schedule, f"is empty; {_schedule_choices()}")
         _check_int("num_microbatches", self.num_microbatches, 1)
         _check_int("chunks", self.chunks, 0)
+        if self.tick_layout not in TICK_LAYOUTS:
+            raise _fail(
+                "tick_layout", self.tick_layout, f"must be one of {', '.join(TICK_LAYOUTS)}"
+            )
         _check_type("layers_per_stage", self.layers_per_stage, str, "a string such as '3,4,4,3'")
         _check_int("steps", self.steps, 1)
         _check_int("log_every", self.log_every, 1)
@@ -986,7 +992,7 @@ def _run(
             return TrainResult({}, {}, start, start, time.perf_counter() - wall_start, None, None)
 
     model = gpt.make_stages(c.model, prepared.layers_per_stage)
-    pipeline = jpipe.Pipeline(model.stages, schedule, mesh)
+    pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
 
     params_list = model.init(c.seed)
     params = pipeline.pack(params_list)

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `bench` lives beside `jpipe`, not in the installed package
 
-from bench.baselines import spmd_pipeline  # noqa: E402
+from bench.baselines import lockstep, spmd_pipeline  # noqa: E402
 from bench.workloads import get_workload, sequential_loss  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
@@ -44,6 +44,33 @@ def test_peer_matches_the_unpipelined_model(num_microbatches, repeats):
         r, s = divmod(piece, R)
         got = jax.tree.map(lambda a, r=r, s=s: np.asarray(a)[r, s], grads["blocks"])
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("variant", lockstep.VARIANTS)
+def test_lockstep_diagnostics_do_the_pipelines_work(variant):
+    """The diagnostic rows really compute each device's stage gradients.
+
+    Each device runs a middle stage's F, I and W pieces for every microbatch,
+    the I's cotangent being the F's own output; the accumulated weight
+    gradients must be those of `jax.vjp` of the stage, so no piece was skipped.
+    """
+    workload = get_workload("tiny-dense")
+    R, M = 4, 3
+    kernels = lockstep.middle_stage_kernels(workload, M, R)
+    data = lockstep.microbatch_inputs(workload, M, R, kernels)
+    stage_fns, params = workload.stages(R)
+    program = lockstep.stage_pieces(workload, M, jax.devices()[:R], variant)
+    grads, _ = program.lowerable(*program.args)
+    for r in range(R):
+        want = None
+        for m in range(M):
+            x = jax.tree.map(lambda a, r=r, m=m: a[r, m], data["x"])
+            inputs = jax.tree.map(lambda a, r=r, m=m: a[r, m], data["inputs"])
+            y, vjp = jax.vjp(lambda p, x=x, i=inputs: stage_fns[1](p, x, i), params[1])
+            (g,) = vjp(y)
+            want = g if want is None else jax.tree.map(np.add, want, g)
+        got = jax.tree.map(lambda a, r=r: np.asarray(a)[r], grads)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6), got, want)
 
 
 def test_quick_bench_writes_a_sane_table(tmp_path):

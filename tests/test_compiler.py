@@ -13,6 +13,7 @@ import pytest
 import jpipe
 from jpipe import testing
 from jpipe._pipeline import Pipeline, make_mesh
+from jpipe._stage import StageKernels
 
 RTOL = 1e-5  # float32; see jpipe.testing.CheckResult for how it is measured
 
@@ -37,6 +38,24 @@ def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks):
     result = testing.check_schedule(name, ranks, microbatches, chunks)
     assert result.passed, result
     assert result.max_rel_err <= RTOL
+
+
+OTHER_LAYOUT_CASES = [
+    (name, r, m, chunks)
+    for name, chunks in [(n, 1) for n in ONE_STAGE_PER_RANK]
+    + [("interleaved_1f1b", 2), ("looped_bfs", 2), ("zbv", 2), ("dualpipev", 2)]
+    for r, m in [(2, 5), (4, 8)]
+]
+
+
+@pytest.mark.parametrize("name,ranks,microbatches,chunks", OTHER_LAYOUT_CASES)
+def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chunks):
+    # The cases above run the layout "auto" picks; this runs the other one.
+    auto = jpipe.make_plan(jpipe.get_schedule(name, ranks, microbatches, chunks)).layout
+    other = {"unit": "packed", "packed": "unit"}[auto]
+    result = testing.check_schedule(name, ranks, microbatches, chunks, tick_layout=other)
+    assert result.tick_layout == other
+    assert result.passed, result
 
 
 @pytest.mark.parametrize(
@@ -265,3 +284,31 @@ def test_refuses_parameters_that_are_not_float_arrays():
     pipe = Pipeline(stages, jpipe.get_schedule("1f1b", 2, 2), make_mesh(2, 1))
     with pytest.raises(ValueError, match=r"stage 1's parameter \['count'\] is ndarray int64"):
         pipe.pack(params)
+
+
+def _dots(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("dot_general")
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_i_runs_the_backward_chain_and_w_the_weight_products(first):
+    # Two dense layers: the backward has two chain products (dy @ w.T) and two
+    # weight products (x.T @ dy). A middle stage needs both chain products for
+    # its dx; the first stage has no dx, and its I still takes the chain
+    # product between its layers, so that I and W cost about the same there.
+    def stage(params, x, inputs):
+        if first:
+            x = inputs["x"]
+        h = jax.numpy.tanh(x @ params["w1"])
+        return jax.numpy.tanh(h @ params["w2"])
+
+    f32 = jax.numpy.float32
+    params = {n: jax.ShapeDtypeStruct((8, 8), f32) for n in ("w1", "w2")}
+    act = jax.ShapeDtypeStruct((4, 8), f32)
+    inputs = {"x": act}
+    k = StageKernels(stage, params, None if first else act, inputs)
+    g = [act]
+    i_dots = _dots(k.input_grad, params, inputs, k.res_avals, g)
+    carry = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in k.carry_avals]
+    w_dots = _dots(k.weight_grad, params, inputs, k.res_avals, carry)
+    assert (i_dots, w_dots) == ((1, 2) if first else (2, 2))

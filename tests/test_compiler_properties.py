@@ -53,13 +53,13 @@ slow = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 
 
 @slow
-@given(sizes)
-def test_random_valid_schedules_are_exact(size):
+@given(sizes, st.sampled_from(["unit", "packed"]))
+def test_random_valid_schedules_are_exact(size, layout):
     seed, ranks, stages, microbatches = size
     schedule = random_schedule(seed, ranks, stages, microbatches)
     jpipe.validate(schedule)
-    result = testing.check_schedule(schedule)
-    assert result.passed, (schedule, result)
+    result = testing.check_schedule(schedule, tick_layout=layout)
+    assert result.passed, (schedule, layout, result)
 
 
 def corrupt(schedule: jpipe.Schedule, seed: int) -> jpipe.Schedule:

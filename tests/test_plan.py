@@ -1,0 +1,195 @@
+"""Plans without JAX: the tick layouts and the slots, replayed from the table.
+
+`replay` runs the int table the program scans over, phase by phase as the
+program does (F, I, W, then the sends), on labels instead of arrays: every
+slot read must find exactly the value the piece needs, so two values that are
+alive at once can never share a slot, and every transfer lands where its
+consumer looks. This checks the colouring and the table independently of the
+lowering, for every built-in and for random schedules, in both layouts.
+"""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_compiler_properties import random_schedule
+
+import jpipe
+from jpipe._plan import COLUMNS, make_forward_plan, make_plan, table
+
+LAYOUTS = ("unit", "packed")
+BUILTINS = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("eager_1f1b", 1),
+    ("zb_h1", 1),
+    ("zb_h2", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
+
+
+def replay(plan) -> int:
+    """Replays `table(plan)`; returns the number of pieces run. Fails on a wrong read."""
+    S = plan.schedule.num_stages
+    R = plan.num_ranks
+    owner = plan.stage_to_rank
+    tab = table(plan)
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    spare = {"io": plan.num_io, "res": plan.num_res, "carry": plan.num_carry}
+    state = [{arena: {} for arena in spare} for _ in range(R)]
+    ran = 0
+
+    def write(r, arena, slot, value):
+        if slot != spare[arena]:
+            state[r][arena][slot] = value
+
+    def read(r, arena, slot, want, where):
+        got = state[r][arena].get(slot)
+        assert got == want, f"{where}: {arena} slot {slot} holds {got}, expected {want}"
+
+    for t in range(plan.num_ticks):
+        outputs = [{} for _ in range(R)]  # rank -> kind -> the piece its output feeds
+        for r in range(R):
+            row = tab[t, r]
+            for kind in ("f", "i", "w"):
+                stage = int(row[col[f"{kind}_stage"]])
+                if not stage:
+                    continue
+                s, m = stage - 1, int(row[col[f"{kind}_microbatch"]])
+                K = kind.upper()
+                where = f"tick {t} rank {r} {K}{s}.{m}"
+                assert owner[s] == r, where
+                ran += 1
+                if K == "F":
+                    if s > 0:
+                        read(r, "io", row[col["f_in"]], ("F", s, m), where)
+                    write(r, "res", row[col["f_res"]], ("res", s, m))
+                    if s + 1 < S:
+                        outputs[r]["F"] = ("F", s + 1, m)
+                elif K == "I":
+                    if s + 1 < S:
+                        read(r, "io", row[col["i_in"]], ("I", s, m), where)
+                    read(r, "res", row[col["i_res"]], ("res", s, m), where)
+                    write(r, "carry", row[col["i_carry"]], ("carry", s, m))
+                    if s > 0:
+                        outputs[r]["I"] = ("I", s - 1, m)
+                else:
+                    read(r, "res", row[col["w_res"]], ("res", s, m), where)
+                    read(r, "carry", row[col["w_carry"]], ("carry", s, m), where)
+        for r in range(R):  # local hand-overs, then arrivals, as the program does
+            for kind in ("F", "I"):
+                consumer = outputs[r].get(kind)
+                if consumer is not None and owner[consumer[1]] == r:
+                    write(r, "io", tab[t, r, col[f"{kind.lower()}_local"]], consumer)
+        for r in range(R):
+            for c, (kind, d) in enumerate(plan.channels):
+                sender = (r - d) % R
+                sent = [
+                    v
+                    for k, v in outputs[sender].items()
+                    if (kind is None or k == kind) and owner[v[1]] == r
+                ]
+                slot = tab[t, r, len(COLUMNS) + c]
+                if slot != spare["io"]:
+                    assert len(sent) == 1, (t, r, kind, d, sent)
+                    write(r, "io", slot, sent[0])
+    return ran
+
+
+def check_plan(schedule, layout):
+    plan = make_plan(schedule, layout)
+    assert plan.layout == layout
+    pieces = sum(2 if a.kind == "B" else 1 for _, _, a in schedule.all_actions())
+    assert replay(plan) == pieces
+    order = {"F": 0, "I": 1, "W": 2}
+    position = {}
+    for r in range(schedule.num_ranks):
+        listed = [
+            (k, a.stage, a.microbatch)
+            for a in schedule.actions(r)
+            for k in (("I", "W") if a.kind == "B" else (a.kind,))
+        ]
+        ran = [p for row in plan.ticks for p in row[r]]
+        assert ran == listed, f"rank {r} does not keep its list order"
+        for t, row in enumerate(plan.ticks):
+            kinds = [order[p[0]] for p in row[r]]
+            assert kinds == sorted(set(kinds)), f"tick {t} rank {r}: {row[r]}"
+            if layout == "unit":
+                assert len(row[r]) <= 1
+            position.update({p: t for p in row[r]})
+    # The residual slots are the schedule's promise: its simulated peak.
+    assert plan.num_res == max(jpipe.simulate(schedule).peak_activations)
+    return plan
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,chunks", BUILTINS)
+def test_builtin_plans_replay(name, chunks, layout):
+    for ranks, microbatches in [(2, 1), (2, 5), (4, 4), (4, 9), (8, 16)]:
+        try:
+            schedule = jpipe.get_schedule(name, ranks, microbatches, chunks)
+        except (jpipe.ScheduleError, ValueError):
+            continue  # this schedule needs more microbatches
+        check_plan(schedule, layout)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(1, 6),
+    st.sampled_from(LAYOUTS),
+)
+def test_random_plans_replay(seed, ranks, stages, microbatches, layout):
+    schedule = random_schedule(seed, ranks, max(ranks, stages), microbatches)
+    check_plan(schedule, layout)
+
+
+def test_forward_plan_replays_and_keeps_nothing():
+    schedule = jpipe.get_schedule("zbv", 4, 8, 2)
+    plan = make_forward_plan(schedule)
+    assert plan.num_res == 0
+    assert all(len(pieces) <= 1 for row in plan.ticks for pieces in row)
+    assert {p[0] for _, _, p in plan.pieces()} == {"F"}
+
+
+def test_auto_takes_packed_only_where_it_is_no_slower():
+    # GPipe and interleaved 1F1B keep their critical path in fewer packed
+    # ticks; 1F1B's warm-up is too shallow to keep packed ticks full.
+    for name, chunks, want in [
+        ("gpipe", 1, "packed"),
+        ("interleaved_1f1b", 2, "packed"),
+        ("1f1b", 1, "unit"),
+    ]:
+        schedule = jpipe.get_schedule(name, 4, 16, chunks)
+        unit, packed = make_plan(schedule, "unit"), make_plan(schedule, "packed")
+        auto = make_plan(schedule)
+        assert auto.layout == want, name
+        assert auto.predicted_time() == min(unit.predicted_time(), packed.predicted_time())
+        if want == "packed":
+            assert packed.num_ticks < unit.num_ticks
+    assert make_plan(jpipe.get_schedule("1f1b", 4, 16), "packed").predicted_time() > 57
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(
+        ValueError, match="unknown tick layout 'fast': use one of auto, unit, packed"
+    ):
+        make_plan(jpipe.get_schedule("1f1b", 2, 2), "fast")
+
+
+def test_replay_catches_values_that_share_a_slot():
+    # The replay is the check above: squeezing 1F1B's residuals into one slot
+    # must make some backward read another microbatch's residuals.
+    plan = make_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
+    assert plan.num_res > 1
+    squeezed = dict(plan.slot)
+    squeezed.update({key: 0 for key in plan.slot if key[0] == "res"})
+    broken = dataclasses.replace(plan, slot=squeezed)
+    with pytest.raises(AssertionError, match="res slot 0 holds"):
+        replay(broken)
