@@ -1,15 +1,15 @@
 """The profiler: what F, I and W of each stage cost on one device.
 
-For each stage of a cut model, on one microbatch and one device:
+For each stage of a cut model, on one microbatch and one device, the very
+pieces jpipe runs (`jpipe._stage.StageKernels`):
 
-- ``F``: the stage's forward under `jax.vjp`, returning its output and the
-  residuals its backward needs, less those that are inputs already (the
-  parameters, the activation, the microbatch): what a pipeline keeps;
-- ``B``: the whole backward from those residuals (input and weight gradient);
-- ``I``: the input gradient alone (XLA drops the weight-gradient work);
-- ``W``: ``B - I``, the weight-gradient work a split backward leaves for later.
-
-The first stage has no input gradient (``I = 0``, ``W = B``).
+- ``F``: the stage's forward, returning its output and the residuals its
+  backward needs (less those that are inputs already);
+- ``I``: the input-gradient piece, with the cotangent chain through the stage
+  (for the first stage, which has no input gradient, the chain alone);
+- ``W``: the weight-gradient piece, from the residuals and what ``I`` carries;
+- ``B``: ``I`` then ``W`` in one program, the backward of a schedule that
+  does not split it.
 
 `stage_programs` compiles the pieces once; the caller times them together
 with the rows they predict (`bench.measure.time_together`), so that the costs
@@ -24,51 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from bench import measure
+from jpipe._stage import StageKernels
 
 # Calls of a piece per timed run (see `stage_programs`).
 REPEAT = 4
-
-
-def _pieces(fn, has_x: bool):
-    """A stage's forward and backward, with the residuals passed between them.
-
-    ``forward(params, x, inputs) -> (y, residuals)``;
-    ``backward(params, x, inputs, residuals, g) -> (dparams, dx)``.
-
-    The forward returns only the residuals that are not already inputs (the
-    parameters, the activation, the microbatch), as a pipeline keeps them;
-    the backward rebuilds `jax.vjp`'s function from both and applies it,
-    returning ``(dparams, dx)`` (just ``(dparams,)`` for a first stage).
-    """
-    layout = {}
-
-    def forward(params, x, inputs):
-        if has_x:
-            y, vjp_fn = jax.vjp(lambda p, x_: fn(p, x_, inputs), params, x)
-        else:
-            y, vjp_fn = jax.vjp(lambda p: fn(p, None, inputs), params)
-        leaves, layout["tree"] = jax.tree.flatten(vjp_fn)
-        known = jax.tree.leaves((params, x, inputs))
-        where, residuals = [], []
-        for leaf in leaves:
-            same = next((i for i, k in enumerate(known) if leaf is k), None)
-            if same is not None:
-                where.append(("known", same))
-            elif hasattr(leaf, "shape"):
-                where.append(("res", len(residuals)))
-                residuals.append(leaf)
-            else:
-                where.append(("const", leaf))
-        layout["where"] = where
-        return y, residuals
-
-    def backward(params, x, inputs, residuals, g):
-        known = jax.tree.leaves((params, x, inputs))
-        pick = {"known": known, "res": residuals}
-        leaves = [v if kind == "const" else pick[kind][v] for kind, v in layout["where"]]
-        return jax.tree.unflatten(layout["tree"], leaves)(g)
-
-    return forward, backward
 
 
 class _Repeated:
@@ -100,20 +59,27 @@ def stage_programs(
     programs = []
     x = None
     for s, (fn, params) in enumerate(zip(stage_fns, params_list)):
-        has_x = x is not None
-        forward, backward = _pieces(fn, has_x)
-        f = jax.jit(forward)
+        k = StageKernels(fn, params, x, inputs)
+        f = jax.jit(k.forward)
         y, residuals = f(params, x, inputs)
-        g = jax.tree.map(jnp.ones_like, y)
-        args = (params, x, inputs, residuals, g)
-        pieces = [("F", f, (params, x, inputs)), ("B", jax.jit(backward), args)]
-        if has_x:
-            pieces.append(("I", jax.jit(lambda *a, b=backward: b(*a)[1]), args))
+        g = [jnp.ones_like(v) for v in y]
+        _, carry = jax.jit(k.input_grad)(params, inputs, residuals, g)
+
+        def backward(params, inputs, residuals, g, k=k):
+            dx, kept = k.input_grad(params, inputs, residuals, g)
+            return dx, k.weight_grad(params, inputs, residuals, kept)
+
+        pieces = [
+            ("F", f, (params, x, inputs)),
+            ("I", jax.jit(k.input_grad), (params, inputs, residuals, g)),
+            ("W", jax.jit(k.weight_grad), (params, inputs, residuals, carry)),
+            ("B", jax.jit(backward), (params, inputs, residuals, g)),
+        ]
         for kind, lowerable, piece_args in pieces:
             program = measure.compile_program((tag, s, kind), lowerable, piece_args)
             program.fn = _Repeated(program.fn, repeat)
             programs.append(program)
-        x = y
+        x = jax.tree.unflatten(k.y_tree, y)
     return programs
 
 
@@ -127,13 +93,8 @@ def costs_from_times(
         return measure.median(times[(tag, s, kind)]) / repeat
 
     for s in range(num_stages):
-        f = per_call("F", s)
-        b = per_call("B", s)
-        i = min(per_call("I", s), b) if (tag, s, "I") in times else 0.0
-        costs["F"].append(f)
-        costs["B"].append(b)
-        costs["I"].append(i)
-        costs["W"].append(b - i)
+        for kind in costs:
+            costs[kind].append(per_call(kind, s))
     return costs
 
 
