@@ -6,16 +6,17 @@ around a `lax.scan` over ticks. The scan reads one row of the plan's table
 per tick; on each rank the row says which piece to run and which buffer
 slots it reads and writes.
 
-Each kind of piece runs inside its own two-way `lax.cond` (this tick's piece
-is an F, or not; an I, or not; a W, or not) around a `lax.switch` over the
-stages, so only the chosen piece's work runs and idle ranks compute nothing.
-Each cond holds the single in-place write to its buffer: the F writes its
-residual slot, the I its carry slot, the W adds to the gradient accumulator.
-(Passing every buffer through one many-branch switch made XLA copy them all
-every tick.) After the conds every rank takes part in the same collectives,
-one `ppermute` per distinct shift between sender and receiver, outside any
-branch; what arrives is written to the slot the table names, or to a spare
-slot nobody reads.
+Each kind of piece runs inside its own two-way `lax.cond` (this tick runs an
+F, or not; an I, or not; a W, or not; in that order, so a packed tick can run
+all three) around a `lax.switch` over the stages, so only the chosen pieces'
+work runs and idle ranks compute nothing. Each cond holds the single in-place
+write to its buffer: the F writes its residual slot, the I its carry slot,
+the W adds to the gradient accumulator. (Passing every buffer through one
+many-branch switch made XLA copy them all every tick.) After the conds every
+rank takes part in the same collectives, one `ppermute` per channel of the
+plan (a shift between sender and receiver, for F outputs, I outputs or
+either), outside any branch; what arrives is written to the slot the table
+names, or to a spare slot nobody reads.
 
 Buffers, all with a fixed number of slots that does not grow with the
 microbatches (see `jpipe._plan`):
@@ -214,19 +215,18 @@ def build_step(
             grads, loss, io, res, carry = state
             row = row.astype(jnp.int32)
 
-            def microbatch(mb):  # read inside the pieces only: idle ticks read nothing
+            def inputs_of(kind):  # read inside the pieces only: idle ticks read nothing
+                mb = row[col[f"{kind}_microbatch"]]
                 return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
 
-            def piece(kind):
-                stage = row[col[f"{kind}_stage"]]
-                return stage > 0, stage - 1, microbatch(row[col[f"{kind}_microbatch"]])
-
-            runs_f, f_stage, _ = piece("f")
+            # Column `{kind}_stage` is 0 when no piece of that kind runs, else 1 + stage.
+            runs_f, f_stage = row[col["f_stage"]] > 0, row[col["f_stage"]] - 1
+            runs_i, i_stage = row[col["i_stage"]] > 0, row[col["i_stage"]] - 1
+            runs_w, w_stage = row[col["w_stage"]] > 0, row[col["w_stage"]] - 1
 
             def forward(res):
-                _, _, inputs = piece("f")
                 send, res_new, loss_piece = lax.switch(
-                    f_stage, f_branches, flat, inputs, read(io, row[col["f_in"]])
+                    f_stage, f_branches, flat, inputs_of("f"), read(io, row[col["f_in"]])
                 )
                 return write(res, row[col["f_res"]], res_new), send, loss_piece
 
@@ -234,15 +234,12 @@ def build_step(
                 runs_f, forward, lambda r: (r, zero_send(), jnp.zeros((), loss_dtype)), res
             )
 
-            runs_i, i_stage, _ = piece("i")
-
             def input_grad(carry):
-                _, _, inputs = piece("i")
                 send, carry_new = lax.switch(
                     i_stage,
                     i_branches,
                     flat,
-                    inputs,
+                    inputs_of("i"),
                     read(io, row[col["i_in"]]),
                     read(res, row[col["i_res"]]),
                 )
@@ -253,15 +250,12 @@ def build_step(
             else:
                 carry, send_i = lax.cond(runs_i, input_grad, lambda c: (c, zero_send()), carry)
 
-            runs_w, w_stage, _ = piece("w")
-
             def weight_grad(grads):
-                _, _, inputs = piece("w")
                 dp = lax.switch(
                     w_stage,
                     w_branches,
                     flat,
-                    inputs,
+                    inputs_of("w"),
                     read(res, row[col["w_res"]]),
                     read(carry, row[col["w_carry"]]),
                 )

@@ -88,8 +88,9 @@ class Plan:
       channels: the transfers between different ranks the program makes every
         tick, one collective each, as ``(kind, shift)`` with shift
         ``(receiver - sender) % R``. Kind is ``"F"`` or ``"I"`` for the output
-        of that kind of piece, or None when a rank sends at most one value a
-        tick (the unit layout), so F and I outputs share the collective.
+        of that kind of piece, or None when no rank ever sends more than one
+        value in a tick (always so in the unit layout): F and I outputs then
+        share the collective.
       num_io, num_res, num_carry: slots needed in each arena (worst rank).
       slot: ``slot[("io", piece)]`` is the io slot that the value consumed by
         `piece` waits in; ``slot[("res", key)]`` the residual slot of a
@@ -316,7 +317,7 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     R = schedule.num_ranks
     ticks = _packed_ticks(schedule, kinds=("F",))
     slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
-    for _, _, piece in Plan(schedule, "unit", ticks, owner, (), 0, 0, 0, {}).pieces():
+    for piece in (p for row in ticks for pieces in row for p in pieces):
         slot[("res", piece[1:])] = num_res  # the spare slot: nothing is kept
     return Plan(schedule, "unit", ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
 
