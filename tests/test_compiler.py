@@ -312,3 +312,10 @@ def test_i_runs_the_backward_chain_and_w_the_weight_products(first):
     carry = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in k.carry_avals]
     w_dots = _dots(k.weight_grad, params, inputs, k.res_avals, carry)
     assert (i_dots, w_dots) == ((1, 2) if first else (2, 2))
+
+
+def test_more_microbatches_than_an_int8_table_holds():
+    # The table is stored in the narrowest integer type that holds it: int8
+    # up to microbatch 127, int16 beyond. 130 microbatches take the int16 path.
+    result = testing.check_schedule("1f1b", 2, 130, rows_per_microbatch=1)
+    assert result.passed, result
