@@ -206,6 +206,7 @@ def build_step(
 
     col = {name: i for i, name in enumerate(COLUMNS)}
     channels = plan.channels
+    num_writes = 2 + len(channels)  # F's and I's local hand-overs, then arrivals
 
     def per_rank(packed, batch_mb, tab):
         flat = {b: v[0] for b, v in packed.items()}
@@ -216,11 +217,24 @@ def build_step(
             {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
             {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
             {dt: jnp.zeros((plan.num_carry + 1, n), dt) for dt, n in carry_widths.items()},
+            # The io writes of the tick before: (slot, value) for the local
+            # hand-overs of F and I outputs and for each channel's arrival.
+            (
+                jnp.full((num_writes,), plan.num_io, jnp.int32),
+                [zero_send() for _ in range(num_writes)],
+            ),
         )
 
         def tick(state, row):
-            grads, loss, io, res, carry = state
+            grads, loss, io, res, carry, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
+            # The previous tick's io writes land first, before this tick reads
+            # anything. (Writing them at the end of their own tick, as the
+            # plan's phases put it, is equivalent, but XLA cannot then order
+            # each write after every read of the same tick, and it copied the
+            # whole io buffer three times a tick to be safe.)
+            for k in range(num_writes):
+                io = write_if_used(io, write_slots[k], write_values[k])
 
             def inputs_of(kind):  # read inside the pieces only: idle ticks read nothing
                 mb = row[col[f"{kind}_microbatch"]]
@@ -294,9 +308,8 @@ def build_step(
             else:
                 grads = lax.cond(runs_w, weight_grad, lambda g: g, grads)
             loss = loss + loss_piece
-            io = write_if_used(io, row[col["f_local"]], send_f)
-            if not forward_only:
-                io = write_if_used(io, row[col["i_local"]], send_i)
+            slots = [row[col["f_local"]], row[col["i_local"]]]
+            values = [send_f, send_i]
             # One collective per channel, every tick, outside any branch. A
             # shared channel (unit layout: a rank sends at most one value a
             # tick) carries whichever of the F and I outputs this rank made.
@@ -307,8 +320,10 @@ def build_step(
                 value = either if kind is None else sends[kind]
                 perm = [(j, (j + d) % R) for j in range(R)]
                 arrived = {dt: lax.ppermute(value[dt], pipe_axis, perm) for dt in value}
-                io = write_if_used(io, row[len(COLUMNS) + i], arrived)
-            return (grads, loss, io, res, carry), None
+                slots.append(row[len(COLUMNS) + i])
+                values.append(arrived)
+            pending = (jnp.stack(slots), values)
+            return (grads, loss, io, res, carry, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
         loss = lax.psum(loss, pipe_axis) / M
