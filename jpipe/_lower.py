@@ -3,20 +3,23 @@
 The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
 ``data`` axis, if there is one; any other axis stays under the compiler),
 around a `lax.scan` over ticks. The scan reads one row of the plan's table
-per tick; on each rank the row says which piece to run and which buffer
-slots it reads and writes.
+per tick; on each rank the row says which pieces to run and which buffer
+slots they read and write.
 
 Each kind of piece runs inside its own two-way `lax.cond` (this tick runs an
 F, or not; an I, or not; a W, or not; in that order, so a packed tick can run
 all three) around a `lax.switch` over the stages, so only the chosen pieces'
 work runs and idle ranks compute nothing. Each cond holds the single in-place
 write to its buffer: the F writes its residual slot, the I its carry slot,
-the W adds to the gradient accumulator. (Passing every buffer through one
-many-branch switch made XLA copy them all every tick.) After the conds every
-rank takes part in the same collectives, one `ppermute` per channel of the
-plan (a shift between sender and receiver, for F outputs, I outputs or
-either), outside any branch; what arrives is written to the slot the table
-names, or to a spare slot nobody reads.
+the W adds to the gradient accumulator (on a rank with several stages, W is
+one cond per stage instead, each adding to its own stage's buckets). (Passing
+every buffer through one many-branch switch made XLA copy them all every
+tick.) After the conds every rank takes part in the same collectives, one
+`ppermute` per channel of the plan (a shift between sender and receiver, for
+F outputs, I outputs or either), outside any branch. What arrives, and the
+outputs handed over on the same rank, are written to the slots the table
+names at the start of the next tick, before anything reads; a write the table
+sends to the spare slot is skipped.
 
 Buffers, all with a fixed number of slots that does not grow with the
 microbatches (see `jpipe._plan`):
@@ -37,7 +40,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -292,9 +294,7 @@ def build_step(
                 )
                 return {b: g + dp[b] for b, g in grads.items()}
 
-            if forward_only:
-                pass
-            elif several_stages_per_rank:
+            if not forward_only and several_stages_per_rank:
                 # One cond per stage, each adding to its own stage's buckets
                 # only (a switch must give every branch the same outputs, so
                 # it would add zeros to the rank's other stages' buckets).
@@ -305,7 +305,7 @@ def build_step(
                         lambda g: g,
                         grads,
                     )
-            else:
+            elif not forward_only:
                 grads = lax.cond(runs_w, weight_grad, lambda g: g, grads)
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
@@ -344,13 +344,7 @@ def build_step(
         # so the check buys nothing here.
         check_vma=False,
     )
-    tab = np.asarray(table(plan))
-    # The table is the one part of the program that grows with the
-    # microbatches: keep it in the narrowest integer type that holds it.
-    for narrow in (np.int8, np.int16):
-        if tab.size == 0 or tab.max() <= np.iinfo(narrow).max:
-            tab = tab.astype(narrow)
-            break
+    tab = table(plan)
 
     def step(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(tab))

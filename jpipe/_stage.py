@@ -299,8 +299,11 @@ class StageKernels:
         # make parameter gradients (``x.T @ dy``) from what I carries over.
         # For a middle stage the chain is what dx needs anyway; for the first
         # stage, which has no dx, it keeps the backward through its layers in
-        # I instead of leaving all of it to W, so I and W cost about the same
-        # on every stage.
+        # I instead of leaving all of it to W, so I and W are closer in cost
+        # (a two-layer first stage: one product in I, two in W). A value that
+        # the backward recomputes from a parameter and only W needs (a cast,
+        # a weight norm) is thereby made in I and carried to W: exact, at the
+        # cost of carry memory.
         live = slice_for(dp_out + dx_out)
         params_read = set(p_vars)
         chain = [

@@ -238,6 +238,7 @@ def _count_compiles():
         ({"optimizer.b2": 1.5}, "config.optimizer.b2=1.5: must be in [0, 1)"),
         ({"model.d_model": 33}, "config.model: GPTConfig.d_model=33"),
         ({"data.max_bytes": 2000}, "config.data: the eval part of the corpus"),
+        ({"tick_layout": "fast"}, "config.tick_layout='fast': must be one of auto, unit, packed"),
     ],
 )
 def test_bad_config_refused_before_compiling(overrides, expected, tmp_path):
