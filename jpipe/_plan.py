@@ -131,22 +131,27 @@ class Plan:
         Each tick costs its busiest rank's pieces, summed. A ``B``'s two
         pieces share its cost in the ratio of ``I`` to ``W``.
         """
-        cost = (costs or Costs()).table(self.schedule.num_stages)
-        full_b = {a.key for _, _, a in self.schedule.all_actions() if a.kind == "B"}
-        total = 0.0
-        for row in self.ticks:
-            worst = 0.0
-            for pieces in row:
-                busy = 0.0
-                for kind, s, m in pieces:
-                    c = cost[kind][s]
-                    if kind != "F" and (s, m) in full_b:
-                        i, w = cost["I"][s], cost["W"][s]
-                        c = cost["B"][s] * (c / (i + w) if i + w > 0 else 0.5)
-                    busy += c
-                worst = max(worst, busy)
-            total += worst
-        return total
+        return _lockstep_time(self.schedule, self.ticks, costs)
+
+
+def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> float:
+    """`Plan.predicted_time` of a tick table (see there)."""
+    cost = (costs or Costs()).table(schedule.num_stages)
+    full_b = {a.key for _, _, a in schedule.all_actions() if a.kind == "B"}
+    total = 0.0
+    for row in ticks:
+        worst = 0.0
+        for pieces in row:
+            busy = 0.0
+            for kind, s, m in pieces:
+                c = cost[kind][s]
+                if kind != "F" and (s, m) in full_b:
+                    i, w = cost["I"][s], cost["W"][s]
+                    c = cost["B"][s] * (c / (i + w) if i + w > 0 else 0.5)
+                busy += c
+            worst = max(worst, busy)
+        total += worst
+    return total
 
 
 def _pieces_of(action) -> list[Piece]:
@@ -299,12 +304,14 @@ def make_plan(schedule: Schedule, layout: str = "auto") -> Plan:
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if layout == "auto":
-        unit, packed = make_plan(schedule, "unit"), make_plan(schedule, "packed")
-        return packed if packed.predicted_time() <= unit.predicted_time() else unit
     owner = analyze(schedule).stage_to_rank
     R = schedule.num_ranks
-    ticks = _packed_ticks(schedule) if layout == "packed" else _unit_ticks(schedule)
+    if layout == "auto":  # compare the tick tables; assign slots for the chosen one only
+        unit, packed = _unit_ticks(schedule), _packed_ticks(schedule)
+        better = _lockstep_time(schedule, packed) <= _lockstep_time(schedule, unit)
+        layout, ticks = ("packed", packed) if better else ("unit", unit)
+    else:
+        ticks = _packed_ticks(schedule) if layout == "packed" else _unit_ticks(schedule)
     slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
     return Plan(schedule, layout, ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
 
