@@ -56,9 +56,8 @@ def test_lockstep_diagnostics_do_the_pipelines_work(variant):
     """
     workload = get_workload("tiny-dense")
     R, M = 4, 3
-    kernels = lockstep.middle_stage_kernels(workload, M, R)
-    data = lockstep.microbatch_inputs(workload, M, R, kernels)
     stage_fns, params = workload.stages(R)
+    data = lockstep.microbatch_inputs(workload, (stage_fns, params), M, R)
     program = lockstep.stage_pieces(workload, M, jax.devices()[:R], variant)
     grads, _ = program.lowerable(*program.args)
     for r in range(R):

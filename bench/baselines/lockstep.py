@@ -51,10 +51,10 @@ def stage_pieces(workload: Workload, num_microbatches: int, devices, variant: st
         raise ValueError(f"unknown variant {variant!r}: use one of {', '.join(VARIANTS)}")
     R = len(devices)
     M = num_microbatches
-    _, params_list = workload.stages(max(3, R))
-    params = params_list[1]  # a middle stage: it has an input and an output
-    kernels = middle_stage_kernels(workload, M, R)
-    x_all = jax.tree.map(np.asarray, microbatch_inputs(workload, M, R, kernels))
+    model = workload.stages(max(3, R))  # (stage functions, their parameters)
+    params = model[1][1]  # a middle stage: it has an input and an output
+    kernels = middle_stage_kernels(workload, model, M)
+    x_all = jax.tree.map(np.asarray, microbatch_inputs(workload, model, M, R))
     mesh = Mesh(np.asarray(devices), ("pipe",))
     stacked = jax.tree.map(lambda a: np.stack([np.asarray(a)] * R), params)
     body = functools.partial(_run, kernels=kernels, variant=variant, M=M, R=R)
@@ -72,21 +72,21 @@ def stage_pieces(workload: Workload, num_microbatches: int, devices, variant: st
     return Program(program, args)
 
 
-def middle_stage_kernels(workload: Workload, num_microbatches: int, num_ranks: int):
-    """The F, I and W pieces of the workload's stage 1, for one microbatch."""
-    stage_fns, params_list = workload.stages(max(3, num_ranks))
+def middle_stage_kernels(workload: Workload, model, num_microbatches: int):
+    """The F, I and W pieces of stage 1 of `model` (``workload.stages(...)``), one microbatch."""
+    stage_fns, params_list = model
     batch = workload.batch(num_microbatches)
     one = jax.tree.map(lambda a: a[: a.shape[0] // num_microbatches], batch)
     x = jax.eval_shape(lambda p, i: stage_fns[0](p, None, i), params_list[0], one)
     return StageKernels(stage_fns[1], params_list[1], x, one)
 
 
-def microbatch_inputs(workload: Workload, num_microbatches: int, num_ranks: int, kernels):
+def microbatch_inputs(workload: Workload, model, num_microbatches: int, num_ranks: int):
     """Per device, per microbatch: an input activation and the stage's inputs.
 
-    Stacked ``[R, M, ...]``; the activations are the first stage's real outputs.
+    Stacked ``[R, M, ...]``; the activations are `model`'s first stage's real outputs.
     """
-    stage_fns, params_list = workload.stages(max(3, num_ranks))
+    stage_fns, params_list = model
     batch = workload.batch(num_microbatches * num_ranks)
     cut = jax.tree.map(lambda a: a.reshape((num_ranks, num_microbatches, -1) + a.shape[1:]), batch)
     first = jax.vmap(jax.vmap(lambda i: stage_fns[0](params_list[0], None, i)))
