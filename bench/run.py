@@ -352,19 +352,3 @@ def run_table(args: argparse.Namespace, log=print) -> dict:
         result["rows"].extend(records)
         result["profile"][str(M)] = {str(S): c for S, c in costs.items()}
     return result
-
-
-def main(argv=None) -> int:
-    args = settle(parser().parse_args(argv))
-    os.makedirs(args.out, exist_ok=True)
-    if args.suite == "compiler":
-        from bench import compiler
-
-        result = compiler.run(args, devices_picker=pick_devices, meta=meta)
-        paths = report.write_compiler(result, args.out, plot=not args.no_plot)
-    else:
-        result = run_table(args)
-        paths = report.write_table(result, args.out, plot=not args.no_plot)
-    for path in paths:
-        print(f"wrote {path}")
-    return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jpipe._devices import use_cpu_devices
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
 from jpipe._validate import analyze
@@ -26,21 +27,7 @@ from jpipe._validate import analyze
 
 def ensure_cpu_devices(count: int) -> None:
     """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
-    import jax
-
-    if jax.config.jax_num_cpu_devices < count:
-        try:
-            jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:
-            pass  # the backend has started: use what it has
-    have = len(jax.devices("cpu"))
-    if have < count:
-        raise RuntimeError(
-            f"this check needs {count} CPU devices but JAX has {have}. JAX fixes the count "
-            "when it starts: call jax.config.update('jax_num_cpu_devices', "
-            f"{count}) (or set XLA_FLAGS=--xla_force_host_platform_device_count={count}) "
-            "before any JAX work, e.g. at the top of your conftest.py"
-        )
+    use_cpu_devices(count, required=True)
 
 
 # -- the built-in model --------------------------------------------------------
