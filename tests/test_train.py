@@ -435,8 +435,10 @@ def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
 
     def watch(frame, event, arg):
         code = frame.f_code
-        if event == "call" and code.co_name == "_analyze" and code.co_filename.endswith(
-            os.path.join("jpipe", "_validate.py")
+        if (
+            event == "call"
+            and code.co_name == "_analyze"
+            and code.co_filename.endswith(os.path.join("jpipe", "_validate.py"))
         ):
             analysed.append(id(frame.f_locals["schedule"]))
 
