@@ -8,6 +8,7 @@ neither imports the other's entry point.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -15,17 +16,25 @@ import jpipe
 
 _peek = argparse.ArgumentParser(add_help=False)
 _peek.add_argument("--ranks", type=int, default=4)
-jpipe.use_cpu_devices(max(1, _peek.parse_known_args()[0].ranks))
+_peek.add_argument("--suite", default="table")
+_peeked = _peek.parse_known_args()[0]
+jpipe.use_cpu_devices(max(8 if _peeked.suite == "memory" else 1, _peeked.ranks))
 
 # After the device count is set:
-from bench import compiler, report  # noqa: E402
+from bench import compiler, memory, report  # noqa: E402
 from bench.run import meta, parser, pick_devices, run_table, settle  # noqa: E402
 
 
 def main(argv=None) -> int:
     args = settle(parser().parse_args(argv))
     os.makedirs(args.out, exist_ok=True)
-    if args.suite == "compiler":
+    if args.suite == "memory":
+        rows = memory.run(args, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+        if args.json:
+            print(json.dumps(rows))
+            return 0
+        paths = report.write_memory(rows, args.out)
+    elif args.suite == "compiler":
         result = compiler.run(args, devices_picker=pick_devices, meta=meta)
         paths = report.write_compiler(result, args.out, plot=not args.no_plot)
     else:

@@ -173,6 +173,22 @@ class Pipeline:
         """
         return self._layout_for(params_list).pack(params_list, self.mesh, self.pipe_axis)
 
+    def packed_shapes(self, params_list) -> dict:
+        """What `pack` would give, as shapes: ``{bucket: ShapeDtypeStruct [R, size]}``.
+
+        `params_list` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from
+        ``jax.eval_shape(model.init, key)``), and each result carries its
+        sharding, so ``jax.jit(pipeline.step_fn(batch)).lower(shapes, batch)``
+        compiles a model too big for this machine without making any array,
+        and its ``memory_analysis()`` gives what each device would hold.
+        """
+        layout = self._layout_for(params_list)
+        shardings = layout.sharding(self.mesh, self.pipe_axis)
+        return {
+            name: jax.ShapeDtypeStruct((layout.num_ranks,) + shape, dtype, sharding=shardings[name])
+            for name, (shape, dtype) in layout.buckets.items()
+        }
+
     def unpack(self, packed: dict) -> list:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
         if self.layout is None:

@@ -316,3 +316,23 @@ def test_more_microbatches_than_an_int8_table_holds():
     # up to microbatch 127, int16 beyond. 130 microbatches take the int16 path.
     result = testing.check_schedule("1f1b", 2, 130, rows_per_microbatch=1)
     assert result.passed, result
+
+
+def test_packed_shapes_compile_like_packed_arrays():
+    # A model too big for the machine is compiled from shapes: they must be
+    # exactly what `pack` would place, so the compiled program is the same.
+    stages, params, make_batch = testing.small_model(4)
+    schedule = jpipe.get_schedule("1f1b", 4, 4)
+    pipe = Pipeline(stages, schedule, make_mesh(4))
+    shapes = pipe.packed_shapes(jax.eval_shape(lambda: params))
+    packed = pipe.pack(params)
+    assert shapes.keys() == packed.keys()
+    for name, array in packed.items():
+        assert (shapes[name].shape, shapes[name].dtype) == (array.shape, array.dtype)
+        assert shapes[name].sharding == array.sharding
+    batch = jax.device_put(make_batch(8), pipe.batch_sharding)
+    step = jax.jit(pipe.step_fn(batch))
+    from_shapes = step.lower(shapes, batch).compile().memory_analysis()
+    from_arrays = step.lower(packed, batch).compile().memory_analysis()
+    assert from_shapes.temp_size_in_bytes == from_arrays.temp_size_in_bytes
+    assert from_shapes.argument_size_in_bytes == from_arrays.argument_size_in_bytes
