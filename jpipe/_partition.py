@@ -85,9 +85,7 @@ def _make(rows, cuts) -> Partition:
     return Partition(layers, times, max(times))
 
 
-def partition(
-    cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None
-) -> Partition:
+def partition(cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None) -> Partition:
     """The contiguous split minimising the slowest stage (exact; see the module docstring).
 
     Args:

@@ -20,17 +20,21 @@ def instances(draw):
     layer = st.integers(0, 20).map(float)
     hetero = draw(st.booleans())
     if hetero:  # an arbitrary cost per (stage, layer): devices that differ per layer kind
-        cost = [draw(st.lists(layer, min_size=num_layers, max_size=num_layers))
-                for _ in range(num_stages)]
+        cost = [
+            draw(st.lists(layer, min_size=num_layers, max_size=num_layers))
+            for _ in range(num_stages)
+        ]
     else:
         layers = draw(st.lists(layer, min_size=num_layers, max_size=num_layers))
-        speeds = draw(st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0]),
-                               min_size=num_stages, max_size=num_stages))
+        speeds = draw(
+            st.lists(
+                st.sampled_from([0.25, 0.5, 1.0, 2.0]), min_size=num_stages, max_size=num_stages
+            )
+        )
         cost = speed_costs(layers, speeds)
     caps = None
     if draw(st.booleans()):  # a layer-count memory cap per stage
-        caps = draw(st.lists(st.integers(1, num_layers), min_size=num_stages,
-                             max_size=num_stages))
+        caps = draw(st.lists(st.integers(1, num_layers), min_size=num_stages, max_size=num_stages))
     return cost, caps
 
 
