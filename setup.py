@@ -9,6 +9,9 @@ setup(
     python_requires=">=3.11",
     packages=["jpipe", "jpipe.models", "jpipe.schedules"],
     package_dir={"jpipe": "jpipe", "jpipe.schedules": "schedules"},
+    # The published Sailor GPU profiles and measured plans the planner defaults to.
+    package_data={"jpipe": ["_data/sailor/*", "_data/sailor/*/*", "_data/sailor/*/*/*",
+                            "_data/sailor/*/*/*/*", "_data/sailor/*/*/*/*/*"]},
     install_requires=[
         "jax>=0.10",
         "numpy",
