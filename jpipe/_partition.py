@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 # fits(stage, first_layer, end_layer) -> bool: do layers [first, end) fit on the stage's device?
 MemoryCheck = Callable[[int, int, int], bool]
+# extra(stage, first_layer, end_layer) -> seconds a stage spends beyond its layers (its transfers).
+ExtraCost = Callable[[int, int, int], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +81,29 @@ def _check_costs(cost: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ..
     return rows
 
 
-def _make(rows, cuts) -> Partition:
+def _make(rows, cuts, extra=None) -> Partition:
     layers = tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
-    times = tuple(sum(rows[s][a:b]) for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
+    times = tuple(
+        sum(rows[s][a:b]) + (extra(s, a, b) if extra else 0.0)
+        for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))
+    )
     return Partition(layers, times, max(times))
 
 
-def partition(cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None) -> Partition:
+def partition(
+    cost: Sequence[Sequence[float]],
+    fits: MemoryCheck | None = None,
+    extra: ExtraCost | None = None,
+) -> Partition:
     """The contiguous split minimising the slowest stage (exact; see the module docstring).
 
     Args:
       cost: ``cost[s][l]``, the time of layer ``l`` on stage ``s``'s device.
       fits: ``fits(s, first, end)`` says whether layers ``[first, end)`` fit in
         stage ``s``'s memory; `None` means no limit.
+      extra: ``extra(s, first, end)``, seconds stage ``s`` spends beyond its
+        layers' sum, such as sending its output (the DP is exact for any
+        stage cost, additive or not).
 
     Returns:
       The optimal `Partition`.
@@ -116,7 +128,7 @@ def partition(cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None) 
                 prev = best[s - 1][i]
                 if prev[0] == math.inf:
                     continue
-                t = row[j] - row[i]
+                t = row[j] - row[i] + (extra(s - 1, i, j) if extra else 0.0)
                 if fits is not None and not fits(s - 1, i, j):
                     continue
                 cand = (max(prev[0], t), prev[1] + t)
@@ -131,11 +143,13 @@ def partition(cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None) 
     cuts = [L]
     for s in range(S, 0, -1):
         cuts.append(cut[s][cuts[-1]])
-    return _make(rows, cuts[::-1])
+    return _make(rows, cuts[::-1], extra)
 
 
 def brute_force_partition(
-    cost: Sequence[Sequence[float]], fits: MemoryCheck | None = None
+    cost: Sequence[Sequence[float]],
+    fits: MemoryCheck | None = None,
+    extra: ExtraCost | None = None,
 ) -> Partition:
     """Every contiguous split tried; the reference `partition` is tested against."""
     rows = _check_costs(cost)
@@ -147,7 +161,7 @@ def brute_force_partition(
             fits(s, a, b) for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))
         ):
             continue
-        p = _make(rows, cuts)
+        p = _make(rows, cuts, extra)
         if best is None or p.bottleneck < best.bottleneck:
             best = p
     if best is None:

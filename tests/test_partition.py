@@ -35,28 +35,36 @@ def instances(draw):
     caps = None
     if draw(st.booleans()):  # a layer-count memory cap per stage
         caps = draw(st.lists(st.integers(1, num_layers), min_size=num_stages, max_size=num_stages))
-    return cost, caps
+    extra = None
+    if draw(st.booleans()):  # a per-cut transfer cost, not additive over layers
+        extra = (draw(st.lists(layer, min_size=num_layers, max_size=num_layers)),)
+    return cost, caps, extra
 
 
 @settings(max_examples=300, deadline=None)
 @given(instances())
 def test_partition_equals_brute_force(instance):
-    cost, caps = instance
+    cost, caps, extra = instance
     fits = None if caps is None else (lambda s, a, b: b - a <= caps[s])
+    if extra is not None:
+        send, num_stages = extra[0], len(cost)
+        # a stage pays for sending its last layer's output on, unless it is the last stage
+        extra = lambda s, a, b: send[b - 1] if s < num_stages - 1 else 0.0  # noqa: E731
     try:
-        want = brute_force_partition(cost, fits)
+        want = brute_force_partition(cost, fits, extra)
     except ValueError:
         with pytest.raises(ValueError, match="fits in the devices' memory"):
-            partition(cost, fits)
+            partition(cost, fits, extra)
         return
-    got = partition(cost, fits)
+    got = partition(cost, fits, extra)
     assert got.bottleneck == want.bottleneck
     assert sum(got.sizes) == len(cost[0]) and min(got.sizes) >= 1
     if caps is not None:
         assert all(n <= c for n, c in zip(got.sizes, caps))
     # the reported figures are those of the returned split
     for s, layers in enumerate(got.layers):
-        assert got.stage_times[s] == sum(cost[s][l] for l in layers)
+        own = extra(s, layers[0], layers[-1] + 1) if extra else 0.0
+        assert got.stage_times[s] == sum(cost[s][l] for l in layers) + own
     assert [l for x in got.layers for l in x] == list(range(len(cost[0])))
 
 
