@@ -11,8 +11,11 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
 2. Transfers. A stage's output (its last layer's output bytes) goes to the
    next stage over the link between their nodes, and the gradient of the same
    size comes back. Transfers are *blocking*, as in DeepSpeed's pipeline
-   engine that Sailor's measured plans ran and in jpipe's own lock-step
-   program: the sender's action lasts its compute plus the send.
+   engine that Sailor's measured plans ran: NCCL's send and receive kernels
+   occupy both GPUs, so the sender's action and the receiver's lasts its
+   compute plus the transfer (the latency of the first transfer on the
+   critical path is thereby counted twice, once per side: a small overcount
+   at the pipeline's fill). ``receiver_busy=False`` charges the sender only.
 3. The schedule is built for the plan's ranks and microbatches
    (`get_schedule`, built-ins or the user's ``file.py:function``) and
    simulated once per data-parallel replica (replicas may hold different
@@ -219,8 +222,23 @@ def _schedule_for(plan: ClusterPlan) -> Schedule:
     return schedule
 
 
-def evaluate(plan: ClusterPlan, profile: Profile, schedule: Schedule | None = None) -> Evaluation:
-    """Predicts `plan`'s step time and memory by simulating its schedule (module docstring)."""
+def evaluate(
+    plan: ClusterPlan,
+    profile: Profile,
+    schedule: Schedule | None = None,
+    *,
+    receiver_busy: bool = True,
+) -> Evaluation:
+    """Predicts `plan`'s step time and memory by simulating its schedule (module docstring).
+
+    Args:
+      plan: the placement.
+      profile: the model's profile.
+      schedule: the built schedule, if already at hand (else built from `plan`).
+      receiver_busy: whether a transfer occupies the receiving rank as well as
+        the sender (NCCL's send and receive kernels run on both GPUs, in the
+        compute stream under DeepSpeed); `False` charges the sender only.
+    """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
     S = schedule.num_stages
@@ -258,6 +276,10 @@ def evaluate(plan: ClusterPlan, profile: Profile, schedule: Schedule | None = No
             F[s] += c  # blocking send of the activation forward
             I[s + 1] += c  # and of the gradient back
             B[s + 1] += c
+            if receiver_busy:
+                F[s + 1] += c  # the receiver's side of the same transfers
+                I[s] += c
+                B[s] += c
         for s in range(S):
             stage_seconds[s] = max(stage_seconds[s], F[s] + B[s])
         tp = [dev[s].tensor_parallel for s in range(S)]

@@ -487,3 +487,42 @@ def profile_from_stage_times(
         },
         memory={} if memory_bytes is None else {device: float(memory_bytes)},
     )
+
+
+def monotone_in_batch(profile: Profile) -> Profile:
+    """The profile with every layer time made non-decreasing in microbatch size.
+
+    A layer cannot take longer on B sequences than on 2B; where a profile
+    says it does (noise in the measurement, as in Sailor's GH-96 OPT-350 entry
+    at B = 1, T = 4, slower than at B = 2), the time at the larger size bounds
+    the smaller one. Applied per device, tensor-parallel degree, layer and kind
+    of time (forward, backward, input and weight gradient); updates are
+    unchanged. Returns a new profile; what changed is not recorded per entry.
+    """
+
+    def clean(table):
+        out = dict(table)
+        for tp in {t for _, t in table}:
+            sizes = sorted(b for b, t in table if t == tp)
+            bound = None
+            for b in reversed(sizes):
+                lt = table[(b, tp)]
+                if bound is not None:
+                    lt = LayerTimes(
+                        forward=tuple(map(min, lt.forward, bound.forward)),
+                        backward=tuple(map(min, lt.backward, bound.backward)),
+                        update=lt.update,
+                        input_grad=None
+                        if lt.input_grad is None or bound.input_grad is None
+                        else tuple(map(min, lt.input_grad, bound.input_grad)),
+                        weight_grad=None
+                        if lt.weight_grad is None or bound.weight_grad is None
+                        else tuple(map(min, lt.weight_grad, bound.weight_grad)),
+                    )
+                out[(b, tp)] = lt
+                bound = lt
+        return out
+
+    return dataclasses.replace(
+        profile, times={d: clean(t) for d, t in profile.times.items()}, derived=set()
+    )
