@@ -423,7 +423,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _split_layers(
-    profile: Profile, devs: Sequence[Device], mbs: int, microbatches: int
+    profile: Profile,
+    devs: Sequence[Device],
+    mbs: int,
+    microbatches: int,
+    receiver_busy: bool = True,
 ) -> tuple[tuple[int, ...], ...]:
     """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit."""
     outputs, acts = profile.outputs(mbs), profile.activations(mbs)
@@ -436,13 +440,18 @@ def _split_layers(
     pbytes = list(itertools.accumulate(profile.params_bytes, initial=0.0))
     abytes = list(itertools.accumulate(acts, initial=0.0))
 
+    # send[s][l]: seconds to move layer l's output across the cut after stage s
+    send = [
+        [_link_seconds(profile, devs[s], devs[s + 1], x) for x in outputs] for s in range(S - 1)
+    ]
+    # as in `evaluate`: a stage sends its output and its input gradient, and also
+    # receives their counterparts when transfers occupy the receiver
+    both = 2 if receiver_busy else 1
+
     def extra(s, a, b):
-        cost = 0.0
-        if s < S - 1:
-            cost += _link_seconds(profile, devs[s], devs[s + 1], outputs[b - 1])
-        if s > 0:
-            cost += _link_seconds(profile, devs[s - 1], devs[s], outputs[a - 1])
-        return cost
+        out = send[s][b - 1] if s < S - 1 else 0.0
+        back = send[s - 1][a - 1] if s > 0 else 0.0
+        return both * (out + back)
 
     def fits(s, a, b):
         tp = devs[s].tensor_parallel
@@ -462,6 +471,7 @@ def plan(
     microbatch_sizes: Sequence[int] | None = None,
     gpus_per_node: int = 8,
     top: int = 3,
+    receiver_busy: bool = True,
 ) -> SearchResult:
     """Searches placements of `devices` and returns the `top` plans by predicted step time.
 
@@ -474,6 +484,7 @@ def plan(
         all the device types.
       gpus_per_node: GPUs of one type share a node up to this many.
       top: how many plans to return.
+      receiver_busy: see `evaluate`.
     """
     start = time.perf_counter()
     for kind, _ in devices:
@@ -525,11 +536,11 @@ def plan(
                         S = schedule.num_stages
                         if S > profile.num_layers:
                             continue
-                        owner = list(schedule.stage_to_rank)
+                        owner = schedule.stage_to_rank
                         # the slowest replica's devices decide the split
                         devs = [ranks[owner[s]][0] for s in range(S)]
                         try:
-                            layers = _split_layers(profile, devs, mbs, M)
+                            layers = _split_layers(profile, devs, mbs, M, receiver_busy)
                         except ValueError as e:
                             skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
                             continue
@@ -543,7 +554,7 @@ def plan(
     for bound, candidate, schedule in shapes:
         if len(found) >= top and bound >= found[top - 1].step_seconds:
             break  # no candidate left can beat the top plans
-        ev = evaluate(candidate, profile, schedule)
+        ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
         simulated += 1
         if ev.max_peak_bytes > min(profile.memory_of(d.kind) for r in candidate.ranks for d in r):
             too_big = [
@@ -562,7 +573,7 @@ def plan(
         raise ValueError(
             "no plan fits: " + ("; ".join(skipped[:5]) or "no candidate shapes for these devices")
         )
-    best = tuple(Candidate(ev, _reasons(profile, ev, found)) for ev in found)
+    best = tuple(Candidate(ev, _reasons(profile, ev, found, receiver_busy)) for ev in found)
     return SearchResult(best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start)
 
 
@@ -591,16 +602,18 @@ def _describe(p: ClusterPlan) -> str:
     )
 
 
-def _reasons(profile: Profile, ev: Evaluation, found: Sequence[Evaluation]) -> tuple[str, ...]:
+def _reasons(
+    profile: Profile, ev: Evaluation, found: Sequence[Evaluation], receiver_busy: bool = True
+) -> tuple[str, ...]:
     """Why this plan: its bottleneck, its cost breakdown, and how it compares."""
     p = ev.plan
     s = max(range(len(ev.stage_seconds)), key=lambda k: ev.stage_seconds[k])
-    dev = p.ranks[0][0].kind if p.pipe == 1 else None
+    dev = p.ranks[ev.simulation.schedule.stage_to_rank[s]][0].kind
     out = [
         f"{_describe(p)}: {ev.step_seconds:.4g} s per step = pipeline {ev.pipeline_seconds:.4g} s "
         f"+ all-reduce {max(ev.allreduce_seconds):.3g} s + update {max(ev.update_seconds):.3g} s",
         f"bottleneck stage {s} ({len(p.stage_layers[s])} layers"
-        + (f" on {dev}" if dev else "")
+        + f" on {dev}"
         + f"): {ev.stage_seconds[s]:.4g} s per microbatch; stages hold "
         f"{[len(x) for x in p.stage_layers]} layers",
         f"closed-form estimate {ev.closed_form_seconds:.4g} s "
@@ -626,7 +639,9 @@ def _reasons(profile: Profile, ev: Evaluation, found: Sequence[Evaluation]) -> t
                 rows.append([f + b for f, b in zip(t.forward, t.backward)])
             base = dataclasses.replace(p, stage_layers=split(rows).layers)
             try:
-                other = evaluate(base, profile).step_seconds
+                other = evaluate(
+                    base, profile, ev.simulation.schedule, receiver_busy=receiver_busy
+                ).step_seconds
             except ValueError:
                 continue
             out.append(

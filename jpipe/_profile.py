@@ -145,6 +145,7 @@ class Profile:
     intra: dict[str, dict[int, Link]] = dataclasses.field(default_factory=dict)
     inter: dict[tuple[str, int, str, int], Link] = dataclasses.field(default_factory=dict)
     derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
+    _links: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -216,6 +217,12 @@ class Profile:
         Falls back to the nearest measured GPU counts for the pair, then to the
         slower of the two types' own node-to-node links.
         """
+        key = (a, na, b, nb)
+        if key not in self._links:
+            self._links[key] = self._inter_link(a, na, b, nb)
+        return self._links[key]
+
+    def _inter_link(self, a: str, na: int, b: str, nb: int) -> Link:
         for key in ((a, na, b, nb), (b, nb, a, na)):
             if key in self.inter:
                 return self.inter[key]
@@ -524,5 +531,5 @@ def monotone_in_batch(profile: Profile) -> Profile:
         return out
 
     return dataclasses.replace(
-        profile, times={d: clean(t) for d, t in profile.times.items()}, derived=set()
+        profile, times={d: clean(t) for d, t in profile.times.items()}, derived=set(), _links={}
     )
