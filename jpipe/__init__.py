@@ -10,17 +10,24 @@ the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
 microbatch size, L sequence length, D model width.
 """
 
+from jpipe._partition import partition as partition_layers
 from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
 from jpipe._plan import Plan, make_plan
+from jpipe._planner import ClusterPlan, Device, read_plan_file
+from jpipe._planner import evaluate as evaluate_plan
+from jpipe._planner import plan as plan_cluster
+from jpipe._profile import load_sailor_profile
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
-from jpipe._simulate import Costs, Simulation, simulate
+from jpipe._simulate import Costs, Simulation, Sizes, simulate
 from jpipe._validate import ScheduleError, validate
 
 __all__ = [
     "Action",
     "B",
+    "ClusterPlan",
     "Costs",
+    "Device",
     "F",
     "I",
     "Overlap",
@@ -29,10 +36,16 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "Sizes",
     "W",
+    "evaluate_plan",
     "get_schedule",
+    "load_sailor_profile",
     "make_mesh",
     "make_plan",
+    "partition_layers",
+    "plan_cluster",
+    "read_plan_file",
     "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",
