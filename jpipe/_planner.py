@@ -199,6 +199,22 @@ def _link_seconds(profile: Profile, a: Device, b: Device, nbytes: float) -> floa
     return link.seconds(nbytes)
 
 
+def _sharing(ranks, owner) -> list[list[int]]:
+    """``[boundary][replica]``: transfers that cross the same pair of nodes at once.
+
+    Replicas run in step, so when several send across the same two nodes they
+    share that link's bandwidth (each transfer takes that many times longer).
+    """
+    S = len(owner)
+    out = []
+    for s in range(S - 1):
+        pairs = [
+            (ranks[owner[s]][j].node, ranks[owner[s + 1]][j].node) for j in range(len(ranks[0]))
+        ]
+        out.append([pairs.count(p) if p[0] != p[1] else 1 for p in pairs])
+    return out
+
+
 def _allreduce_seconds(profile: Profile, group: Sequence[Device], nbytes: float) -> float:
     """Ring all-reduce of `nbytes` (all TP shards) among replicas, over the slowest link."""
     d = len(group)
@@ -257,6 +273,7 @@ def evaluate(
     transfer = [0.0] * max(S - 1, 0)
     worst = None
     uses_w = schedule.splits_backward
+    sharing = _sharing(plan.ranks, owner)
     for d in range(plan.data):
         dev = [plan.ranks[owner[s]][d] for s in range(S)]
         F, I, W, B, U = [], [], [], [], []
@@ -272,6 +289,7 @@ def evaluate(
             if owner[s] == owner[s + 1]:
                 continue
             c = _link_seconds(profile, dev[s], dev[s + 1], outputs[plan.stage_layers[s][-1]])
+            c *= sharing[s][d]
             transfer[s] = max(transfer[s], c)
             F[s] += c  # blocking send of the activation forward
             I[s + 1] += c  # and of the gradient back
@@ -428,9 +446,11 @@ def _split_layers(
     mbs: int,
     microbatches: int,
     receiver_busy: bool = True,
+    share: Sequence[int] | None = None,
 ) -> tuple[tuple[int, ...], ...]:
     """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit."""
     outputs, acts = profile.outputs(mbs), profile.activations(mbs)
+    share = share or [1] * len(devs)
     rows, memory = [], []
     for d in devs:
         t = profile.layer_times(d.kind, mbs, d.tensor_parallel)
@@ -442,7 +462,8 @@ def _split_layers(
 
     # send[s][l]: seconds to move layer l's output across the cut after stage s
     send = [
-        [_link_seconds(profile, devs[s], devs[s + 1], x) for x in outputs] for s in range(S - 1)
+        [share[s] * _link_seconds(profile, devs[s], devs[s + 1], x) for x in outputs]
+        for s in range(S - 1)
     ]
     # as in `evaluate`: a stage sends its output and its input gradient, and also
     # receives their counterparts when transfers occupy the receiver
@@ -540,7 +561,8 @@ def plan(
                         # the slowest replica's devices decide the split
                         devs = [ranks[owner[s]][0] for s in range(S)]
                         try:
-                            layers = _split_layers(profile, devs, mbs, M, receiver_busy)
+                            share = [x[0] for x in _sharing(ranks, owner)]
+                            layers = _split_layers(profile, devs, mbs, M, receiver_busy, share)
                         except ValueError as e:
                             skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
                             continue

@@ -133,6 +133,7 @@ class Profile:
       memory: ``{device: bytes}``.
       intra: ``{device: {gpus: Link}}`` inside one node.
       inter: ``{(device, gpus per node, device, gpus per node): Link}`` between nodes.
+      missing: ``{device: why}`` for device files an importer could not use.
     """
 
     model: str
@@ -146,6 +147,7 @@ class Profile:
     inter: dict[tuple[str, int, str, int], Link] = dataclasses.field(default_factory=dict)
     derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
     _links: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    missing: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -157,8 +159,9 @@ class Profile:
 
     def _device(self, device: str) -> dict[tuple[int, int], LayerTimes]:
         if device not in self.times:
+            why = f" ({self.missing[device]})" if device in self.missing else ""
             raise ValueError(
-                f"the {self.model} profile has no device {device!r}; it has "
+                f"the {self.model} profile has no device {device!r}{why}; it has "
                 f"{', '.join(self.devices)}"
             )
         return self.times[device]
@@ -268,7 +271,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
     params = tuple(float(some[i]["params_bytes"]) for i in order)
     activation = {b: tuple(float(v[i]["act_mem_bytes"]) for i in order) for b, v in sizes.items()}
     output = {b: tuple(float(v[i]["act_output_bytes"]) for i in order) for b, v in sizes.items()}
-    times = {}
+    times, missing = {}, {}
     for device in sorted(os.listdir(model_dir)):
         with open(os.path.join(model_dir, device, "profile.json")) as f:
             raw = json.load(f)
@@ -277,6 +280,9 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
             for t, layers in by_tp.items():
                 if len(layers) != num_layers:
                     # The known flaw: GPT-Neo-2.7 on GH-96 is the 26-layer OPT-350 profile.
+                    missing[device] = (
+                        f"its Sailor file has {len(layers)} layers, the model {num_layers}"
+                    )
                     continue
                 rows = [layers[i] for i in order]
                 table[(int(b), int(t))] = LayerTimes(
@@ -286,6 +292,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
                 )
         if table:
             times[device] = table
+            missing.pop(device, None)
     network = os.path.join(directory, "network")
     intra, inter = {}, {}
     with open(os.path.join(network, "intra_node_bandwidths.json")) as f:
@@ -314,6 +321,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
         memory={d: DEVICE_MEMORY[d] for d in times if d in DEVICE_MEMORY},
         intra=intra,
         inter=inter,
+        missing=missing,
     )
 
 

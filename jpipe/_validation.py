@@ -37,6 +37,7 @@ class Row:
     model: str
     measured_seconds: float
     measured_mem: float
+    global_batch: int
     predicted_seconds: float | None = None
     closed_form_seconds: float | None = None
     predicted_mem: float | None = None
@@ -103,6 +104,7 @@ def validate_directory(
             model=model,
             measured_seconds=float(raw["real"]),
             measured_mem=float(raw["max_mem"]),
+            global_batch=plan.global_batch,
         )
         if model not in cache:
             try:
@@ -149,10 +151,14 @@ def medians(rows: list[Row], cluster: str) -> tuple[float, float, int]:
 
 
 def picks(rows: list[Row]) -> list[dict]:
-    """Per setup with several predicted plans: the measured fastest, jpipe's and closed form's."""
+    """Per setup and global batch with several predicted plans (the same devices and the
+    same work, so seconds per iteration compare): the measured fastest, jpipe's pick and
+    the closed form's."""
     out = []
-    for setup in sorted({r.setup for r in rows}):
-        group = [r for r in rows if r.setup == setup and r.error is not None]
+    for setup, batch in sorted({(r.setup, r.global_batch) for r in rows}):
+        group = [
+            r for r in rows if (r.setup, r.global_batch) == (setup, batch) and r.error is not None
+        ]
         if len(group) < 2:
             continue
         fastest = min(group, key=lambda r: r.measured_seconds)
@@ -161,6 +167,7 @@ def picks(rows: list[Row]) -> list[dict]:
         out.append(
             {
                 "setup": setup,
+                "global_batch": batch,
                 "plans": len(group),
                 "fastest": fastest,
                 "jpipe": ours,
@@ -233,14 +240,18 @@ def markdown(rows: list[Row], ablation: dict[str, list[Row]] | None = None) -> s
         lines += [
             "### Which plan each would choose",
             "",
-            "| setup | plans | measured fastest | jpipe picks | its measured cost "
+            "Plans that ran on the same nodes with the same global batch, so their seconds per "
+            "iteration compare. *Its measured cost* is how much slower, measured, the picked "
+            "plan ran than the fastest.",
+            "",
+            "| setup | global batch | plans | measured fastest | jpipe picks | its measured cost "
             "| closed form picks | its measured cost |",
-            "|---|---:|---|---|---:|---|---:|",
+            "|---|---:|---:|---|---|---:|---|---:|",
         ]
         for p in chosen:
             name = lambda r: os.path.basename(r.path).removeprefix("plan_config_")  # noqa: E731
             lines.append(
-                f"| {p['setup']} | {p['plans']} | {name(p['fastest'])} "
+                f"| {p['setup']} | {p['global_batch']} | {p['plans']} | {name(p['fastest'])} "
                 f"({p['fastest'].measured_seconds:.4g} s) | {name(p['jpipe'])} "
                 f"| {_pct(p['jpipe_regret'])} | {name(p['closed_form'])} "
                 f"| {_pct(p['closed_form_regret'])} |"

@@ -361,3 +361,20 @@ def test_cli_plan_and_save(capsys, tmp_path):
 
 def test_public_names():
     assert jpipe.Sizes is not None and jpipe.plan_cluster is not None
+
+
+def test_replicas_crossing_the_same_nodes_share_the_link():
+    prof = dataclasses.replace(
+        _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0), output_bytes={1: (0.5, 0.5)}
+    )
+    own = (
+        (Device("fast", node=0), Device("fast", node=1)),
+        (Device("fast", node=2), Device("fast", node=3)),
+    )
+    shared = (
+        (Device("fast", node=0), Device("fast", node=0)),
+        (Device("fast", node=1), Device("fast", node=1)),
+    )
+    a = evaluate(ClusterPlan(own, ((0,), (1,)), 1, 6), prof)
+    b = evaluate(ClusterPlan(shared, ((0,), (1,)), 1, 6), prof)
+    assert a.transfer_seconds == (0.5,) and b.transfer_seconds == (1.0,)
