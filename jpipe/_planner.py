@@ -706,9 +706,7 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
         "format": PLAN_FORMAT,
         "model": profile.model,
         **p.to_json(),
-        "blocks_per_stage": [
-            sum(profile.layer_kinds[l] == "block" for l in s) for s in p.stage_layers
-        ],
+        "blocks_per_stage": [sum(profile.blocks(l) for l in s) for s in p.stage_layers],
         "predicted_seconds": ev.step_seconds,
         "predicted_max_mem_bytes": ev.max_peak_bytes,
     }

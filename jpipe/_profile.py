@@ -134,6 +134,8 @@ class Profile:
       intra: ``{device: {gpus: Link}}`` inside one node.
       inter: ``{(device, gpus per node, device, gpus per node): Link}`` between nodes.
       missing: ``{device: why}`` for device files an importer could not use.
+      layer_blocks: transformer blocks per layer when a layer holds several
+        (a profile of measured stages); `None` means one per ``"block"`` layer.
     """
 
     model: str
@@ -148,10 +150,17 @@ class Profile:
     derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
     _links: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     missing: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    layer_blocks: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def blocks(self, layer: int) -> int:
+        """Transformer blocks in profile layer `layer` (a measured stage may hold several)."""
+        if self.layer_blocks is not None:
+            return self.layer_blocks[layer]
+        return int(self.layer_kinds[layer] == "block")
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -331,6 +340,7 @@ def profile_to_json(profile: Profile) -> dict:
         "format": FORMAT,
         "model": profile.model,
         "layer_kinds": list(profile.layer_kinds),
+        **({} if profile.layer_blocks is None else {"layer_blocks": list(profile.layer_blocks)}),
         "params_bytes": list(profile.params_bytes),
         "activation_bytes": {str(b): list(v) for b, v in profile.activation_bytes.items()},
         "output_bytes": {str(b): list(v) for b, v in profile.output_bytes.items()},
@@ -410,6 +420,9 @@ def profile_from_json(d: dict) -> Profile:
             times=times,
             memory=memory,
             intra=_intra(d.get("intra_node", [])),
+            layer_blocks=None
+            if d.get("layer_blocks") is None
+            else tuple(int(b) for b in d["layer_blocks"]),
             inter={
                 (e["device_a"], int(e["gpus_a"]), e["device_b"], int(e["gpus_b"])): Link.from_json(
                     e
@@ -454,6 +467,8 @@ def profile_from_stage_times(
     output_bytes: Sequence[float] | None = None,
     update: Sequence[float] | None = None,
     memory_bytes: float | None = None,
+    blocks_per_stage: Sequence[int] | None = None,
+    link_bytes_per_s: float = math.inf,
     model: str = "measured",
 ) -> Profile:
     """Turns the trainer's measured per-stage times into a profile.
@@ -471,6 +486,10 @@ def profile_from_stage_times(
         (default 0).
       update: optimizer-update seconds per stage (default 0).
       memory_bytes: the device's memory, if known.
+      blocks_per_stage: transformer blocks in each measured stage (the
+        trainer's layers per stage), so a plan counts blocks, not stages.
+      link_bytes_per_s: bandwidth between devices, inside and across nodes;
+        the default (unmeasured) makes transfers free.
       model: a name for the profile.
     """
     F = _floats(stage_times.F, "F")
@@ -501,6 +520,9 @@ def profile_from_stage_times(
             }
         },
         memory={} if memory_bytes is None else {device: float(memory_bytes)},
+        layer_blocks=None if blocks_per_stage is None else tuple(int(b) for b in blocks_per_stage),
+        intra={device: {1: Link(link_bytes_per_s)}},
+        inter={(device, 1, device, 1): Link(link_bytes_per_s)},
     )
 
 
