@@ -10,10 +10,19 @@ the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
 microbatch size, L sequence length, D model width.
 """
 
+from jpipe._devices import describe_devices, use_cpu_devices
 from jpipe._partition import partition as partition_layers
-from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+from jpipe._pipeline import (
+    Pipeline,
+    make_mesh,
+    microbatches,
+    reference_value_and_grad,
+    run_stages,
+    split_microbatches,
+)
+from jpipe._plan import LAYOUTS as TICK_LAYOUTS
 from jpipe._plan import Plan, make_plan
-from jpipe._planner import ClusterPlan, Device, read_plan_file
+from jpipe._planner import ClusterPlan, DeviceGroup, read_plan_file
 from jpipe._planner import evaluate as evaluate_plan
 from jpipe._planner import plan as plan_cluster
 from jpipe._profile import load_sailor_profile
@@ -27,7 +36,7 @@ __all__ = [
     "B",
     "ClusterPlan",
     "Costs",
-    "Device",
+    "DeviceGroup",
     "F",
     "I",
     "Overlap",
@@ -37,18 +46,24 @@ __all__ = [
     "ScheduleError",
     "Simulation",
     "Sizes",
+    "TICK_LAYOUTS",
     "W",
+    "describe_devices",
     "evaluate_plan",
     "get_schedule",
     "load_sailor_profile",
     "make_mesh",
     "make_plan",
+    "microbatches",
     "partition_layers",
     "plan_cluster",
     "read_plan_file",
     "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",
+    "run_stages",
     "simulate",
+    "split_microbatches",
+    "use_cpu_devices",
     "validate",
 ]

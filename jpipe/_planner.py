@@ -63,7 +63,7 @@ OPTIMIZER_COPIES = 4  # fp32 weights, gradients, Adam first and second moments
 
 
 @dataclasses.dataclass(frozen=True)
-class Device:
+class DeviceGroup:
     """One tensor-parallel group: `tensor_parallel` GPUs of type `kind` on node `node`.
 
     `gpus_per_node` picks the measured links (Sailor keys links by it).
@@ -92,7 +92,7 @@ class ClusterPlan:
       num_chunks: stages per rank for the schedule; `None` for its default.
     """
 
-    ranks: tuple[tuple[Device, ...], ...]
+    ranks: tuple[tuple[DeviceGroup, ...], ...]
     stage_layers: tuple[tuple[int, ...], ...]
     microbatch_size: int
     global_batch: int
@@ -192,7 +192,7 @@ class Evaluation:
         }
 
 
-def _link_seconds(profile: Profile, a: Device, b: Device, nbytes: float) -> float:
+def _link_seconds(profile: Profile, a: DeviceGroup, b: DeviceGroup, nbytes: float) -> float:
     if a.node == b.node:
         return profile.intra_link(a.kind, a.gpus_per_node).seconds(nbytes)
     link = profile.inter_link(a.kind, a.gpus_per_node, b.kind, b.gpus_per_node)
@@ -215,7 +215,7 @@ def _sharing(ranks, owner) -> list[list[int]]:
     return out
 
 
-def _allreduce_seconds(profile: Profile, group: Sequence[Device], nbytes: float) -> float:
+def _allreduce_seconds(profile: Profile, group: Sequence[DeviceGroup], nbytes: float) -> float:
     """Ring all-reduce of `nbytes` (all TP shards) among replicas, over the slowest link."""
     d = len(group)
     if d < 2 or nbytes <= 0:
@@ -370,7 +370,7 @@ def plan_from_sailor(config: dict, schedule: str = "1f1b") -> ClusterPlan:
             row = []
             for gpus, tp in replicas:
                 kind, per_node, _zone = gpus[0]
-                row.append(Device(str(kind), int(tp), int(per_node), node))
+                row.append(DeviceGroup(str(kind), int(tp), int(per_node), node))
                 node += 1
             ranks.append(tuple(row))
         return ClusterPlan(
@@ -442,7 +442,7 @@ def _divisors(n: int) -> list[int]:
 
 def _split_layers(
     profile: Profile,
-    devs: Sequence[Device],
+    devs: Sequence[DeviceGroup],
     mbs: int,
     microbatches: int,
     receiver_busy: bool = True,
@@ -541,7 +541,7 @@ def plan(
                             g = used[k]
                             used[k] += 1
                             node = kinds.index(k) * 1000 + (g * tp) // node_size[k]
-                            ranks[r][j] = Device(k, tp, node_size[k], node)
+                            ranks[r][j] = DeviceGroup(k, tp, node_size[k], node)
                             r += 1
                 ranks = tuple(tuple(x) for x in ranks)
                 for mbs in microbatch_sizes:

@@ -12,7 +12,7 @@ import pytest
 import jpipe
 from jpipe._planner import (
     ClusterPlan,
-    Device,
+    DeviceGroup,
     evaluate,
     load_sailor_plan,
     parse_devices,
@@ -151,7 +151,7 @@ def test_evaluate_matches_hand_computation():
     # two stages of one layer; stage 1 on a device half as fast: F=(1,2), B=(2,4)
     prof = _toy(F=[1.0, 1.0], B=[2.0, 2.0], U=[0.25, 0.25])
     p = ClusterPlan(
-        ranks=((Device("fast"),), (Device("slow", node=1),)),
+        ranks=((DeviceGroup("fast"),), (DeviceGroup("slow", node=1),)),
         stage_layers=((0,), (1,)),
         microbatch_size=1,
         global_batch=4,
@@ -168,8 +168,8 @@ def test_evaluate_matches_hand_computation():
 def test_data_parallel_all_reduce_and_the_slowest_replica():
     prof = _toy(F=[1.0, 1.0], B=[2.0, 2.0], params=1e9, bandwidth=1e9)
     ranks = (
-        (Device("fast", node=0), Device("slow", node=1)),
-        (Device("fast", node=2), Device("fast", node=3)),
+        (DeviceGroup("fast", node=0), DeviceGroup("slow", node=1)),
+        (DeviceGroup("fast", node=2), DeviceGroup("fast", node=3)),
     )
     p = ClusterPlan(ranks=ranks, stage_layers=((0,), (1,)), microbatch_size=1, global_batch=8)
     ev = evaluate(p, prof)
@@ -178,7 +178,10 @@ def test_data_parallel_all_reduce_and_the_slowest_replica():
     # replica 1 has a slow first stage: F=2, B=4 there, M = 8 / (1 * 2) = 4
     assert ev.pipeline_seconds == pytest.approx(
         evaluate(
-            ClusterPlan(((Device("slow"),), (Device("fast", node=1),)), ((0,), (1,)), 1, 4), prof
+            ClusterPlan(
+                ((DeviceGroup("slow"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 4
+            ),
+            prof,
         ).pipeline_seconds
     )
     assert ev.step_seconds == pytest.approx(ev.pipeline_seconds + 1.0)
@@ -187,7 +190,7 @@ def test_data_parallel_all_reduce_and_the_slowest_replica():
 def test_transfers_occupy_both_ranks_by_default():
     prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0)
     prof = dataclasses.replace(prof, output_bytes={1: (0.5, 0.5)})
-    p = ClusterPlan(((Device("fast"),), (Device("fast", node=1),)), ((0,), (1,)), 1, 3)
+    p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 3)
     both, sender = evaluate(p, prof), evaluate(p, prof, receiver_busy=False)
     assert both.transfer_seconds == (0.5,)
     assert both.stage_seconds == (3.0, 3.0)  # 2 compute + 0.5 out + 0.5 back, each side
@@ -198,20 +201,20 @@ def test_transfers_occupy_both_ranks_by_default():
 def test_memory_is_parameters_and_live_residuals():
     prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], params=100.0)
     prof = dataclasses.replace(prof, activation_bytes={1: (10.0, 10.0)})
-    p = ClusterPlan(((Device("fast"),), (Device("fast", node=1),)), ((0,), (1,)), 1, 8)
+    p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 8)
     ev = evaluate(p, prof)
     # 1F1B keeps min(S - r, M) residuals on rank r; 4 copies of the parameters
     assert ev.peak_bytes == ((400.0 + 2 * 10.0,), (400.0 + 10.0,))
 
 
 def test_plan_errors_name_the_problem(opt350):
-    devs = ((Device("GH-96", 4, 4),),)
+    devs = ((DeviceGroup("GH-96", 4, 4),),)
     with pytest.raises(ValueError, match="must hold layers 0..25 once each"):
         evaluate(ClusterPlan(devs, (tuple(range(25)),), 1, 4), opt350)
     with pytest.raises(ValueError, match="not a multiple of microbatch size 3"):
         evaluate(ClusterPlan(devs, (tuple(range(26)),), 3, 4), opt350)
     with pytest.raises(ValueError, match="has no device 'H100'"):
-        evaluate(ClusterPlan(((Device("H100"),),), (tuple(range(26)),), 1, 4), opt350)
+        evaluate(ClusterPlan(((DeviceGroup("H100"),),), (tuple(range(26)),), 1, 4), opt350)
 
 
 # --- Sailor plans --------------------------------------------------------------------------
@@ -371,12 +374,12 @@ def test_replicas_crossing_the_same_nodes_share_the_link():
         _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0), output_bytes={1: (0.5, 0.5)}
     )
     own = (
-        (Device("fast", node=0), Device("fast", node=1)),
-        (Device("fast", node=2), Device("fast", node=3)),
+        (DeviceGroup("fast", node=0), DeviceGroup("fast", node=1)),
+        (DeviceGroup("fast", node=2), DeviceGroup("fast", node=3)),
     )
     shared = (
-        (Device("fast", node=0), Device("fast", node=0)),
-        (Device("fast", node=1), Device("fast", node=1)),
+        (DeviceGroup("fast", node=0), DeviceGroup("fast", node=0)),
+        (DeviceGroup("fast", node=1), DeviceGroup("fast", node=1)),
     )
     a = evaluate(ClusterPlan(own, ((0,), (1,)), 1, 6), prof)
     b = evaluate(ClusterPlan(shared, ((0,), (1,)), 1, 6), prof)
