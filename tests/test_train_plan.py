@@ -74,7 +74,6 @@ def test_plan_file_trains_through_train_py(tmp_path):
         "--config.model.num_layers=3",
         "--config.model.d_model=32",
         "--config.model.d_ff=64",
-        "--config.profile=True",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -82,12 +81,33 @@ def test_plan_file_trains_through_train_py(tmp_path):
     assert "devices: 2 cpu devices" in done.stdout  # faked from the plan's mesh
     assert "1f1b: 2 ranks" in done.stdout
     assert "3 blocks as (2, 1)" in done.stdout
-    # profile mode wrote the planner's format: one layer per stage, blocks (2, 1)
-    measured = load_profile(str(workdir / "profile.json"))
-    assert measured.num_layers == 2
-    assert [measured.blocks(l) for l in range(2)] == [2, 1]
-    kind = measured.devices[0]
-    t = measured.layer_times(kind, 2, 1)  # batch 4 / 2 microbatches
-    assert all(x > 0 for x in t.forward) and t.input_grad is not None
-    assert measured.params_bytes[0] > measured.params_bytes[1] > 0  # the embedding is on stage 0
     assert jpipe.read_plan_file(str(plan)).layers_per_stage == (2, 1)
+
+
+def test_profile_mode_writes_the_planner_format(tmp_path):
+    """`stage_profile` on measured times (what train.py --config.profile=True writes)."""
+    import jax
+    import numpy as np
+
+    from jpipe._profile import save_profile
+    from jpipe.train.profile import StageTimes as Measured
+    from jpipe.train.profile import stage_profile
+
+    class Mesh:
+        devices = np.array([[jax.devices()[0]]], dtype=object)
+
+    class Pipeline:  # the two things stage_profile reads from a jpipe.Pipeline
+        mesh = Mesh()
+
+        def unpack(self, params):
+            return params
+
+    times = Measured(F=(0.1, 0.2), I=(0.15, 0.25), W=(0.05, 0.1), B=(0.2, 0.35))
+    params = [{"w": np.zeros(10, np.float32)}, {"w": np.zeros(3, np.float32), "b": np.zeros(1)}]
+    prof = stage_profile(Pipeline(), params, times, 2, (2, 1))
+    save_profile(prof, str(tmp_path / "profile.json"))
+    measured = load_profile(str(tmp_path / "profile.json"))
+    assert measured == prof and measured.params_bytes == (40.0, 20.0)
+    assert [measured.blocks(l) for l in range(2)] == [2, 1]
+    t = measured.layer_times(jax.devices()[0].device_kind, 2, 1)
+    assert t.forward == (0.1, 0.2) and t.split() == ((0.15, 0.25), (0.05, 0.1))
