@@ -7,7 +7,9 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
 1. Per-stage costs. Each stage's forward, backward (and input/weight-gradient
    halves) are its profile layers summed on its rank's device at the plan's
    microbatch size and tensor-parallel degree (`Profile.layer_times`, which
-   derives a missing degree from the profile's own entries).
+   derives a missing degree from the profile's own entries). Where the profile
+   has only the full backward, schedules that split it get half as ``I`` and
+   half as ``W``.
 2. Transfers. A stage's output (its last layer's output bytes) goes to the
    next stage over the link between their nodes, and the gradient of the same
    size comes back. Transfers are *blocking*, as in DeepSpeed's pipeline
@@ -28,9 +30,11 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    ``max over ranks of (latest replica finish + all-reduce + update)``.
 5. Memory per rank: ``4 x`` its parameter bytes over ``T`` (fp32 weights,
    gradients and two Adam moments) plus the simulator's peak of live residuals
-   (`jpipe.Sizes`, profile activation bytes over ``T``).
+   (`jpipe.Sizes`, profile activation bytes over ``T``; for schedules that
+   split the backward, an ``I``'s carry is taken as large as the residuals,
+   which overstates it rather than understates it).
 
-`closed_form` is the formula the published heterogeneous planners (AMP,
+`Evaluation.closed_form_seconds` is the formula the published heterogeneous planners (AMP,
 Metis, Sailor, FlashFlex) use on the same inputs:
 ``(M - 1) max_s(t_s + c_s) + sum_s(t_s + c_s) + update + data-parallel sync``.
 
