@@ -18,8 +18,9 @@ activations per rank (a `(stage, microbatch)` is live from its ``F`` until its
 
 Memory in bytes (optional, given as `Sizes`): each stage holds its ``params``
 bytes for the whole step; the ``activation`` (residual) bytes of one microbatch
-are live from its ``F`` until its ``B`` or ``I``; an ``I`` turns them into
-``carry`` bytes (what ``W`` needs) that stay live until its ``W``. A rank runs
+are live from its ``F`` until its ``B`` or ``W`` (as for the live activation
+count: jpipe's ``W`` piece reads the residuals too); an ``I`` adds its
+``carry`` bytes (what it hands ``W``), live until the ``W``. A rank runs
 its list in order, so walking the list gives its live bytes after every action;
 the maximum plus the parameters of its stages is the rank's ``peak_bytes``.
 """
@@ -122,8 +123,8 @@ class Sizes:
 
     Attributes:
       activation: residuals one microbatch keeps from its ``F`` until its ``B``
-        (or ``I``).
-      carry: what an ``I`` keeps for its ``W``, live from the ``I`` until the ``W``.
+        (or ``W``, which reads them too).
+      carry: what an ``I`` hands its ``W``, live from the ``I`` until the ``W``.
       params: bytes held for the whole step (weights, gradients, optimizer state).
     """
 
@@ -189,9 +190,9 @@ def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float
             elif a.kind == "B":
                 live -= size["activation"][s]
             elif a.kind == "I":
-                live += size["carry"][s] - size["activation"][s]
-            else:
-                live -= size["carry"][s]
+                live += size["carry"][s]
+            else:  # W: the residuals and the carry both go
+                live -= size["carry"][s] + size["activation"][s]
             peak = max(peak, live)
         peaks.append(peak + sum(size["params"][s] for s in schedule.stages_of(r)))
     return tuple(peaks)
