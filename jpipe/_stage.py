@@ -249,6 +249,21 @@ class StageKernels:
         return list(self._w_fn(*jax.tree.leaves(params), *jax.tree.leaves(inputs), *res, *carry))
 
 
+class WeightedLoss(NamedTuple):
+    """What a last stage returns for a loss that is not an equal-weight mean of rows.
+
+    ``total`` is the microbatch's summed loss (e.g. over its unmasked tokens)
+    and ``weight`` what it counts (e.g. those tokens). The pipeline's loss is
+    ``sum(total) / sum(weight)`` over every microbatch (and data shard), and
+    its gradients are those of that quotient: a token-masked mean equals the
+    masked mean of the whole batch, not a mean of per-microbatch means. The
+    weight must not depend on the parameters.
+    """
+
+    total: Any
+    weight: Any
+
+
 def loss_seed(num_microbatches: int, dtype):
     """The output gradient of the last stage's loss: ``1 / M``.
 

@@ -13,7 +13,10 @@ module builds that list for a GPT (pre-norm, learned positions, untied head):
 
 Every boundary between stages carries ``x_BxLxD`` in ``GPTConfig.dtype``. With a
 single stage, that stage does all of the above. ``inputs`` is the microbatch:
-``{"tokens": int32[B, L], "targets": int32[B, L]}``.
+``{"tokens": int32[B, L], "targets": int32[B, L]}``, and optionally
+``"weights": float[B, L]`` (0 on padding): the last stage then returns a
+`jpipe.WeightedLoss` (the weighted sum of token losses and the sum of the
+weights), so the pipeline's loss is the weighted mean over the whole batch.
 
 A stage's parameters are a dict with ``"embed"`` (first stage only), ``"blocks"``
 (a tuple, one entry per block, absent when the stage has none) and ``"head"``
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jpipe._stage import WeightedLoss
 from jpipe.models.staged import StagedModel, split_flax_model
 
 Params = Any  # a pytree of arrays
@@ -164,6 +168,9 @@ class _Head(nn.Module):
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
             logits_BxLxV.astype(jnp.float32), targets_BxL
         )
+        if "weights" in inputs:  # per-token weights, e.g. 0 on padding
+            weights_BxL = inputs["weights"].astype(jnp.float32)
+            return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
         return losses_BxL.mean()
 
 
