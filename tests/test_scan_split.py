@@ -12,6 +12,7 @@ those costs, and the loss and gradients through a pipeline.
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -21,7 +22,7 @@ import pytest
 
 import jpipe
 from jpipe import Pipeline, StageKernels, make_mesh, testing
-from jpipe.models import gpt, merge_stage_params
+from jpipe.models import gpt, merge_stage_params, split_stage_params
 
 RTOL = 1e-5  # float32, as in test_compiler.py
 
@@ -170,14 +171,20 @@ def test_a_scanned_stage_splits_like_the_unrolled_one(kind, first):
 _GPT = gpt.GPTConfig(vocab_size=32, seq_len=4, num_layers=4, num_heads=1, d_model=8, d_ff=16)
 
 
+@functools.cache
+def _gpt(scan_layers: bool):
+    """The model cut ``2,2`` and its initial weights (initialised once: it compiles)."""
+    model = gpt.make_stages(dataclasses.replace(_GPT, scan_layers=scan_layers), "2,2")
+    return model, model.init(0)
+
+
 def test_scanned_gpt_has_the_unrolled_weights():
-    unrolled = gpt.make_stages(_GPT, "1,3")
-    scanned = gpt.make_stages(dataclasses.replace(_GPT, scan_layers=True), "1,3")
+    unrolled, unrolled_params = _gpt(False)
+    scanned, params = _gpt(True)
     assert scanned.scan_layers and not unrolled.scan_layers
-    params = scanned.init(0)
-    assert {tuple(a.shape) for a in jax.tree.leaves(params[1]["blocks"])} >= {(3, 8, 24)}
+    assert {tuple(a.shape) for a in jax.tree.leaves(params[1]["blocks"])} >= {(2, 8, 24)}
     same = jax.tree.map(
-        np.array_equal, merge_stage_params(params), merge_stage_params(unrolled.init(0))
+        np.array_equal, merge_stage_params(params), merge_stage_params(unrolled_params)
     )
     assert all(jax.tree.leaves(same))
     # Weight decay is decided per block: a stacked LayerNorm scale does not decay.
@@ -188,14 +195,13 @@ def test_scanned_gpt_has_the_unrolled_weights():
 
 
 def test_scanned_gpt_splits_like_the_unrolled_one():
-    config = dataclasses.replace(_GPT, num_layers=6, seq_len=8, d_model=16, d_ff=32, num_heads=2)
-    batch = gpt.example_batch(config, 2)
+    batch = gpt.example_batch(_GPT, 2)
     inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
     costs = {}
     for scan in (False, True):
-        model = gpt.make_stages(dataclasses.replace(config, scan_layers=scan), "2,2,2")
+        model, params_list = _gpt(scan)
         x, stages = None, []
-        for fn, params in zip(model.stages, model.init(0)):
+        for fn, params in zip(model.stages, params_list):
             k = StageKernels.trace(fn, params, x, inputs)
             stages.append(_costs(k, params, inputs))
             x = k.y
@@ -204,10 +210,10 @@ def test_scanned_gpt_splits_like_the_unrolled_one():
     carry_u = sum(s["carry"] for s in unrolled)
     carry_s = sum(s["carry"] for s in scanned)
     assert abs(carry_s - carry_u) <= 0.1 * carry_u, (carry_s, carry_u)
-    for piece in "FIW":
+    for piece in "FIWB":
         assert [s[piece] for s in scanned] == [s[piece] for s in unrolled], piece
     # With those costs per stage, ZB-H1 has the same simulated bubble.
-    schedule = jpipe.get_schedule("zb_h1", 3, 6)
+    schedule = jpipe.get_schedule("zb_h1", 2, 4)
     bubbles = [
         jpipe.simulate(
             schedule, jpipe.Costs(**{p: tuple(float(s[p]) for s in stages) for p in "FIW"})
@@ -217,20 +223,16 @@ def test_scanned_gpt_splits_like_the_unrolled_one():
     assert bubbles[0] == bubbles[1] and 0 < bubbles[0] < 1, bubbles
 
 
-@pytest.mark.parametrize("name,ranks", [("1f1b", 2), ("zb_h1", 2), ("zb_h1", 4)])
+@pytest.mark.parametrize("name,ranks", [("1f1b", 2), ("zb_h1", 4)])
 def test_scanned_gpt_is_exact(name, ranks):
-    config = dataclasses.replace(_GPT, num_layers=2 * ranks, scan_layers=True)
-    model = gpt.make_stages(config, [2] * ranks)
-    params = model.init(0)
-    batch = gpt.example_batch(config, 8)
+    model, params = _gpt(True)
+    if ranks != 2:  # the same weights cut into one block per stage
+        model = gpt.make_stages(dataclasses.replace(_GPT, scan_layers=True), [1] * 4)
+        params = split_stage_params(merge_stage_params(params), [1] * 4, scan_layers=True)
+    batch = gpt.example_batch(_GPT, 8)
     pipe = Pipeline(model.stages, jpipe.get_schedule(name, ranks, 4), make_mesh(ranks, 1))
     loss, grads = pipe.value_and_grad(pipe.pack(params), batch)
     with jax.default_device(jax.devices("cpu")[0]):
         reference = jpipe.reference_value_and_grad(model.stages, params, batch)
     abs_err, rel_err = testing.compare((loss, pipe.unpack(grads)), reference)
     assert rel_err <= RTOL, (abs_err, rel_err)
-
-
-def test_checker_model_with_scanned_blocks_is_exact():
-    result = testing.check_schedule("zb_h1", 3, 4, scan_layers=True)
-    assert result.passed, result
