@@ -9,7 +9,8 @@ body once per iteration (XLA's ``cost_analysis()`` counts a while loop's
 body once, so it cannot compare the two), then the ZB-H1 bubble simulated
 with those FLOPs as per-stage F/I/W costs, and the largest relative error of
 loss and gradients against the unpipelined model under 1F1B and ZB-H1.
-Prints a markdown table; takes about a minute on 2 shared cores.
+Then the carry and FLOPs at the benchmark's GPT shape (traced only). Prints
+a markdown table; takes about 3 minutes on 2 busy shared cores.
 """
 
 from __future__ import annotations
@@ -51,10 +52,17 @@ def _dots(jaxpr) -> tuple[int, int]:
     return count, flops
 
 
-def stage_figures(scan_layers: bool) -> list[dict]:
+# The benchmark's GPT shape (bench/workloads.py), traced only: carry and FLOPs.
+LARGE = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=8, num_heads=4, d_model=256, d_ff=1024)
+LARGE_SPLIT, LARGE_MICROBATCH = "2,2,2,2", 4
+
+
+def stage_figures(
+    scan_layers: bool, config=CONFIG, split=SPLIT, microbatch=MICROBATCH
+) -> list[dict]:
     """Carry, and matmuls and FLOPs of F, I and W, for each stage."""
-    model = gpt.make_stages(dataclasses.replace(CONFIG, scan_layers=scan_layers), SPLIT)
-    batch = gpt.example_batch(CONFIG, MICROBATCH)
+    model = gpt.make_stages(dataclasses.replace(config, scan_layers=scan_layers), split)
+    batch = gpt.example_batch(config, microbatch)
     inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
     x, rows = None, []
     for fn, params in zip(model.stages, model.init(0)):
@@ -112,6 +120,14 @@ def main() -> None:
         )
         for name in ("1f1b", "zb_h1"):
             print(f"  {name}: max relative error {exactness(scan, name):.2e}")
+    print(f"\nGPT {LARGE}, stages {LARGE_SPLIT}, microbatch {LARGE_MICROBATCH} sequences:")
+    for scan in (False, True):
+        rows = stage_figures(scan, LARGE, LARGE_SPLIT, LARGE_MICROBATCH)
+        dots = [(r["I dots"], r["W dots"]) for r in rows]
+        flops = [(r["I flops"], r["W flops"]) for r in rows]
+        carry = [r["carry"] for r in rows]
+        label = "nn.scan" if scan else "unrolled"
+        print(f"{label}: carry per stage {carry}, I/W matmuls {dots}, I/W FLOPs {flops}")
 
 
 if __name__ == "__main__":

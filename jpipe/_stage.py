@@ -14,7 +14,48 @@ into three pieces that can run in different ticks on the same rank:
 The split is exact: the backward is traced once to a jaxpr, and its equations
 are divided between the pieces by what each output depends on, so ``I`` and
 ``W`` together do the work of one backward, with nothing recomputed. A full
-backward ``B`` runs as ``I`` then ``W``.
+backward ``B`` runs as ``I`` then ``W``. The bodies of jit and remat calls
+are spliced in first (`_inline_calls`), so the division sees inside them.
+
+Scanned layers. A stage that runs its layers in `jax.lax.scan` (``nn.scan``,
+``nn.remat_scan``, a scan of a `jax.checkpoint`-ed layer) has its whole
+backward in one scan equation: the transpose of the forward scan, whose
+carry is the activation cotangent and whose xs are the per-layer weights and
+residuals. Left whole, it would go to ``I`` (it reads the weights) and hand
+``W`` finished weight gradients. Instead each scan of the backward is split
+by the same rule, applied to its body (`_plan_scan`):
+
+- the I-scan runs the body equations that the scan outputs ``I`` needs
+  depend on, plus the cotangent chain (body equations that read a weight:
+  a body input whose operand is a stage parameter, such as a layer's
+  weights scanned as xs) and what they need; a carry whose incoming value
+  the I-scan reads is carried by the I-scan, to a fixed point. It also
+  emits, as extra ys stacked over the iterations, every body value the W
+  part reads that the I part made (or an I carry's incoming value): the
+  per-layer cotangents and activations ``W`` needs, which become the
+  stage's carry, about what the unrolled stage carries.
+- the W-scan runs the rest, with the same ``length``, ``reverse`` and
+  ``unroll``: the weight-gradient products, reading the stacked values as
+  xs. Gradients of per-layer weights come out as its ys; gradients of
+  weights shared by every iteration (scan consts) accumulate in its carry.
+
+Every body equation runs in exactly one of the two scans, so nothing is
+computed twice; both scans keep only the operands they read. Which outputs
+of a scan ``I`` needs depends on the division of the whole backward, which
+depends on the split scans, so `_split_scans` starts from none and grows
+the set when ``I``'s slice reaches a W-scan (it does for a scan whose carry
+output feeds an input gradient through equations that do not read weights).
+The stage-level rule keeps a W-scan in ``W`` even where it reads a weight,
+which would otherwise put it in the chain.
+
+JAX 0.10.2's ``lax.scan(..., _split_transpose=True)`` was the alternative:
+in this version the argument is accepted and ignored (the scan primitive has
+no such parameter; its transpose is one scan), so jpipe splits scans itself.
+Limits: a scan nested inside a scan body is not split further (it runs
+whole in the piece the rule gives it: exact, less balanced); and a scan's
+backward runs every iteration alike, so in a stage without an input
+gradient it still computes the cotangent into its first layer, which an
+unrolled backward drops as dead code (JAX's own transpose does the same).
 
 Values between pieces are kept as flat vectors, one per dtype (`FlatLayout`),
 so that the stages, whose pytrees differ, can share fixed-size buffers.
