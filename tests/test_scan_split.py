@@ -148,9 +148,9 @@ def test_a_scanned_stage_splits_like_the_unrolled_one(kind, first):
     want = _costs(k_unrolled, unrolled, inputs)
     # I hands W per-layer cotangents (stacked over the layers), never a
     # weight gradient: about what the unrolled stage carries.
+    assert abs(got["carry"] - want["carry"]) <= 0.1 * want["carry"], (got, want)
     weights = {tuple(a.shape) for a in jax.tree.leaves(scanned)}
     assert not {tuple(a.shape) for a in k_scan.carry_avals} & weights, k_scan.carry_avals
-    assert abs(got["carry"] - want["carry"]) <= 0.1 * want["carry"], (got, want)
     # Nothing computed twice: I and W do the work of the backward unsplit.
     assert got["I"] + got["W"] == got["B"], got
     assert got["W"] > 0 and got["I"] > 0
@@ -195,7 +195,8 @@ def test_scanned_gpt_has_the_unrolled_weights():
 
 
 def test_scanned_gpt_splits_like_the_unrolled_one():
-    batch = gpt.example_batch(_GPT, 2)
+    # One sequence a microbatch: activations smaller than weights, as at scale.
+    batch = gpt.example_batch(_GPT, 1)
     inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
     costs = {}
     for scan in (False, True):
