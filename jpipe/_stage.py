@@ -18,7 +18,7 @@ backward ``B`` runs as ``I`` then ``W``. The bodies of jit and remat calls
 are spliced in first (`_inline_calls`), so the division sees inside them.
 
 Scanned layers. A stage that runs its layers in `jax.lax.scan` (``nn.scan``,
-``nn.remat_scan``, a scan of a `jax.checkpoint`-ed layer) has its whole
+``nn.remat_scan`` with one level, a scan of a `jax.checkpoint`-ed layer) has its whole
 backward in one scan equation: the transpose of the forward scan, whose
 carry is the activation cotangent and whose xs are the per-layer weights and
 residuals. Left whole, it would go to ``I`` (it reads the weights) and hand
@@ -52,7 +52,8 @@ JAX 0.10.2's ``lax.scan(..., _split_transpose=True)`` was the alternative:
 in this version the argument is accepted and ignored (the scan primitive has
 no such parameter; its transpose is one scan), so jpipe splits scans itself.
 Limits: a scan nested inside a scan body is not split further (it runs
-whole in the piece the rule gives it: exact, less balanced); and a scan's
+whole in the piece the rule gives it: exact, but ``nn.remat_scan`` with
+``lengths=(2, 2)`` then carries its weight gradients again); and a scan's
 backward runs every iteration alike, so in a stage without an input
 gradient it still computes the cotangent into its first layer, which an
 unrolled backward drops as dead code (JAX's own transpose does the same).
