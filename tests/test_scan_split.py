@@ -91,6 +91,7 @@ class _DenseLayer(nn.Module):
 _NN_SCAN = nn.scan(
     _DenseLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS
 )()
+_REMAT_SCAN = nn.remat_scan(_Dense, lengths=(LAYERS,))()  # one level: a scan of remat
 
 
 def _stage(kind: str, scanned: bool, first: bool):
@@ -99,9 +100,13 @@ def _stage(kind: str, scanned: bool, first: bool):
     def fn(params, x, inputs):
         if first:  # no input gradient: I runs the cotangent chain alone
             x = inputs["x"]
-        if kind == "nn.scan":
-            if scanned:
-                return _NN_SCAN.apply({"params": {"block": params}}, x, None)[0]
+        if kind == "nn.scan" and scanned:
+            return _NN_SCAN.apply({"params": {"block": params}}, x, None)[0]
+        if kind == "nn.remat_scan" and scanned:
+            return _REMAT_SCAN.apply({"params": params}, x)
+        if kind.startswith("nn."):
+            # Against plain layers for remat_scan too: as traced here, its
+            # backward runs no recomputation (the same matmuls as plain layers).
             for p in params:
                 x = _Dense().apply({"params": p}, x)
             return x
@@ -116,7 +121,7 @@ def _stage(kind: str, scanned: bool, first: bool):
 
 
 def _layer_params(kind: str):
-    if kind == "nn.scan":
+    if kind.startswith("nn."):
         x = jnp.zeros((ROWS, WIDTH), f32)
         return [_Dense().init(jax.random.key(i), x)["params"] for i in range(LAYERS)]
     rng = np.random.default_rng(0)
@@ -135,7 +140,7 @@ def _stack(layers):
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["middle", "first"])
-@pytest.mark.parametrize("kind", ["lax.scan", "remat", "nn.scan"])
+@pytest.mark.parametrize("kind", ["lax.scan", "remat", "nn.scan", "nn.remat_scan"])
 def test_a_scanned_stage_splits_like_the_unrolled_one(kind, first):
     layers = _layer_params(kind)
     act = jax.ShapeDtypeStruct((ROWS, WIDTH), f32)
