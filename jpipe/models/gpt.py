@@ -66,6 +66,9 @@ class GPTConfig:
       d_ff: hidden width of each block's MLP.
       dtype: compute and activation dtype, ``"float32"``, ``"bfloat16"`` or
         ``"float16"``. Parameters and the loss are always float32.
+      scan_layers: run each stage's blocks in one ``nn.scan`` (its
+        ``"blocks"`` are then stacked over its blocks); the same weights and
+        the same model as the default, unrolled blocks.
     """
 
     vocab_size: int
@@ -75,6 +78,7 @@ class GPTConfig:
     d_model: int
     d_ff: int
     dtype: str = "float32"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
@@ -85,6 +89,10 @@ class GPTConfig:
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by num_heads={self.num_heads}"
+            )
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(
+                f"GPTConfig.scan_layers must be True or False, got {self.scan_layers!r}"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -196,6 +204,7 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
         _Head(config),
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,
+        scan_layers=config.scan_layers,
         # Length 1: the parameter shapes do not depend on L.
         example_inputs={
             "tokens": jnp.zeros((1, 1), jnp.int32),
@@ -209,8 +218,16 @@ def weight_decay_mask(params: Params) -> Params:
 
     Matrices and embeddings (two or more dimensions) decay; LayerNorm scales
     and biases (one dimension) do not. Works on arrays and on
-    `jax.ShapeDtypeStruct`s, for one stage's tree or a list of them.
+    `jax.ShapeDtypeStruct`s, for one stage's tree or a list of them. Stacked
+    blocks (``scan_layers``) are judged per block, without the stacking axis.
     """
+    if type(params) in (list, tuple):
+        return type(params)(weight_decay_mask(p) for p in params)
+    if isinstance(params, dict) and isinstance(params.get("blocks"), dict):
+        return {
+            k: jax.tree.map(lambda leaf, n=int(k == "blocks"): len(leaf.shape) - n >= 2, v)
+            for k, v in params.items()
+        }
     return jax.tree.map(lambda leaf: len(leaf.shape) >= 2, params)
 
 
