@@ -28,12 +28,18 @@ def ensure_cpu_devices(count: int) -> None:
     """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
     import jax
 
-    if jax.config.jax_num_cpu_devices < count:
+    # Several processes: each has the devices it was started with; the count is global.
+    if not jax.distributed.is_initialized() and jax.config.jax_num_cpu_devices < count:
         try:
             jax.config.update("jax_num_cpu_devices", count)
         except RuntimeError:
             pass  # the backend has started: use what it has
     have = len(jax.devices("cpu"))
+    if have < count and jax.process_count() > 1:
+        raise RuntimeError(
+            f"this check needs {count} CPU devices but the {jax.process_count()} processes "
+            f"have {have} together: start them with more (jpipe.launch --cpu_devices)"
+        )
     if have < count:
         raise RuntimeError(
             f"this check needs {count} CPU devices but JAX has {have}. JAX fixes the count "
@@ -248,7 +254,7 @@ def check_schedule(
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
     loss, grads = compiled(packed, placed)
-    with jax.default_device(jax.devices("cpu")[0]):  # full float32 matmuls
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
         ref_loss, ref_grads = reference_value_and_grad(stages, params, batch, 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
     memory = compiled.memory_analysis()
