@@ -141,6 +141,8 @@ def initialize(
                 f"--process_id must be in [0, {num_processes}) for --num_processes="
                 f"{num_processes}, got {process_id}"
             )
+    global _heartbeat_seconds
+    _heartbeat_seconds = heartbeat_timeout_seconds
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -179,11 +181,56 @@ def fail(message: str, code: int = 1) -> None:
         os._exit(code)
 
 
+def lost_processes(timeout_seconds: float | None = None) -> list[int] | None:
+    """The processes the coordination service no longer hears from, or None if it cannot tell.
+
+    Asks the service which processes are alive (every live process that asks
+    waits for the others, so this returns once the dead ones are noticed:
+    within the heartbeat timeout). Waits at most `timeout_seconds` (default:
+    the heartbeat timeout plus 5 s).
+    """
+    import threading
+
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return None
+    n = state.num_processes
+    found: list = []
+
+    def ask():
+        try:
+            found.append(state.client.get_live_nodes(list(range(n))))
+        except Exception as e:  # the coordinator itself is gone
+            found.append(e)
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(_heartbeat_seconds + 5 if timeout_seconds is None else timeout_seconds)
+    if not found or isinstance(found[0], Exception):
+        return None
+    return [i for i in range(n) if i not in found[0]]
+
+
+_heartbeat_seconds = HEARTBEAT_TIMEOUT_SECONDS
+# How a collective reports a peer that went away (gloo on CPU; NCCL, the coordination service).
+_PEER_LOST_WORDS = ("Gloo", "Connection closed", "connection reset", "unhealthy", "NCCL")
+
+
 def _excepthook(kind, value, tb) -> None:
     if issubclass(kind, KeyboardInterrupt):
         fail("interrupted", 130)
     text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
-    fail(f"stopping after an uncaught exception:\n{text}")
+    lost = ""
+    if any(word in str(value) for word in _PEER_LOST_WORDS):
+        # A collective failed because a peer is gone. Say which one.
+        gone = lost_processes()
+        if gone:
+            lost = f"\nlost: process {', '.join(map(str, gone))} (no longer reachable)"
+        elif gone is None:
+            lost = "\nlost: the coordinator (process 0) or the connection to it"
+    fail(f"stopping after an uncaught exception:\n{text}{lost}")
 
 
 def install_exit_on_error() -> None:

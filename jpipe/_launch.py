@@ -152,7 +152,11 @@ def launch(
             child = subprocess.Popen(
                 argv,
                 env=child_env(
-                    i, num_processes, address, cpu_devices=cpu_devices, one_thread=one_thread,
+                    i,
+                    num_processes,
+                    address,
+                    cpu_devices=cpu_devices,
+                    one_thread=one_thread,
                     base=env,
                 ),
                 stdout=subprocess.PIPE,
