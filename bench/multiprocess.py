@@ -64,26 +64,28 @@ def _single(args) -> dict:
     import jax
 
     from bench import measure, profile
-    from bench.baselines import one_device
+    from bench.baselines import one_device, one_device_microbatched
     from bench.workloads import get_workload
 
     workload = get_workload(args.model)
     device = jax.devices()[0]
-    one = one_device(workload, args.microbatches, RANKS, device)
-    row = measure.compile_program("one process", one.lowerable, one.args)
+    rows = []
+    for name, build in (("one", one_device), ("microbatched", one_device_microbatched)):
+        program = build(workload, args.microbatches, RANKS, device)
+        rows.append(measure.compile_program(name, program.lowerable, program.args))
     stage_fns, params = workload.stages(RANKS)
     microbatch = workload.batch(1)
     pieces = profile.stage_programs(stage_fns, params, microbatch, device, "stage")
-    times = measure.time_together([row] + pieces, args.reps, warmup=1)
-    loss = float(row.fn(*row.args)[0])
-    return {
-        "one_process": {
-            "times": times["one process"],
+    times = measure.time_together(rows + pieces, args.reps, warmup=1)
+    out = {
+        row.name: {
+            "times": times[row.name],
             "compile_seconds": row.compile_seconds,
-            "loss": loss,
-        },
-        "costs": profile.costs_from_times(times, "stage", RANKS),
+            "loss": float(row.fn(*row.args)[0]),
+        }
+        for row in rows
     }
+    return {**out, "costs": profile.costs_from_times(times, "stage", RANKS)}
 
 
 def _transfer_program(workload, mesh):
@@ -203,28 +205,35 @@ def report(single: dict, multi: dict, args, seconds: float) -> tuple[dict, str]:
     costs = single["costs"]
     transfer = med(multi["transfer"]["times"])
     c = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=costs["B"], comm=transfer)
-    base = single["one_process"]
+    base = single["one"]
     base_med, base_best = med(base["times"]), min(base["times"])
     dp = multi["rows"]["data parallel"]
     lines = [
         "| row | processes | compile s | step ms (median / best) | vs one process | "
-        "vs 2-process data parallel | sim ideal ms | sim lock-step ms | loss rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs 2-process data parallel | sim ideal ms | sim lock-step ms | sum of pieces ms | "
+        "loss rel. diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     table = {}
 
-    def add(name, procs, row, ideal="-", lockstep="-"):
+    def add(name, procs, row, ideal="-", lockstep="-", work="-"):
         t = row["times"]
         rel = abs(row["loss"] - base["loss"]) / abs(base["loss"])
         lines.append(
             f"| {name} | {procs} | {row['compile_seconds']:.2f} | {_ms(med(t))} / {_ms(min(t))} | "
             f"{med(t) / base_med:.2f} / {min(t) / base_best:.2f}x | "
             f"{med(t) / med(dp['times']):.2f} / {min(t) / min(dp['times']):.2f}x | "
-            f"{ideal} | {lockstep} | {rel:.1e} |"
+            f"{ideal} | {lockstep} | {work} | {rel:.1e} |"
         )
         table[name] = {**row, "loss_rel_diff": rel}
 
+    M = args.microbatches
+    total = {kind: M * sum(costs[kind]) for kind in costs}
     add("one process, one thread", 1, base)
+    add(
+        "one process, microbatched", 1, single["microbatched"],
+        work=_ms(total["F"] + total["B"]),
+    )  # fmt: skip
     add("data parallel", 2, dp)
     for name in SCHEDULES:
         row = multi["rows"][f"jpipe {name}"]
@@ -232,7 +241,8 @@ def report(single: dict, multi: dict, args, seconds: float) -> tuple[dict, str]:
         plan = jpipe.make_plan(sched)
         ideal = jpipe.simulate(sched, c).makespan
         lockstep = plan.predicted_time(c) + plan.num_ticks * len(plan.channels) * transfer
-        add(f"jpipe {name}", 2, row, _ms(ideal), _ms(lockstep))
+        work = total["F"] + (total["B"] if name == "1f1b" else total["I"] + total["W"])
+        add(f"jpipe {name}", 2, row, _ms(ideal), _ms(lockstep), _ms(work))
         table[f"jpipe {name}"].update(sim_ideal=ideal, sim_lockstep=lockstep)
     pieces = ", ".join(
         f"stage {s}: F {_ms(costs['F'][s])}, I {_ms(costs['I'][s])}, W {_ms(costs['W'][s])}, "
