@@ -7,7 +7,7 @@
 Restarting with the same --workdir resumes from its newest checkpoint. On a
 CPU-only machine as many CPU devices are faked as the mesh needs
 (--cpu_devices or --config.cpu_devices overrides); never when a GPU or TPU is present.
-See jpipe/trainer.py for what happens and configs/*.py for every field.
+See jpipe/train/ for what happens and configs/*.py for every field.
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jpipe import trainer
+from jpipe import train as trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

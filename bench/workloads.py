@@ -100,14 +100,6 @@ class Workload:
         return self._batch(num_microbatches * self.microbatch_size, seed)
 
 
-def sequential_loss(stage_fns, params_list, batch):
-    """The unpipelined model: every stage in order on the whole batch."""
-    x = None
-    for fn, params in zip(stage_fns, params_list, strict=True):
-        x = fn(params, x, batch)
-    return x
-
-
 # -- GPT ----------------------------------------------------------------------
 
 

@@ -10,7 +10,16 @@ the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
 microbatch size, L sequence length, D model width.
 """
 
-from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+from jpipe._devices import describe_devices, use_cpu_devices
+from jpipe._pipeline import (
+    Pipeline,
+    make_mesh,
+    microbatches,
+    reference_value_and_grad,
+    run_stages,
+    split_microbatches,
+)
+from jpipe._plan import LAYOUTS as TICK_LAYOUTS
 from jpipe._plan import Plan, make_plan
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
@@ -29,13 +38,19 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "TICK_LAYOUTS",
     "W",
+    "describe_devices",
     "get_schedule",
     "make_mesh",
     "make_plan",
+    "microbatches",
     "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",
+    "run_stages",
     "simulate",
+    "split_microbatches",
+    "use_cpu_devices",
     "validate",
 ]

@@ -143,6 +143,29 @@ def split_microbatches(batch, num_microbatches: int):
     return jax.tree.map(cut, batch)
 
 
+def microbatches(batch, num_microbatches: int):
+    """``[N, ...] -> [M, N / M, ...]``: the microbatches stacked first, to loop over.
+
+    Microbatch m is rows ``m, m + M, m + 2M, ...`` as in `split_microbatches`
+    (this is its transpose, a copy: for references and baselines, not the pipeline).
+    """
+    return jax.tree.map(lambda a: a.swapaxes(0, 1), split_microbatches(batch, num_microbatches))
+
+
+def run_stages(stages: Sequence[Callable], params_list, inputs):
+    """Every stage in order on `inputs`: the model without a pipeline.
+
+    ``x = stage(params, x, inputs)`` from ``x = None``; the last stage's output
+    (the loss) is returned.
+    """
+    if len(params_list) != len(stages):
+        raise ValueError(f"got {len(params_list)} stage parameter trees for {len(stages)} stages")
+    x = None
+    for stage, params in zip(stages, params_list, strict=True):
+        x = stage(params, x, inputs)
+    return x
+
+
 class Pipeline:
     """A model, a schedule and a mesh, ready to compute loss and gradients.
 
@@ -383,14 +406,10 @@ def reference_value_and_grad(
     """
 
     def loss_fn(params_list):
-        mbs = jax.tree.map(lambda a: a.swapaxes(0, 1), split_microbatches(batch, num_microbatches))
-
-        def one(inputs):
-            x = None
-            for fn, p in zip(stages, params_list):
-                x = fn(p, x, inputs)
-            return x
-
-        return jnp.mean(jax.lax.map(one, mbs))
+        losses = jax.lax.map(
+            lambda inputs: run_stages(stages, params_list, inputs),
+            microbatches(batch, num_microbatches),
+        )
+        return jnp.mean(losses)
 
     return jax.value_and_grad(loss_fn)(params_list)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jpipe import data
+from jpipe.train import data
 
 KW = dict(path="", max_bytes=1 << 20, eval_fraction=0.1, seq_len=32, batch_size=8, seed=0)
 

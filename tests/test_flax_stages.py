@@ -71,9 +71,9 @@ def test_uneven_split_runs_exactly_and_matches_other_splits():
 @pytest.mark.parametrize(
     "counts,message",
     [
-        ("3,4,4", "adds up to 11 blocks, but the model has 14"),
-        ("3,0,8,3", "gives stage 1 no block"),
-        ("3;4", "must be integers separated by commas"),
+        ("3,4,4", "sums to 11 but the model has num_layers=14"),
+        ("3,0,8,3", r"middle stage\(s\) \[1\] would have no layer"),
+        ("3;4", "must be comma-separated integers"),
     ],
 )
 def test_bad_layer_counts(counts, message):

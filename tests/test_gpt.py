@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jpipe
 from jpipe import models
 
 CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
@@ -25,13 +26,6 @@ def _model(split):
     return models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, num_stages, split))
 
 
-def _compose(model, params_list, batch):
-    x = None
-    for stage, params in zip(model.stages, params_list, strict=True):
-        x = stage(params, x, batch)
-    return x
-
-
 @pytest.mark.parametrize("split", SPLITS, ids=str)
 def test_stages_in_sequence_equal_loss_and_the_unsplit_model(split):
     model = _model(split)
@@ -39,7 +33,7 @@ def test_stages_in_sequence_equal_loss_and_the_unsplit_model(split):
     batch = models.example_batch(CONFIG, batch_size=3)
     assert len(params) == len(model.stages) == len(model.layers_per_stage)
     loss = model.loss(params, batch)
-    np.testing.assert_array_equal(_compose(model, params, batch), loss)
+    np.testing.assert_array_equal(jpipe.run_stages(model.stages, params, batch), loss)
     # The same key gives the same weights whatever the split, so the same loss.
     unsplit = _model((4,))
     unsplit_params = unsplit.init(jax.random.key(0))
@@ -174,14 +168,6 @@ def test_weight_decay_mask_and_num_params():
     expected = v * d + length * d + CONFIG.num_layers * block + 2 * d + d * v
     assert models.num_params(params) == expected
     assert models.num_params(jax.eval_shape(_model(None).init, jax.random.key(0))) == expected
-
-
-def test_small_test_model():
-    model = models.small_test_model(4)
-    assert model.layers_per_stage == (1, 1, 1, 1)
-    params = model.init(0)
-    loss = jax.jit(model.loss)(params, models.example_batch(model.config, 4))
-    assert np.isfinite(loss)
 
 
 @pytest.mark.parametrize("name", ["default", "gpt2_small"])

@@ -1,7 +1,7 @@
 """The trainer end to end, on a shrunken config and the 8 fake CPU devices of conftest.py.
 
 The runs are small (a 4-block GPT of width 32 on 16 sequences of 16 bytes)
-but real: the same `jpipe.trainer.train` that ``train.py`` calls, with
+but real: the same `jpipe.train.train` that ``train.py`` calls, with
 checkpoints, evaluation and metrics. Runs that several tests compare against
 are made once per module.
 """
@@ -23,9 +23,13 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 import jpipe
-from jpipe import trainer
-from jpipe.checkpoint import Checkpoints
+from jpipe import train as trainer
 from jpipe.models import gpt
+from jpipe.train import loop as train_loop
+from jpipe.train import optimizer as train_optimizer
+from jpipe.train import step as train_step_lib
+from jpipe.train.checkpoint import Checkpoints
+from jpipe.train.data import device_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
@@ -117,7 +121,7 @@ class _Killed(Exception):
 def interrupted(tmp_path_factory):
     """The same run, killed while loading step 5's batch: the checkpoint of step 4 remains."""
     workdir = tmp_path_factory.mktemp("interrupted")
-    original = trainer.device_batch
+    original = device_batch
 
     def load(batches, step, sharding):
         if step == 4 and batches.name == "train":  # the batch of the 5th step
@@ -125,7 +129,7 @@ def interrupted(tmp_path_factory):
         return original(batches, step, sharding)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "device_batch", load)
+        mp.setattr(train_loop, "device_batch", load)
         with pytest.raises(_Killed):
             trainer.train(tiny_config(), str(workdir), progress=False)
     return workdir
@@ -280,7 +284,7 @@ def test_interleaved_schedule_has_chunks_stages():
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    original = trainer.train_step
+    original = train_step_lib.train_step
 
     def poisoned(state, batch, **kwargs):
         new_state, metrics = original(state, batch, **kwargs)
@@ -289,7 +293,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypa
         metrics["loss"] = jnp.where(bad, jnp.nan, metrics["loss"])
         return new_state._replace(params=params), metrics
 
-    monkeypatch.setattr(trainer, "train_step", poisoned)
+    monkeypatch.setattr(train_step_lib, "train_step", poisoned)
     workdir = tmp_path / "run"
     config = tiny_config(eval_every=0, checkpoint_every=2)
     with pytest.raises(trainer.DivergedError, match="step 3: the loss is nan.*step 2"):
@@ -308,7 +312,7 @@ def test_optimizer_keeps_padding_zero_and_clips_globally():
 
     # Weight decay on matrices and embeddings, not on norm scales and biases,
     # row by row: a bucket holds arrays of one size whatever their shape.
-    rows = trainer.packed_decay_rows(pipeline)
+    rows = train_optimizer.packed_decay_rows(pipeline)
     padding = {name: set(range(layout.num_ranks)) for name in layout.buckets}
     for s, leaves in enumerate(layout.leaves):
         rank = layout.stage_to_rank[s]
@@ -320,7 +324,7 @@ def test_optimizer_keeps_padding_zero_and_clips_globally():
     for name, ranks in padding.items():
         assert not rows[name][ranks].any()
 
-    batch = trainer.device_batch(prepared.train_data, 0, pipeline.batch_sharding)
+    batch = device_batch(prepared.train_data, 0, pipeline.batch_sharding)
     _, grads = pipeline.value_and_grad(params, batch)
     # The norm of the packed gradients is the norm over every stage's gradients.
     per_stage = jax.tree.leaves(pipeline.unpack(grads))
@@ -328,7 +332,7 @@ def test_optimizer_keeps_padding_zero_and_clips_globally():
     np.testing.assert_allclose(float(optax.tree.norm(grads)), expected, rtol=1e-6)
 
     # Padding rows get zero gradients and stay zero through clipping and AdamW.
-    optimizer = trainer.make_optimizer(prepared.config.optimizer, 10, rows)
+    optimizer = train_optimizer.make_optimizer(prepared.config.optimizer, 10, rows)
     opt_state = optimizer.init(params)
     for _ in range(3):
         for name, ranks in padding.items():
@@ -344,7 +348,9 @@ def test_decay_by_row_matches_optax_adamw_masking():
     params = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((2, 4))}
     grads = jax.tree.map(lambda p: 0.1 * p + 0.5, params)
     ours = optax.chain(
-        optax.scale_by_adam(), trainer.decay_by_row(0.1, rows), optax.scale_by_learning_rate(0.01)
+        optax.scale_by_adam(),
+        train_optimizer.decay_by_row(0.1, rows),
+        optax.scale_by_learning_rate(0.01),
     )
     updates, _ = ours.update(grads, ours.init(params), params)
     # The same thing per leaf with optax.adamw: row 0 of "a" decays, nothing else.

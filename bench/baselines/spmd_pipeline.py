@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.baselines.unpipelined import split_microbatches
+import jpipe
 from bench.workloads import PeerModel, Workload
 
 
@@ -170,7 +170,7 @@ def peer_loss(peer: PeerModel, mesh: Mesh, num_microbatches: int, repeats: int, 
     )
 
     def loss(params, batch):
-        mbs = split_microbatches(batch, M)
+        mbs = jpipe.microbatches(batch, M)
         x_MxBx = jax.vmap(peer.embed, in_axes=(None, 0))(params["embed"], mbs)
         y_MxBx = loop(params["blocks"], x_MxBx)
         losses_M = jax.vmap(peer.head, in_axes=(None, 0, 0))(params["head"], y_MxBx, mbs)

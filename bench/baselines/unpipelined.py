@@ -19,7 +19,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.workloads import Workload, sequential_loss
+import jpipe
+from bench.workloads import Workload
 
 
 class Program(NamedTuple):
@@ -33,7 +34,7 @@ def _loss_and_params(workload: Workload, num_stages: int):
     stage_fns, params = workload.stages(num_stages)
 
     def loss(params_list, batch):
-        return sequential_loss(stage_fns, params_list, batch)
+        return jpipe.run_stages(stage_fns, params_list, batch)
 
     return loss, params
 
@@ -46,17 +47,6 @@ def one_device(workload: Workload, num_microbatches: int, num_stages: int, devic
     return Program(jax.jit(jax.value_and_grad(loss)), (params, batch))
 
 
-def split_microbatches(batch, num_microbatches: int):
-    """``[N, ...] -> [M, N / M, ...]``; microbatch m holds rows m, m + M, ... (as jpipe cuts)."""
-
-    def cut(a):
-        return a.reshape((a.shape[0] // num_microbatches, num_microbatches) + a.shape[1:]).swapaxes(
-            0, 1
-        )
-
-    return jax.tree.map(cut, batch)
-
-
 def one_device_microbatched(
     workload: Workload, num_microbatches: int, num_stages: int, device
 ) -> Program:
@@ -64,7 +54,7 @@ def one_device_microbatched(
     loss, params = _loss_and_params(workload, num_stages)
 
     def mean_loss(params_list, batch):
-        mbs = split_microbatches(batch, num_microbatches)
+        mbs = jpipe.microbatches(batch, num_microbatches)
         return jax.lax.map(lambda mb: loss(params_list, mb), mbs).mean()
 
     batch = workload.batch(num_microbatches)

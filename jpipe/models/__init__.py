@@ -2,33 +2,34 @@
 
 A model is a `StagedModel`: an ordered tuple of stage functions
 ``stage(params, x, inputs) -> y``, an initializer giving one parameter tree per
-stage, and the unpipelined reference loss.
+stage, and the unpipelined reference loss. `split_flax_model` cuts any
+embed/blocks/head Flax model by layer counts (`split_layers`); the GPT
+(`make_stages`) is one such model.
 """
 
 from jpipe.models.gpt import (
     GPTConfig,
-    StagedModel,
     example_batch,
     make_stages,
-    merge_stage_params,
     num_params,
-    small_test_model,
-    split_layers,
-    split_stage_params,
     weight_decay_mask,
 )
-from jpipe.models.staged import FlaxStages, split_flax_model
+from jpipe.models.staged import (
+    StagedModel,
+    merge_stage_params,
+    split_flax_model,
+    split_layers,
+    split_stage_params,
+)
 
 __all__ = [
-    "FlaxStages",
-    "split_flax_model",
     "GPTConfig",
     "StagedModel",
     "example_batch",
     "make_stages",
     "merge_stage_params",
     "num_params",
-    "small_test_model",
+    "split_flax_model",
     "split_layers",
     "split_stage_params",
     "weight_decay_mask",

@@ -1,72 +1,222 @@
-"""Cutting a Flax model into pipeline stages by layer counts.
+"""Models cut into pipeline stages: one type, one way to split layers.
+
+The compiler (`jpipe.Pipeline`) runs a model given as an ordered tuple of stage
+functions ``stage(params, x, inputs) -> y``, one parameter pytree per stage.
+A `StagedModel` is that tuple with its initializer and its unpipelined
+reference loss (`jpipe.run_stages`: every stage in order).
 
 Most models a pipeline serves have the same shape: something that embeds the
 inputs, a stack of identical blocks, and a head that ends in the loss. Given
-those three Flax modules, `split_flax_model` builds the stage functions the
-compiler takes (`jpipe.Pipeline`), an initializer that gives every split the
-same weights (block `i` always gets the key folded from `i`), and the
-unpipelined reference loss.
+those three Flax modules, `split_flax_model` builds the stages by layer counts
+(`split_layers`: balanced, or uneven such as ``"3,4,4,3"``), with an
+initializer that gives every split the same weights (the embedding, block `i`
+and the head each draw from a key folded from the model key and their own
+global index, so ``pipe=4`` and ``pipe=1`` start from identical weights).
 
 Conventions: ``embed.apply(vars, inputs) -> x``, ``block.apply(vars, x) -> x``,
 ``head.apply(vars, x, inputs) -> loss`` (a float scalar, the microbatch's mean),
-where `inputs` is one microbatch's slice of the batch. The first stage holds
-the embedding and its share of blocks, the last its blocks and the head; a
-first or last stage may hold no block. Splits may be uneven: ``"3,4,4,3"``.
+where `inputs` is one microbatch's slice of the batch. A stage's parameters
+are a dict with ``"embed"`` (first stage only), ``"blocks"`` (a tuple, one
+entry per block, absent when the stage has none) and ``"head"`` (last stage
+only); the first or last stage may hold no block.
 """
 
 from __future__ import annotations
 
+import functools
+import numbers
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 
+from jpipe._pipeline import run_stages
 
-class FlaxStages(NamedTuple):
-    """A Flax model cut into stages.
+StageFn = Callable[[Any, Any, Any], Any]
+
+
+class StagedModel(NamedTuple):
+    """A model as the pipeline compiler takes it.
 
     Attributes:
-      stages: ``stage(params, x, inputs) -> y`` per stage, in pipeline order.
-      init: ``init(rng) -> list`` of per-stage parameter pytrees.
-      loss: ``loss(params_list, batch)``: every stage in sequence, unpipelined.
+      stages: one pure, jittable function ``stage(params, x, inputs) -> y`` per
+        stage, in pipeline order.
+      init: ``init(rng) -> list`` of per-stage parameter pytrees; `rng` is a
+        JAX key or an int seed.
+      loss: ``loss(params_list, batch) -> float scalar``, the unpipelined
+        reference: every stage in sequence on the whole batch.
       layers_per_stage: blocks held by each stage.
     """
 
-    stages: tuple[Callable, ...]
+    stages: tuple[StageFn, ...]
     init: Callable[[Any], list]
     loss: Callable[[list, Any], jax.Array]
     layers_per_stage: tuple[int, ...]
 
 
-def parse_layer_counts(num_layers: int, layers_per_stage: str | Sequence[int]) -> tuple[int, ...]:
-    """Reads ``"3,4,4,3"`` (or a sequence) and checks it adds up to `num_layers`."""
-    if isinstance(layers_per_stage, str):
-        try:
-            counts = tuple(int(x) for x in layers_per_stage.split(",") if x.strip())
-        except ValueError:
-            raise ValueError(
-                f"layers_per_stage {layers_per_stage!r} must be integers separated by commas, "
-                "like '3,4,4,3'"
-            ) from None
+def split_layers(
+    num_layers: int,
+    num_stages: int,
+    layers_per_stage: str | Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """Decides how many blocks each stage holds.
+
+    Balanced (`layers_per_stage` is None or ``""``): every stage gets
+    ``num_layers // num_stages`` blocks and the remainder goes one each to the
+    middle stages first (1, 2, ..., S-2), then to the first stage: the first and
+    last stages already carry the embedding and the head. For example 6 layers
+    on 4 stages gives ``(1, 2, 2, 1)`` and 7 gives ``(2, 2, 2, 1)``.
+
+    The first and last stages may hold zero blocks (they still embed, or compute
+    the head and loss); a middle stage may not, since it would do nothing.
+
+    Args:
+      num_layers: blocks in the model.
+      num_stages: stages in the pipeline.
+      layers_per_stage: None or ``""`` for balanced, or the count for each stage
+        as a sequence of ints or a comma-separated string such as ``"3,4,4,3"``.
+
+    Returns:
+      The number of blocks of each stage, summing to `num_layers`.
+
+    Raises:
+      ValueError: the counts cannot be parsed, their number is not
+        `num_stages`, they do not sum to `num_layers`, one is negative, or a
+        middle stage would have no block.
+    """
+    if not isinstance(num_stages, numbers.Integral) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+    if not isinstance(num_layers, numbers.Integral) or num_layers < 0:
+        raise ValueError(f"num_layers must be a non-negative int, got {num_layers!r}")
+
+    balanced = layers_per_stage is None or (
+        isinstance(layers_per_stage, str) and not layers_per_stage.strip()
+    )
+    if balanced:
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base] * num_stages
+        for stage in (list(range(1, num_stages - 1)) + [0, num_stages - 1])[:extra]:
+            counts[stage] += 1
+        source = f"balanced split of {num_layers} layers over {num_stages} stages"
     else:
-        counts = tuple(int(x) for x in layers_per_stage)
-    if not counts:
-        raise ValueError("layers_per_stage is empty: give one count per stage, like '3,4,4,3'")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"layers_per_stage {counts} has a negative count")
-    if sum(counts) != num_layers:
-        raise ValueError(
-            f"layers_per_stage {','.join(map(str, counts))} adds up to {sum(counts)} "
-            f"blocks, but the model has {num_layers}"
-        )
-    for s, c in enumerate(counts[1:-1], start=1):
-        if c == 0:
+        counts = _parse_counts(layers_per_stage)
+        source = f"layers_per_stage={_show(layers_per_stage)}"
+        if len(counts) != num_stages:
             raise ValueError(
-                f"layers_per_stage gives stage {s} no block; only the first and last "
-                "stages (which hold the embedding and the head) may be empty"
+                f"{source} gives {len(counts)} stages but the pipeline has "
+                f"{num_stages}: give one count per stage"
             )
+        if any(c < 0 for c in counts):
+            raise ValueError(f"{source} has a negative count")
+        if sum(counts) != num_layers:
+            raise ValueError(
+                f"{source} sums to {sum(counts)} but the model has num_layers={num_layers}"
+            )
+
+    empty = [s for s in range(1, num_stages - 1) if counts[s] == 0]
+    if empty:
+        if balanced:
+            hint = f"need num_layers >= num_stages - 2 = {num_stages - 2}"
+        else:
+            hint = "give every middle stage at least one layer"
+        raise ValueError(
+            f"{source} gives {tuple(counts)}: middle stage(s) {empty} would have no "
+            f"layer; only the first and last stages may have 0 ({hint})"
+        )
+    return tuple(counts)
+
+
+def _parse_counts(layers_per_stage: str | Sequence[int]) -> list[int]:
+    """Reads ``"3,4,4,3"`` or ``[3, 4, 4, 3]`` into a list of ints."""
+    if not isinstance(layers_per_stage, str) and not hasattr(layers_per_stage, "__iter__"):
+        raise ValueError(
+            f"layers_per_stage must be a string such as '3,4,4,3' or a sequence of ints, "
+            f"got {layers_per_stage!r}; split_layers(num_layers, num_stages) gives a "
+            f"balanced split"
+        )
+    items = layers_per_stage.split(",") if isinstance(layers_per_stage, str) else layers_per_stage
+    counts = []
+    for item in items:
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            counts.append(int(item.strip()) if isinstance(item, str) else operator.index(item))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"layers_per_stage={_show(layers_per_stage)} must be comma-separated "
+                f"integers such as '3,4,4,3', got the entry {item!r}"
+            ) from None
     return counts
+
+
+def _show(layers_per_stage) -> str:
+    if isinstance(layers_per_stage, str):
+        return repr(layers_per_stage)
+    return repr(tuple(layers_per_stage))
+
+
+def as_key(rng) -> jax.Array:
+    """A JAX key from a key (typed or raw) or an integer seed (traced or not)."""
+    if isinstance(rng, numbers.Integral):
+        return jax.random.key(int(rng))
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 0:
+        return jax.random.key(rng)
+    return rng
+
+
+def split_stage_params(full: dict, layers_per_stage: Sequence[int]) -> list[dict]:
+    """Cuts the whole model's parameters into per-stage trees.
+
+    Args:
+      full: ``{"embed": ..., "blocks": (block_0, ...), "head": ...}``, as
+        returned by `merge_stage_params`.
+      layers_per_stage: blocks per stage, summing to the number of blocks.
+
+    Returns:
+      One parameter tree per stage, in the layout the stage functions take.
+    """
+    counts = split_layers(len(full["blocks"]), len(layers_per_stage), layers_per_stage)
+    params_list, start = [], 0
+    for s, count in enumerate(counts):
+        params = {}
+        if s == 0:
+            params["embed"] = full["embed"]
+        if count:
+            params["blocks"] = tuple(full["blocks"][start : start + count])
+        if s == len(counts) - 1:
+            params["head"] = full["head"]
+        params_list.append(params)
+        start += count
+    return params_list
+
+
+def merge_stage_params(params_list: Sequence[dict]) -> dict:
+    """Joins per-stage trees into ``{"embed", "blocks", "head"}``.
+
+    The result does not depend on the split, so it compares (or converts)
+    parameters between runs with different `layers_per_stage` or ``mesh.pipe``.
+    """
+    blocks = []
+    for params in params_list:
+        blocks.extend(params.get("blocks", ()))
+    return {
+        "embed": params_list[0]["embed"],
+        "blocks": tuple(blocks),
+        "head": params_list[-1]["head"],
+    }
+
+
+def _stage(params, x, inputs, *, embed, block, head, first: bool, last: bool):
+    """One stage: the embedding if first, its blocks, the head if last."""
+    if first:
+        x = embed.apply({"params": params["embed"]}, inputs)
+    for block_params in params.get("blocks", ()):
+        x = block.apply({"params": block_params}, x)
+    if last:
+        return head.apply({"params": params["head"]}, x, inputs)
+    return x
 
 
 def split_flax_model(
@@ -75,68 +225,63 @@ def split_flax_model(
     head: nn.Module,
     *,
     num_layers: int,
-    layers_per_stage: str | Sequence[int],
+    layers_per_stage: str | Sequence[int] | None,
     example_inputs: Any,
-) -> FlaxStages:
+    num_stages: int | None = None,
+) -> StagedModel:
     """Cuts ``head(block^num_layers(embed(inputs)), inputs)`` into stages.
 
     Args:
       embed, block, head: the three Flax modules (see the module docstring).
       num_layers: how many times `block` is applied (each with its own weights).
-      layers_per_stage: blocks per stage, e.g. ``"3,4,4,3"`` or ``(3, 4, 4, 3)``.
+      layers_per_stage: blocks per stage, e.g. ``"3,4,4,3"`` or ``(3, 4, 4, 3)``;
+        None or ``""`` for a balanced split over `num_stages`.
       example_inputs: one microbatch's inputs, to initialise with (arrays or
         anything `init` accepts; only shapes matter).
+      num_stages: the number of stages, needed only for a balanced split.
 
     Returns:
-      A `FlaxStages`.
+      A `StagedModel`.
+
+    Raises:
+      ValueError: the counts do not fit `num_layers` (see `split_layers`).
     """
-    counts = parse_layer_counts(num_layers, layers_per_stage)
+    if layers_per_stage is None or (
+        isinstance(layers_per_stage, str) and not layers_per_stage.strip()
+    ):
+        if num_stages is None:
+            raise ValueError("give layers_per_stage, or num_stages for a balanced split")
+        counts = split_layers(num_layers, num_stages)
+    else:
+        parsed = _parse_counts(layers_per_stage)
+        counts = split_layers(num_layers, len(parsed), parsed)
     S = len(counts)
-    starts = [sum(counts[:s]) for s in range(S)]
+    stages = []
+    for s in range(S):
+        stage = functools.partial(
+            _stage, embed=embed, block=block, head=head, first=s == 0, last=s == S - 1
+        )
+        stage.__name__ = f"stage_{s}"  # for error messages and profiles
+        stages.append(stage)
+    stages = tuple(stages)
 
-    def make_stage(s: int) -> Callable:
-        first, last = s == 0, s == S - 1
-
-        def stage(params, x, inputs):
-            if first:
-                x = embed.apply({"params": params["embed"]}, inputs)
-            for block_params in params.get("blocks", ()):
-                x = block.apply({"params": block_params}, x)
-            if last:
-                return head.apply({"params": params["head"]}, x, inputs)
-            return x
-
-        stage.__name__ = f"stage_{s}"
-        return stage
-
-    stages = tuple(make_stage(s) for s in range(S))
+    @jax.jit
+    def init_full(key) -> dict:
+        # Jitted so that an eager call costs one compile, not one per operation.
+        embed_key, blocks_key, head_key = (jax.random.fold_in(key, i) for i in range(3))
+        embed_params = embed.init(embed_key, example_inputs)["params"]
+        x = jax.eval_shape(lambda p: embed.apply({"params": p}, example_inputs), embed_params)
+        x = jax.numpy.zeros(x.shape, x.dtype)
+        return {
+            "embed": embed_params,
+            "blocks": tuple(
+                block.init(jax.random.fold_in(blocks_key, i), x)["params"]
+                for i in range(num_layers)
+            ),
+            "head": head.init(head_key, x, example_inputs)["params"],
+        }
 
     def init(rng) -> list:
-        if isinstance(rng, int):
-            rng = jax.random.key(rng)
-        embed_key, blocks_key, head_key = (jax.random.fold_in(rng, i) for i in range(3))
-        embed_params = embed.init(embed_key, example_inputs)["params"]
-        x = embed.apply({"params": embed_params}, example_inputs)
-        blocks = [
-            block.init(jax.random.fold_in(blocks_key, i), x)["params"] for i in range(num_layers)
-        ]
-        head_params = head.init(head_key, x, example_inputs)["params"]
-        params_list = []
-        for s in range(S):
-            params = {}
-            if s == 0:
-                params["embed"] = embed_params
-            if counts[s]:
-                params["blocks"] = tuple(blocks[starts[s] : starts[s] + counts[s]])
-            if s == S - 1:
-                params["head"] = head_params
-            params_list.append(params)
-        return params_list
+        return split_stage_params(init_full(as_key(rng)), counts)
 
-    def loss(params_list, batch):
-        x = None
-        for stage, params in zip(stages, params_list):
-            x = stage(params, x, batch)
-        return x
-
-    return FlaxStages(stages, init, loss, counts)
+    return StagedModel(stages, init, functools.partial(run_stages, stages), counts)

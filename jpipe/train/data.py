@@ -47,6 +47,7 @@ import numbers
 import os
 import sysconfig
 
+import jax
 import numpy as np
 
 VOCAB_SIZE = 256
@@ -270,3 +271,42 @@ def make_datasets(
         Batches(train, seq_len, batch_size, seed, name="train"),
         Batches(held_out, seq_len, batch_size, seed, name="eval"),
     )
+
+
+# ---------------------------------------------------------------------------
+# Batches on devices.
+
+
+def _process_rows(sharding, batch_size: int) -> tuple[int, int]:
+    """Which block of the batch's rows this process's devices hold: ``(index, count)``."""
+    shape = (batch_size, 1)
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0]
+        spans.add((rows.start or 0, batch_size if rows.stop is None else rows.stop))
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    reached = lo
+    for start, stop in sorted(spans):
+        if start > reached:
+            break
+        reached = max(reached, stop)
+    size = hi - lo
+    if reached < hi or batch_size % size or lo % size:
+        raise ValueError(
+            f"this process's devices hold rows {sorted(spans)} of {batch_size}, which are not "
+            "one of equal blocks; order the devices so each process's share of the data "
+            "axis is contiguous"
+        )
+    return lo // size, batch_size // size
+
+
+def device_batch(batches: Batches, step: int, sharding) -> dict:
+    """The global batch of `step` on the devices, each process loading only its rows."""
+    index, count = _process_rows(sharding, batches.batch_size)
+    local = batches.batch_at(step, index, count)
+    return {
+        name: jax.make_array_from_process_local_data(
+            sharding, rows, (batches.batch_size,) + rows.shape[1:]
+        )
+        for name, rows in local.items()
+    }

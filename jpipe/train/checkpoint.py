@@ -23,12 +23,16 @@ orbax decides which process writes what.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jpipe.train.config import ConfigError
+from jpipe.train.prepare import Prepared
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step
 
@@ -118,3 +122,51 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+# ---------------------------------------------------------------------------
+# What a checkpoint must match to be resumed.
+
+
+def layout_record(prepared: Prepared) -> dict:
+    """What fixes the packed layout of the parameters, as JSON: a checkpoint must match it."""
+    c = prepared.config
+    model = dataclasses.asdict(c.model)
+    del model["dtype"]  # the compute dtype does not change the parameters
+    return {
+        "model": model,
+        "layers_per_stage": list(prepared.layers_per_stage),
+        "stage_to_rank": list(prepared.schedule.stage_to_rank),
+        "mesh.pipe": c.mesh.pipe,
+    }
+
+
+def checkpoint_meta(pipeline, prepared: Prepared) -> dict:
+    """The checkpoint's ``meta`` item: the layout record, the buckets, and for people, the rest."""
+    return {
+        "layout": layout_record(prepared),
+        "buckets": {
+            name: [list(shape), dtype]
+            for name, (shape, dtype) in sorted(pipeline.layout.buckets.items())
+        },
+        "schedule": prepared.config.schedule,
+        "mesh": [prepared.config.mesh.pipe, prepared.config.mesh.data],
+    }
+
+
+def check_resumable(checkpoints: Checkpoints, step: int, prepared: Prepared) -> None:
+    """Refuses a checkpoint whose parameters were laid out for another model or split."""
+    saved = checkpoints.metadata(step).get("layout", {})
+    wanted = layout_record(prepared)
+    differences = [
+        f"{key}: {saved.get(key)!r} in the checkpoint, {wanted[key]!r} now"
+        for key in wanted
+        if saved.get(key) != wanted[key]
+    ]
+    if differences:
+        raise ConfigError(
+            f"the checkpoint of step {step} in {checkpoints.directory} was written for another "
+            f"model or pipeline split ({'; '.join(differences)}); resume with that run's config "
+            "(config.model, config.layers_per_stage, config.schedule, config.mesh.pipe), or give "
+            "a new --workdir"
+        )

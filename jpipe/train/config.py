@@ -1,0 +1,240 @@
+"""The trainer's config: one conversion at the boundary, into frozen dataclasses.
+
+`TrainConfig.from_config` turns the `ml_collections.ConfigDict` of a
+``configs/*.py`` file into typed, frozen dataclasses that check every field
+and raise `ConfigError` naming the field, the value and what is accepted.
+Checks that need the schedule, the devices or the corpus happen in
+`jpipe.train.prepare`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+
+import ml_collections
+
+import jpipe
+from jpipe.models import gpt
+from jpipe.train import data as data_lib
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; raised before anything is compiled."""
+
+
+def config_error(field: str, value, problem: str) -> ConfigError:
+    """``config.FIELD=VALUE: PROBLEM``, for people."""
+    return ConfigError(f"config.{field}={value!r}: {problem}")
+
+
+def _check_int(field: str, value, minimum: int) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise config_error(field, value, f"must be {what}")
+    return int(value)
+
+
+def _check_float(field: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise config_error(field, value, "must be a finite number")
+    if (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise config_error(field, value, f"must be in {interval}")
+    return float(value)
+
+
+def _check_type(field: str, value, kind: type, accepted: str):
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise config_error(field, value, f"must be {accepted}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh: ``pipe`` ranks times ``data`` replicas."""
+
+    pipe: int = 1
+    data: int = 1
+
+    def __post_init__(self):
+        _check_int("mesh.pipe", self.pipe, 1)
+        _check_int("mesh.data", self.data, 1)
+
+    @property
+    def size(self) -> int:
+        return self.pipe * self.data
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and how much is held out (see `jpipe.data`)."""
+
+    path: str = ""
+    max_bytes: int = 0
+    eval_fraction: float = 0.1
+
+    def __post_init__(self):
+        _check_type("data.path", self.path, str, "a string (files/directories, comma-separated)")
+        _check_int("data.max_bytes", self.max_bytes, 0)
+        _check_float("data.eval_fraction", self.eval_fraction, 0, 1, lo_open=True, hi_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+
+    learning_rate: float
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    b1: float
+    b2: float
+    grad_clip_norm: float
+
+    def __post_init__(self):
+        _check_float("optimizer.learning_rate", self.learning_rate, 0, math.inf, lo_open=True)
+        _check_int("optimizer.warmup_steps", self.warmup_steps, 0)
+        _check_float("optimizer.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        _check_float("optimizer.weight_decay", self.weight_decay, 0, math.inf)
+        _check_float("optimizer.b1", self.b1, 0, 1, hi_open=True)
+        _check_float("optimizer.b2", self.b2, 0, 1, hi_open=True)
+        _check_float("optimizer.grad_clip_norm", self.grad_clip_norm, 0, math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs, checked field by field.
+
+    The fields are those of ``configs/default.py``, where each is explained.
+    Cross-field checks that need the schedule or the devices happen in
+    `prepare`.
+    """
+
+    schedule: str
+    num_microbatches: int
+    steps: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    seed: int
+    batch_size: int
+    mesh: MeshConfig
+    data: DataConfig
+    model: gpt.GPTConfig
+    optimizer: OptimizerConfig
+    chunks: int = 0  # 0: the schedule's own default
+    tick_layout: str = "auto"  # "auto", "unit" or "packed" (see jpipe.Pipeline)
+    layers_per_stage: str = ""
+    cpu_devices: int = 0
+    profile: bool = False
+
+    def __post_init__(self):
+        _check_type(
+            "schedule", self.schedule, str, "a schedule name, a .csv file or file.py:function"
+        )
+        if not self.schedule.strip():
+            raise config_error("schedule", self.schedule, f"is empty; {_schedule_choices()}")
+        _check_int("num_microbatches", self.num_microbatches, 1)
+        _check_int("chunks", self.chunks, 0)
+        if self.tick_layout not in jpipe.TICK_LAYOUTS:
+            raise config_error(
+                "tick_layout", self.tick_layout, f"must be one of {', '.join(jpipe.TICK_LAYOUTS)}"
+            )
+        _check_type("layers_per_stage", self.layers_per_stage, str, "a string such as '3,4,4,3'")
+        _check_int("steps", self.steps, 1)
+        _check_int("log_every", self.log_every, 1)
+        _check_int("eval_every", self.eval_every, 0)
+        _check_int("eval_batches", self.eval_batches, 1)
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("seed", self.seed, 0)
+        _check_int("batch_size", self.batch_size, 1)
+        _check_int("cpu_devices", self.cpu_devices, 0)
+        _check_type("profile", self.profile, bool, "True or False")
+        if self.model.vocab_size < data_lib.VOCAB_SIZE:
+            raise config_error(
+                "model.vocab_size",
+                self.model.vocab_size,
+                f"the byte-level corpus needs at least {data_lib.VOCAB_SIZE} token ids",
+            )
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict | Mapping) -> TrainConfig:
+        """Converts (and checks) a config such as ``configs/default.py``'s.
+
+        Raises:
+          ConfigError: a field is missing, unknown, or has a bad value.
+        """
+        raw = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+        sections = {
+            "mesh": MeshConfig,
+            "data": DataConfig,
+            "optimizer": OptimizerConfig,
+            "model": gpt.GPTConfig,
+        }
+        kwargs = _fields(cls, raw, "")
+        for name, kind in sections.items():
+            sub = kwargs.get(name)
+            if not isinstance(sub, Mapping):
+                raise config_error(name, sub, "must be a section (a ConfigDict)")
+            sub_kwargs = _fields(kind, dict(sub), f"{name}.")
+            try:
+                kwargs[name] = kind(**sub_kwargs)
+            except ConfigError:
+                raise
+            except (ValueError, TypeError) as e:  # GPTConfig's own checks
+                raise ConfigError(f"config.{name}: {e}") from None
+        return cls(**kwargs)
+
+
+def _fields(kind: type, raw: dict, prefix: str) -> dict:
+    """`raw` checked against `kind`'s fields: none unknown, none required missing."""
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config field(s) {', '.join('config.' + prefix + u for u in unknown)}; "
+            f"the fields are {', '.join(prefix + f for f in fields)}"
+        )
+    required = dataclasses.MISSING
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in raw and f.default is required and f.default_factory is required
+    ]
+    if missing:
+        raise ConfigError(
+            f"config is missing {', '.join('config.' + prefix + m for m in missing)} "
+            "(see configs/default.py for every field)"
+        )
+    return dict(raw)
+
+
+def _schedule_choices() -> str:
+    names = ", ".join(jpipe.registered_schedules())
+    return f"accepted: a built-in name ({names}), a PyTorch .csv file, or path/to/file.py:function"
+
+
+def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
+    """Fakes enough CPU devices for the config's mesh, before JAX starts its backends.
+
+    Call it first thing, before any JAX computation: it asks for
+    ``config.cpu_devices`` CPU devices or, when that is 0, ``mesh.pipe *
+    mesh.data`` (see `jpipe.use_cpu_devices`).
+
+    Returns:
+      The CPU device count set, or None when JAX had already started (the
+      setting can then no longer change) or the config does not say.
+    """
+    get = config.get if isinstance(config, Mapping | ml_collections.ConfigDict) else None
+    mesh = get("mesh") if get else None
+    try:
+        n = int(get("cpu_devices", 0) or 0) or int(mesh["pipe"]) * int(mesh["data"])
+    except (TypeError, KeyError, ValueError):
+        return None  # `train` reports the bad field properly
+    if n < 1:
+        return None
+    return jpipe.use_cpu_devices(n)

@@ -1,0 +1,361 @@
+"""Step 4 of a run: build, compile and loop; `train` is what ``train.py`` calls.
+
+The loop dispatches step N before it reads step N-1's metrics, so the host
+never waits on the device except to evaluate, to checkpoint (only after
+checking the loss) and at the end. Batches come from
+`jpipe.train.data.Batches.batch_at(step, ...)`, a pure function of the step,
+so a resumed run sees exactly the batches an uninterrupted one would and gives
+the same losses, bit for bit. A NaN or infinite loss (or gradient norm) stops
+the run with `DivergedError` before any later checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+import jpipe
+from jpipe._chart import text_chart
+from jpipe.models import gpt
+from jpipe.train import optimizer as optimizer_lib
+from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
+from jpipe.train.config import ConfigError, TrainConfig
+from jpipe.train.data import device_batch
+from jpipe.train.metrics import Metrics, mib, say
+from jpipe.train.prepare import Prepared, prepare
+from jpipe.train.profile import print_profile
+from jpipe.train.step import TrainState, compile_train_step, state_shardings
+
+
+class DivergedError(FloatingPointError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+class TrainResult(NamedTuple):
+    """What a call to `train` did.
+
+    Attributes:
+      losses: ``{step: training loss}`` for every step run by this call (step =
+        optimizer steps done, from 1; the loss is that step's batch's, before
+        its update).
+      eval_losses: ``{step: held-out loss}`` for every evaluation of this call.
+      start_step: the step this call started from (0, or the checkpoint's).
+      final_step: the step it reached.
+      wall_seconds: the call's wall time, from start to end.
+      step_seconds: the median time of a step, between consecutive steps.
+      tokens_per_second: training tokens per second at that median.
+    """
+
+    losses: dict[int, float]
+    eval_losses: dict[int, float]
+    start_step: int
+    final_step: int
+    wall_seconds: float
+    step_seconds: float | None
+    tokens_per_second: float | None
+
+
+class Run(NamedTuple):
+    """What the loop runs: built once, read-only.
+
+    Attributes:
+      prepared: the checked config, schedule, mesh and data.
+      pipeline: the model, schedule and mesh.
+      compiled: the compiled train step ``(state, batch) -> (state, metrics)``.
+      checkpoints: the run directory's checkpoints.
+      metrics: where records go.
+      show_bar: whether to draw the progress bar.
+    """
+
+    prepared: Prepared
+    pipeline: jpipe.Pipeline
+    compiled: object
+    checkpoints: Checkpoints
+    metrics: Metrics
+    show_bar: bool
+
+
+@dataclasses.dataclass
+class LoopState:
+    """What the loop changes as it goes.
+
+    Attributes:
+      state: the train state (donated to each step).
+      losses, eval_losses: what `TrainResult` reports.
+      step_times: seconds between consecutive steps' metrics.
+      window_seconds, window_steps: time and steps since the bar last showed them.
+      clock: when the last step's metrics were read.
+    """
+
+    state: TrainState
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    window_seconds: float = 0.0
+    window_steps: int = 0
+    clock: float = 0.0
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def evaluate(pipeline: jpipe.Pipeline, params: dict, eval_data, batches: int) -> float:
+    """Mean held-out loss over `batches` fixed batches."""
+    total = 0.0
+    for i in range(batches):
+        loss = pipeline.loss(params, device_batch(eval_data, i, pipeline.batch_sharding))
+        total = total + loss
+    return float(total) / batches
+
+
+def train(
+    config: ml_collections.ConfigDict | Mapping | TrainConfig,
+    workdir: str,
+    *,
+    progress: bool = True,
+) -> TrainResult:
+    """Trains from `config`, resuming from the newest checkpoint in `workdir`.
+
+    Args:
+      config: a ConfigDict such as ``configs/default.py``'s, or a `TrainConfig`.
+      workdir: where checkpoints, ``metrics.jsonl`` and TensorBoard logs go.
+      progress: show a progress bar (process 0 only).
+
+    Returns:
+      A `TrainResult`.
+
+    Raises:
+      ConfigError: a bad config value, or a checkpoint in `workdir` written for
+        another model or split; before anything is compiled.
+      DivergedError: the loss or gradient norm became NaN or infinite; no
+        checkpoint is written after the bad step.
+    """
+    wall_start = time.perf_counter()
+    prepared = prepare(config)
+    lead = jax.process_index() == 0
+    workdir = os.path.abspath(workdir)
+    if lead:
+        os.makedirs(workdir, exist_ok=True)
+    checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"))
+    try:
+        return _run(prepared, workdir, checkpoints, lead, progress, wall_start)
+    finally:
+        checkpoints.close()
+
+
+def _run(
+    prepared: Prepared,
+    workdir: str,
+    checkpoints: Checkpoints,
+    lead: bool,
+    progress: bool,
+    wall_start: float,
+) -> TrainResult:
+    c, schedule, mesh = prepared.config, prepared.schedule, prepared.mesh
+    removed = checkpoints.remove_incomplete()
+    start = checkpoints.latest_step()
+    if start is not None:
+        check_resumable(checkpoints, start, prepared)  # before anything is compiled
+        if start >= c.steps:
+            say(
+                f"nothing to do: {checkpoints.directory} is at step {start}, config.steps={c.steps}"
+            )
+            return TrainResult({}, {}, start, start, time.perf_counter() - wall_start, None, None)
+
+    model = gpt.make_stages(c.model, prepared.layers_per_stage)
+    pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
+
+    params_list = model.init(c.seed)
+    params = pipeline.pack(params_list)
+    optimizer = optimizer_lib.make_optimizer(
+        c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
+    )
+    lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
+    del params_list
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    state = jax.device_put(state, state_shardings(state, pipeline))
+
+    if start is not None:
+        buckets = checkpoints.metadata(start).get("buckets")
+        if buckets != checkpoint_meta(pipeline, prepared)["buckets"]:
+            raise ConfigError(
+                f"the checkpoint of step {start} in {checkpoints.directory} packs the parameters "
+                "into other buckets (written by another version of jpipe?); give a new --workdir"
+            )
+        state = checkpoints.restore(start, state)
+    start = int(start or 0)
+
+    # -- what a person sees before the first step --
+    sim = jpipe.simulate(schedule)
+    say(
+        f"devices: {jpipe.describe_devices(list(mesh.devices.flat))}; mesh pipe={c.mesh.pipe} x "
+        f"data={c.mesh.data}"
+    )
+    say(
+        f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "
+        f"{c.model.num_layers} blocks as {prepared.layers_per_stage} over "
+        f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
+    )
+    say(text_chart(sim))
+    say(
+        f"simulated (F=1, B=2): bubble {sim.bubble_fraction:.1%}, peak live activations per "
+        f"rank {list(sim.peak_activations)} microbatches"
+    )
+
+    batch = device_batch(prepared.train_data, start, pipeline.batch_sharding)
+    compile_start = time.perf_counter()
+    compiled = compile_train_step(pipeline, optimizer, lr, state, batch)
+    memory = compiled.memory_analysis()
+    line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
+    if memory is not None:
+        line += (
+            f"; per device: arguments {mib(memory.argument_size_in_bytes)}, "
+            f"temporaries {mib(memory.temp_size_in_bytes)}"
+        )
+    say(line)
+    if c.profile:
+        rows = c.batch_size // c.num_microbatches // c.mesh.data
+        microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
+        print_profile(pipeline, compiled, state, batch, microbatch)
+
+    if removed:
+        say(f"removed unfinished checkpoint(s) {removed}")
+    if start:
+        say(f"resuming from the checkpoint of step {start} in {checkpoints.directory}")
+    # Records past the checkpoint are rewritten by this run; a fresh start
+    # (no checkpoint) rewrites them all, step 0 included.
+    metrics = Metrics(workdir, start if start else -1, lead)
+    if lead and metrics.tensorboard_name:
+        say(f"TensorBoard ({metrics.tensorboard_name}): {os.path.join(workdir, 'tensorboard')}")
+
+    run = Run(prepared, pipeline, compiled, checkpoints, metrics, lead and progress)
+    loop = LoopState(state)
+    _loop(run, loop, batch, start)
+    metrics.close()
+    step_seconds = statistics.median(loop.step_times) if loop.step_times else None
+    tokens = c.batch_size * c.model.seq_len
+    tps = tokens / step_seconds if step_seconds else None
+    wall = time.perf_counter() - wall_start
+    eval_losses = loop.eval_losses
+    if len(eval_losses) > 1:
+        first, last = min(eval_losses), max(eval_losses)
+        say(
+            f"held-out loss: {eval_losses[first]:.4f} at step {first} -> "
+            f"{eval_losses[last]:.4f} at step {last}"
+        )
+    elif eval_losses:
+        ((step, loss),) = eval_losses.items()
+        say(f"held-out loss at step {step}: {loss:.4f}")
+    if step_seconds:
+        say(
+            f"median step {step_seconds * 1e3:.1f} ms, {tps:,.0f} tokens/s; "
+            f"wall time {wall:.1f} s; metrics in {metrics.path}"
+        )
+    final = max(loop.losses) if loop.losses else start
+    return TrainResult(loop.losses, eval_losses, start, final, wall, step_seconds, tps)
+
+
+def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
+    """The training loop, from `start` to ``config.steps``; fills `loop`."""
+    from tqdm import tqdm  # noqa: PLC0415 (only the loop needs it)
+
+    c = run.prepared.config
+    tokens = c.batch_size * c.model.seq_len
+    meta = checkpoint_meta(run.pipeline, run.prepared)
+    bar = None
+
+    def held_out(step: int) -> float:
+        loss = evaluate(run.pipeline, loop.state.params, run.prepared.eval_data, c.eval_batches)
+        loop.eval_losses[step] = loss
+        text = f"step {step}: held-out loss {loss:.4f}"
+        if bar is not None and run.show_bar:
+            bar.write(text)  # above the progress bar
+        else:
+            say(text)
+        return loss
+
+    if start == 0:
+        run.metrics.write({"step": 0, "eval_loss": held_out(0)})
+    bar = tqdm(
+        total=c.steps,
+        initial=start,
+        disable=not run.show_bar,
+        dynamic_ncols=True,
+        unit="step",
+        file=sys.stdout,
+    )
+    loop.clock = time.perf_counter()
+
+    def finish(step: int, step_metrics: dict) -> dict:
+        """Reads a dispatched step's metrics (waiting for it) and checks them."""
+        values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+        now = time.perf_counter()
+        seconds, loop.clock = now - loop.clock, now
+        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+            last = run.checkpoints.latest_step()
+            where = (
+                f"the last good checkpoint (step {last}) in {run.checkpoints.directory} is "
+                "untouched"
+                if last is not None
+                else "no checkpoint was written"
+            )
+            raise DivergedError(
+                f"step {step}: the loss is {values['loss']} and the gradient norm "
+                f"{values['grad_norm']}; stopping. {where}. Try a lower "
+                f"optimizer.learning_rate (now {c.optimizer.learning_rate}) or "
+                f"optimizer.grad_clip_norm (now {c.optimizer.grad_clip_norm})"
+            )
+        loop.losses[step] = values["loss"]
+        loop.step_times.append(seconds)
+        loop.window_seconds += seconds
+        loop.window_steps += 1
+        record = {"step": step, **values, "step_time": seconds, "tokens_per_s": tokens / seconds}
+        bar.update(1)
+        if _due(step, c.log_every) or step == c.steps:
+            per_step = loop.window_seconds / loop.window_steps
+            bar.set_postfix(
+                loss=f"{values['loss']:.4f}",
+                tok_s=f"{tokens / per_step:,.0f}",
+                step_ms=f"{per_step * 1e3:.0f}",
+            )
+            loop.window_seconds, loop.window_steps = 0.0, 0
+        return record
+
+    try:
+        pending = None
+        for index in range(start, c.steps):
+            if index != start:
+                batch = device_batch(run.prepared.train_data, index, run.pipeline.batch_sharding)
+            # Dispatched; it runs while the last step's metrics are read.
+            loop.state, step_metrics = run.compiled(loop.state, batch)
+            if pending is not None:
+                record = finish(*pending)
+                if _due(record["step"], c.log_every):
+                    run.metrics.write(record)
+            pending = (index + 1, step_metrics)
+            step = index + 1
+            evaluating = _due(step, c.eval_every) or step == c.steps
+            saving = _due(step, c.checkpoint_every) or step == c.steps
+            if evaluating or saving:
+                record = finish(*pending)  # waits for this step; raises before any save
+                pending = None
+                if evaluating:
+                    record["eval_loss"] = held_out(step)
+                if evaluating or _due(step, c.log_every) or step == c.steps:
+                    run.metrics.write(record)
+                if saving:
+                    run.checkpoints.save(step, loop.state, meta)
+                loop.clock = time.perf_counter()  # evaluation and saving are not step time
+    finally:
+        bar.close()

@@ -1,0 +1,141 @@
+"""Step 1 of a run: everything that can be refused before compiling.
+
+`prepare` checks a config against the devices, the schedule (built and
+validated once), the layer split, the batch and the corpus, and builds the
+mesh. Nothing is compiled and no array is made on a device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import ml_collections
+
+import jpipe
+from jpipe import models
+from jpipe.train import data as data_lib
+from jpipe.train.config import ConfigError, TrainConfig, config_error
+
+
+class Prepared(NamedTuple):
+    """What `prepare` checked and built; no arrays yet.
+
+    Attributes:
+      config: the checked config.
+      schedule: the validated schedule.
+      layers_per_stage: blocks per stage (``schedule.num_stages`` entries).
+      mesh: the ``(pipe, data)`` mesh.
+      train_data, eval_data: the corpus, served by step.
+    """
+
+    config: TrainConfig
+    schedule: jpipe.Schedule
+    layers_per_stage: tuple[int, ...]
+    mesh: jax.sharding.Mesh
+    train_data: data_lib.Batches
+    eval_data: data_lib.Batches
+
+
+def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=None) -> Prepared:
+    """Checks a config against the schedule, the devices and the corpus.
+
+    Nothing is compiled and no array is made on a device.
+
+    Args:
+      config: a ConfigDict such as ``configs/default.py``'s, or a `TrainConfig`.
+      devices: the devices to build the mesh from; default `jax.devices()`.
+
+    Raises:
+      ConfigError: naming the field, its value and what would be accepted.
+    """
+    c = config if isinstance(config, TrainConfig) else TrainConfig.from_config(config)
+    R, M, V = c.mesh.pipe, c.num_microbatches, c.chunks
+
+    devices = list(jax.devices() if devices is None else devices)
+    if c.mesh.size > len(devices):
+        cpu_hint = (
+            f"; on a CPU-only host set cpu_devices >= {c.mesh.size} (train.py does this "
+            "unless JAX was already started)"
+            if all(d.platform == "cpu" for d in devices)
+            else ""
+        )
+        raise ConfigError(
+            f"config.mesh.pipe={R} x config.mesh.data={c.mesh.data} needs {c.mesh.size} devices, "
+            f"but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
+            f"accepted: pipe * data <= {len(devices)}{cpu_hint}"
+        )
+
+    if c.schedule.lower().endswith(".csv") and os.path.isfile(c.schedule):
+        # A file fixes its ranks and microbatches: name the field to change.
+        from_file = jpipe.get_schedule(c.schedule)
+        for field, value, needed in (
+            ("mesh.pipe", R, from_file.num_ranks),
+            ("num_microbatches", M, from_file.num_microbatches),
+        ):
+            if value != needed:
+                raise config_error(
+                    field,
+                    value,
+                    f"the schedule file {c.schedule} has {needed}; accepted: {field}={needed}",
+                )
+    setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
+    try:
+        schedule = jpipe.get_schedule(c.schedule, R, M, V or None)
+    except ValueError as e:
+        raise config_error("schedule", c.schedule, f"{e} ({setting})") from None
+    if schedule.num_ranks != R or schedule.num_microbatches != M:
+        raise config_error(
+            "schedule",
+            c.schedule,
+            f"has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches; "
+            f"set mesh.pipe={schedule.num_ranks} and num_microbatches={schedule.num_microbatches}",
+        )
+    try:
+        jpipe.validate(schedule)
+    except ValueError as e:
+        raise config_error(
+            "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
+        ) from None
+
+    S = schedule.num_stages
+    try:
+        layers = models.split_layers(c.model.num_layers, S, c.layers_per_stage or None)
+    except ValueError as e:
+        raise config_error(
+            "layers_per_stage",
+            c.layers_per_stage,
+            f"{e} (the schedule has {S} stages; model.num_layers={c.model.num_layers})",
+        ) from None
+
+    rows = M * c.mesh.data
+    if c.batch_size % rows:
+        raise config_error(
+            "batch_size",
+            c.batch_size,
+            f"must be divisible by num_microbatches ({M}) x mesh.data ({c.mesh.data}) = {rows}; "
+            f"accepted: a multiple of {rows}, such as {max(rows, c.batch_size // rows * rows)}",
+        )
+    if c.batch_size % jax.process_count():
+        raise config_error(
+            "batch_size",
+            c.batch_size,
+            f"must be divisible by the number of processes ({jax.process_count()})",
+        )
+
+    try:
+        train_data, eval_data = data_lib.make_datasets(
+            path=c.data.path,
+            max_bytes=c.data.max_bytes,
+            eval_fraction=c.data.eval_fraction,
+            seq_len=c.model.seq_len,
+            batch_size=c.batch_size,
+            seed=c.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.data: {e}") from None
+
+    mesh = jpipe.make_mesh(R, c.mesh.data, devices)
+    return Prepared(c, schedule, layers, mesh, train_data, eval_data)

@@ -1,0 +1,119 @@
+"""Profile: each stage's F, I and W timed on the real devices, fed to the simulator.
+
+`measure_stages` times the very pieces the compiled step runs
+(`jpipe.Pipeline.stage_kernels`), one microbatch on its rank's device; the
+benchmarks time the same pieces with it. `print_profile` compares the
+simulator's predictions from those times with the measured train step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import jpipe
+from jpipe.train.metrics import say
+
+
+class StageTimes(NamedTuple):
+    """Seconds per microbatch for each stage's pieces (medians of a few runs)."""
+
+    F: tuple[float, ...]
+    I: tuple[float, ...]
+    W: tuple[float, ...]
+    B: tuple[float, ...]
+
+
+def _median_seconds(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_stages(
+    pipeline: jpipe.Pipeline, params: dict, batch: dict, microbatch: dict, reps: int = 5
+) -> StageTimes:
+    """Times each stage's F, I and W pieces on one microbatch, on its rank's device.
+
+    The pieces are the ones the compiled step runs (`Pipeline.stage_kernels`):
+    F keeps the residuals, I computes the input gradient and the carry, W the
+    weight gradient from them; B is I + W, as the program runs it.
+
+    Args:
+      pipeline: the pipeline, with parameters packed.
+      params: the packed parameters.
+      batch: a global batch (fixes the shapes the pieces were traced for).
+      microbatch: one microbatch as one device sees it (host arrays).
+      reps: timed runs per piece, after one warm-up.
+    """
+    params_list = pipeline.unpack(params)
+    kernels = pipeline.stage_kernels(batch)
+    stage_to_rank = pipeline.plan.stage_to_rank
+    M = pipeline.num_microbatches
+    F, I, W = [], [], []
+    x = None
+    for s, k in enumerate(kernels):
+        device = pipeline.mesh.devices[stage_to_rank[s], 0]
+        p = jax.device_put(params_list[s], device)
+        inputs = jax.device_put(microbatch, device)
+        x = None if x is None else jax.device_put(x, device)
+        forward = jax.jit(k.forward)
+        F.append(_median_seconds(forward, p, x, inputs, reps=reps))
+        y, res = forward(p, x, inputs)
+        if s == len(kernels) - 1:
+            g = [jnp.full((), 1.0 / M, y[0].dtype)]
+        else:
+            g = [jnp.ones_like(leaf) for leaf in y]
+        input_grad = jax.jit(k.input_grad)
+        I.append(_median_seconds(input_grad, p, inputs, res, g, reps=reps))
+        _, carry = input_grad(p, inputs, res, g)
+        W.append(_median_seconds(jax.jit(k.weight_grad), p, inputs, res, carry, reps=reps))
+        x = jax.tree.unflatten(k.y_tree, y)
+    B = tuple(i + w for i, w in zip(I, W))
+    return StageTimes(tuple(F), tuple(I), tuple(W), B)
+
+
+def print_profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> None:
+    """Prints measured stage times, the predicted step times and the measured one."""
+    if jax.process_count() > 1:
+        say("profile: skipped, it runs every stage from one process (single-process runs only)")
+        return
+    times = measure_stages(pipeline, state.params, batch, microbatch, reps=reps)
+    ms = lambda t: f"{t * 1e3:8.2f}"  # noqa: E731
+    say(f"profile: time of one microbatch on one device, ms (median of {reps} runs)")
+    say("  stage         F        I        W        B")
+    for s in range(len(times.F)):
+        say(f"  {s:>5} {ms(times.F[s])} {ms(times.I[s])} {ms(times.W[s])} {ms(times.B[s])}")
+    costs = jpipe.Costs(F=times.F, I=times.I, W=times.W, B=times.B)
+    sim = jpipe.simulate(pipeline.schedule, costs)
+    lockstep = pipeline.plan.predicted_time(costs)
+
+    # The measured step runs on a copy, so the real state neither advances nor is donated.
+    step_times = []
+    for _ in range(reps + 1):
+        scratch = jax.tree.map(lambda a: a.copy(), state)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(scratch, batch))
+        step_times.append(time.perf_counter() - start)
+    measured = statistics.median(step_times[1:])
+    say(
+        f"  predicted step time, event simulation (perfect overlap): {sim.makespan * 1e3:9.2f} ms"
+        f"  (bubble {sim.bubble_fraction:.1%})"
+    )
+    say(f"  predicted step time, lock-step program (Plan.predicted_time): {lockstep * 1e3:9.2f} ms")
+    say(
+        f"  measured train step (median of {reps}, with the optimizer update):"
+        f" {measured * 1e3:9.2f} ms"
+    )
+    if all(d.platform == "cpu" for d in list(pipeline.mesh.devices.flat)):
+        say(
+            "  (fake CPU devices share the host's cores, so the measured step cannot overlap ranks)"
+        )

@@ -1,0 +1,104 @@
+"""Step 3 of a run: the train step, jitted in one place.
+
+`train_step` is a pure function of the state and a global batch; it is
+jitted once, in `compile_train_step`, with explicit shardings and the state
+donated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jpipe
+
+
+class TrainState(NamedTuple):
+    """What a checkpoint holds.
+
+    Attributes:
+      step: optimizer steps taken, an int32 scalar.
+      params: the packed parameters, ``{bucket: [R, *shape]}`` over ``pipe``.
+      opt_state: the optimizer's state, laid out like `params`.
+    """
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+
+
+def train_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    value_and_grad: Callable,
+    optimizer: optax.GradientTransformation,
+    lr: optax.Schedule,
+):
+    """One optimizer step on one global batch; pure.
+
+    Args:
+      state: the current `TrainState`.
+      batch: ``{"tokens", "targets"}``, int32 ``[batch_size, L]``.
+      value_and_grad: ``(packed_params, batch) -> (loss, packed_grads)``, the
+        pipeline's (`jpipe.Pipeline.step_fn`).
+      optimizer: from `make_optimizer`.
+      lr: the learning-rate schedule, only to report it.
+
+    Returns:
+      ``(new_state, metrics)``; metrics are float32 scalars: ``loss`` (mean
+      over the batch, before the update), ``grad_norm`` (global, before
+      clipping) and ``lr`` (the rate this update used).
+    """
+    loss, grads = value_and_grad(state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss.astype(jnp.float32),
+        "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
+        "lr": jnp.asarray(lr(state.step), jnp.float32),
+    }
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def state_shardings(state: TrainState, pipeline: jpipe.Pipeline) -> TrainState:
+    """Packed arrays (parameters, their optimizer state) over ``pipe``; the rest replicated."""
+    mesh = pipeline.mesh
+    R = mesh.shape[pipeline.pipe_axis]
+    buckets = pipeline.layout.buckets
+    over_pipe = NamedSharding(mesh, P(pipeline.pipe_axis))
+    replicated = NamedSharding(mesh, P())
+
+    def pick(path, leaf):
+        key = path[-1] if path else None
+        if (
+            isinstance(key, jax.tree_util.DictKey)
+            and key.key in buckets
+            and tuple(leaf.shape) == (R,) + tuple(buckets[key.key][0])
+        ):
+            return over_pipe
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def compile_train_step(pipeline, optimizer, lr, state, batch):
+    """Jits `train_step` (the only jit of a train step) and compiles it for these shapes."""
+    shardings = state_shardings(state, pipeline)
+    step = functools.partial(
+        train_step, value_and_grad=pipeline.step_fn(batch), optimizer=optimizer, lr=lr
+    )
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, pipeline.batch_sharding),
+        out_shardings=(shardings, NamedSharding(pipeline.mesh, P())),
+        donate_argnums=0,
+    )
+    return jitted.lower(state, batch).compile()
