@@ -156,6 +156,16 @@ def initialize(
     return True
 
 
+def num_processes() -> int:
+    """The processes of this run, known after `initialize` without starting a backend."""
+    import jax
+    from jax._src import distributed
+
+    if not jax.distributed.is_initialized():
+        return 1
+    return int(distributed.global_state.num_processes)
+
+
 def process_label() -> str:
     """``"process I of N"`` for messages, without starting a backend."""
     import jax
