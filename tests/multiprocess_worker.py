@@ -11,13 +11,10 @@ with `jpipe._distributed.initialize` and then, by MODE:
   on this process alone; prints one
   ``RESULT {json}`` line.
 * ``raise``: process 1 raises; the others wait in a collective.
-* ``collectives``: every process sums over all devices in a loop, printing
-  ``READY`` once the first sum is done, until it is killed.
 """
 
 import json
 import sys
-import time
 
 
 def _pipeline() -> dict:
@@ -79,16 +76,6 @@ def main(mode: str) -> int:
 
         multihost_utils.sync_global_devices("never reached by process 1")
         return 0
-    if mode == "collectives":
-        from jax.experimental import multihost_utils
-
-        step = 0
-        while True:
-            multihost_utils.sync_global_devices(f"step {step}")
-            if step == 0:
-                print("READY", flush=True)
-            step += 1
-            time.sleep(0.05)
     raise SystemExit(f"unknown mode {mode!r}")
 
 
