@@ -70,7 +70,7 @@ def test_host_grid_keeps_a_hosts_devices_together():
         _host_grid(devs, {"pipe": 8, "data": 1}, {"data": 2})
 
 
-def test_checker_pack_unpack_and_evaluation_across_two_processes():
+def test_checker_pack_and_unpack_across_two_processes():
     status, out, err, _ = _run([WORKER, "pipeline"])
     assert status == 0, err[-3000:]
     results = [
@@ -83,7 +83,6 @@ def test_checker_pack_unpack_and_evaluation_across_two_processes():
         assert r["pipe4_processes"] == [0, 0, 1, 1]
         assert r["unpack_equal"]  # packed from this process's stages only, unpacked whole
         assert r["local_rows"] == ([0, 1] if r["process"] == 0 else [2, 3])
-        assert r["eval_loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
     assert out.count("PASS") == 2
 
 
@@ -189,31 +188,30 @@ def two_processes(tmp_path_factory, cache_env):
     return run
 
 
-@pytest.mark.parametrize("pipe, data", [(2, 2), (4, 1)], ids=["pipe2xdata2", "pipe4"])
-def test_two_processes_train_exactly_as_one(pipe, data, one_process, two_processes):
-    # pipe 2 x data 2: each process holds one pipe rank and its data group;
-    # pipe 4: ranks 0-1 in process 0, 2-3 in process 1, one hop across.
-    # Measured on jax 0.10.2: pipe 2 x data 2 is bit-identical to one process
-    # (every sum across processes has two terms, which add alike in any
-    # order). With pipe 4 the gradient norm's sum over 4 ranks runs in
-    # another order across processes: it differs by an ulp from step 4 on,
+def test_pipe4_across_two_processes_trains_as_one_process(one_process, two_processes):
+    # Ranks 0-1 in process 0, 2-3 in process 1: one pipe hop crosses. The
+    # gradient norm's sum over the 4 ranks runs in another order across
+    # processes: measured on jax 0.10.2 it differs by an ulp from step 4 on,
     # and the losses by at most 1.9e-7 relative over 20 steps. The bound is
     # test_train's RTOL (1e-5, far below what a lost stage or a wrong row
     # does); do not loosen it.
-    two = two_processes(pipe, data)
-    one = one_process(pipe, data)
-    assert [m[0] for m in two] == list(range(TINY["steps"] + 1))
-    if data == 2:
-        assert two == one
-    else:
-        assert [m[0] for m in two] == [m[0] for m in one]
-        for got, want in zip(two, one):
-            assert got[1:] == pytest.approx(want[1:], rel=1e-5, abs=0), got[0]
+    two, one = two_processes(4, 1), one_process(4, 1)
+    assert [m[0] for m in two] == [m[0] for m in one] == list(range(TINY["steps"] + 1))
+    for got, want in zip(two, one):
+        assert got[1:] == pytest.approx(want[1:], rel=1e-5, abs=0), got[0]
 
 
-def test_a_killed_process_is_named_and_a_restart_resumes(tmp_path, cache_env, two_processes):
-    """Kill process 1 after the first checkpoint; process 0 stops, naming it; both restart."""
-    undisturbed = two_processes(2, 2)
+def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_env, one_process):
+    """2 processes x 2 devices, pipe 2 x data 2: kill process 1 after the first checkpoint.
+
+    Process 0 must stop within a minute, naming process 1; both restarted
+    must resume from the checkpoint and finish. The metrics file then holds
+    the steps up to the kill (the undisturbed part) and those after the
+    resume; every loss, gradient norm and held-out loss must equal one
+    process's run with 4 devices, bit for bit (measured on jax 0.10.2: each
+    process holds one pipe rank and its data group, so every sum across
+    processes has two terms, which add alike in any order).
+    """
     workdir = tmp_path / "run"
     command = [sys.executable, os.path.join(ROOT, "train.py")] + _flags(workdir, 2, 2)
     address = f"127.0.0.1:{free_port()}"
@@ -228,10 +226,10 @@ def test_a_killed_process_is_named_and_a_restart_resumes(tmp_path, cache_env, tw
         for i in range(2)
     ]
     try:
-        first = workdir / "checkpoints" / "5" / "_CHECKPOINT_METADATA"
-        deadline = time.monotonic() + 120
+        first = workdir / "checkpoints" / str(TINY["checkpoint_every"]) / "_CHECKPOINT_METADATA"
+        deadline = time.monotonic() + 150
         while not first.exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint"
             time.sleep(0.01)
         assert procs[1].poll() is None, "the run finished before it could be killed"
         procs[1].send_signal(signal.SIGKILL)
@@ -251,8 +249,9 @@ def test_a_killed_process_is_named_and_a_restart_resumes(tmp_path, cache_env, tw
     done = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
     assert done and done[-1] < TINY["steps"], f"checkpoints {done}: the kill came too late"
 
-    out, err2 = io.StringIO(), io.StringIO()
-    status = launch(command[1:], 2, cpu_devices=2, env=cache_env, stdout=out, stderr=err2)
-    assert status == 0, err2.getvalue()[-3000:]
-    assert "resuming from the checkpoint of step" in out.getvalue()
-    assert _metrics(workdir) == undisturbed  # the same final loss, and every step before it
+    out, err = io.StringIO(), io.StringIO()
+    status = launch(command[1:], 2, cpu_devices=2, env=cache_env, stdout=out, stderr=err)
+    assert status == 0, err.getvalue()[-3000:]
+    assert "in 2 processes" in out.getvalue()
+    assert f"resuming from the checkpoint of step {done[-1]}" in out.getvalue()
+    assert _metrics(workdir) == one_process(2, 2)
