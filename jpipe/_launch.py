@@ -73,11 +73,11 @@ def child_env(
 
 
 def command_line(command: Sequence[str]) -> list[str]:
-    """``train.py ARGS`` or ``-m module ARGS`` run with this Python; anything else as given."""
+    """``train.py ARGS``, ``-m module ARGS`` or ``-c CODE`` run with this Python; else as given."""
     command = list(command)
     if not command:
         raise ValueError("no command to launch: give one after --, e.g. -- train.py")
-    if command[0] == "-m" or command[0].endswith(".py"):
+    if command[0] in ("-m", "-c") or command[0].endswith(".py"):
         return [sys.executable] + command
     return command
 
