@@ -120,6 +120,8 @@ def initialize(
         "process_id": process_id,
     }
     cluster = None
+    if num_processes == 1 and process_id in (None, 0):
+        return False  # asked for one process: nothing to join
     if all(v is None for v in given.values()):
         cluster = detected_cluster()
         if cluster is None:
@@ -133,8 +135,6 @@ def initialize(
         )
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"--num_processes must be at least 1, got {num_processes}")
-    if num_processes == 1 and process_id in (None, 0) and cluster is None:
-        return False  # asked for one process: nothing to join
     if num_processes is not None and process_id is not None:
         if not 0 <= process_id < num_processes:
             raise ValueError(

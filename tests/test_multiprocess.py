@@ -49,6 +49,25 @@ def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
     assert "process 1 exited with status 3; stopping process(es) [0]" in err
 
 
+def test_initialize_is_a_no_op_alone_and_names_missing_or_bad_settings(monkeypatch):
+    from jpipe import _distributed
+
+    for name in list(os.environ):
+        if name.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_")):
+            monkeypatch.delenv(name)
+        if name.startswith(("OMPI_", "KUBERNETES_")):
+            monkeypatch.delenv(name)
+    assert _distributed.initialize() is False  # nothing given, no cluster: one process
+    assert _distributed.initialize(num_processes=1) is False
+    with pytest.raises(ValueError, match=r"--coordinator_address, --process_id not given"):
+        _distributed.initialize(num_processes=2)
+    with pytest.raises(ValueError, match=r"--process_id must be in \[0, 2\).*got 2"):
+        _distributed.initialize("127.0.0.1:1", 2, 2)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES='two' is not an integer"):
+        _distributed.initialize()
+
+
 def test_host_grid_keeps_a_hosts_devices_together():
     # Two hosts of four devices, listed out of order: stand-ins carry what the grid reads.
     devs = [
