@@ -7,26 +7,33 @@ device each, joined by `jax.distributed` over loopback (gloo), are the
 closest this machine gets to separate accelerators: each has its own core,
 and a transfer goes through the network stack, as between hosts.
 
-``python -m bench.multiprocess`` runs, on the same model and global batch:
+``python -m bench.multiprocess`` starts 2 such processes (`jpipe.launch`)
+and times, on the same model and global batch, in the same rounds
+(`bench.measure.time_together`, so a burst of load elsewhere hits all rows
+alike):
 
-1. one process, one thread: the whole model's step on one device
-   (`jax.value_and_grad` of the unpipelined loss) and, timed in the same
-   rounds, F, I, W and B of each of the 2 stages on one microbatch
-   (`bench.profile`);
-2. two processes: jpipe's 1F1B and ZB-H1 with one rank per process; data
-   parallelism (the one-device step, batch split over the 2 processes,
-   gradients all-reduced); and the transfer alone: a `ppermute` of one
-   stage output between the two processes, in a loop.
+- **one process, one thread**: the whole model's step (`jax.value_and_grad`
+  of the unpipelined loss on the whole batch) on a process's own device;
+  both processes run it at once, each on its own device, as two
+  accelerators would; and the same **microbatched** (one microbatch after
+  another, `lax.map`);
+- F, I, W and B of each of the 2 stages on one microbatch, the same way
+  (`bench.profile`);
+- jpipe's **1F1B** and **ZB-H1** with one rank per process;
+- **data parallel**: the one-device step with the batch split over the 2
+  processes and the gradients all-reduced;
+- the **transfer** alone: a loop of `ppermute`s of one stage output
+  between the two processes.
 
 Every row's loss is checked against the one-process loss. The predictions
-use the pieces measured in (1) and the transfer measured in (2):
-``sim ideal`` is ``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))``
-(ranks that overlap perfectly); ``sim lock-step`` is the program jpipe
-compiles, ``plan.predicted_time(costs)`` plus one transfer per channel per
-tick (every tick ends in its `ppermute`s).
+use the measured pieces and transfer: ``sim ideal`` is
+``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))`` (ranks that
+overlap perfectly); ``sim lock-step`` is the program jpipe compiles,
+``plan.predicted_time(costs)`` plus one transfer per channel per tick (every
+tick ends in its `ppermute`s).
 
-Each phase runs under `jpipe.launch`; the parent gathers their JSON and
-writes ``multiprocess.json`` and ``multiprocess.md`` to ``--out``.
+Process 0 writes what it measured as JSON; the parent writes
+``multiprocess.json`` and ``multiprocess.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
     p.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--out", default="runs/bench-multiprocess", help="output folder")
-    p.add_argument("--role", choices=("single", "multi"), help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("measure",), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
 
@@ -59,33 +66,18 @@ def _parser() -> argparse.ArgumentParser:
 # -- the children ----------------------------------------------------------------
 
 
-def _single(args) -> dict:
-    """One process, one device: the whole step, and each stage's pieces."""
-    import jax
-
+def _local_rows(args, workload, device) -> tuple[list, list]:
+    """The whole step on this process's own device, and each stage's pieces there."""
     from bench import measure, profile
     from bench.baselines import one_device, one_device_microbatched
-    from bench.workloads import get_workload
 
-    workload = get_workload(args.model)
-    device = jax.devices()[0]
     rows = []
     for name, build in (("one", one_device), ("microbatched", one_device_microbatched)):
         program = build(workload, args.microbatches, RANKS, device)
         rows.append(measure.compile_program(name, program.lowerable, program.args))
     stage_fns, params = workload.stages(RANKS)
-    microbatch = workload.batch(1)
-    pieces = profile.stage_programs(stage_fns, params, microbatch, device, "stage")
-    times = measure.time_together(rows + pieces, args.reps, warmup=1)
-    out = {
-        row.name: {
-            "times": times[row.name],
-            "compile_seconds": row.compile_seconds,
-            "loss": float(row.fn(*row.args)[0]),
-        }
-        for row in rows
-    }
-    return {**out, "costs": profile.costs_from_times(times, "stage", RANKS)}
+    pieces = profile.stage_programs(stage_fns, params, workload.batch(1), device, "stage")
+    return rows, pieces
 
 
 def _transfer_program(workload, mesh):
@@ -118,17 +110,18 @@ def _transfer_program(workload, mesh):
     return fn, (x,), loops, list(y.shape)
 
 
-def _multi(args) -> dict:
-    """Two processes, one device each: jpipe, data parallelism, and the transfer alone."""
+def _measure(args) -> dict:
+    """Every row, timed together in the same rounds, on 2 processes of one device each."""
     import jax
 
     import jpipe
-    from bench import measure
+    from bench import measure, profile
     from bench.baselines import data_parallel
     from bench.workloads import get_workload
 
     workload = get_workload(args.model)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    local_rows, pieces = _local_rows(args, workload, jax.local_devices()[0])
     mesh = jpipe.make_mesh(RANKS, 1, devices, across_hosts={"pipe": RANKS})
     programs, info = [], {}
     for name in SCHEDULES:
@@ -143,9 +136,9 @@ def _multi(args) -> dict:
     programs.append(measure.compile_program("data parallel", dp.lowerable, dp.args))
     fn, targs, loops, block = _transfer_program(workload, mesh)
     transfer = measure.compile_program("transfer", fn, targs)
-    times = measure.time_together(programs + [transfer], args.reps, warmup=1)
+    times = measure.time_together(local_rows + pieces + programs + [transfer], args.reps, warmup=1)
     rows = {}
-    for p in programs:
+    for p in local_rows + programs:
         out = p.fn(*p.args)
         rows[p.name] = {
             "times": times[p.name],
@@ -156,6 +149,7 @@ def _multi(args) -> dict:
     return {
         "rows": rows,
         "transfer": {"times": [t / loops for t in times["transfer"]], "block": block},
+        "costs": profile.costs_from_times(times, "stage", RANKS),
         "processes": jax.process_count(),
     }
 
@@ -166,7 +160,7 @@ def _child(args) -> int:
     initialize()
     import jax
 
-    result = _single(args) if args.role == "single" else _multi(args)
+    result = _measure(args)
     if jax.process_index() == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
@@ -195,17 +189,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def report(single: dict, multi: dict, args, seconds: float) -> tuple[dict, str]:
+def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     """The table (markdown) and everything measured (JSON-ready)."""
     import statistics
 
     import jpipe
 
     med = statistics.median
-    costs = single["costs"]
+    costs = multi["costs"]
     transfer = med(multi["transfer"]["times"])
     c = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=costs["B"], comm=transfer)
-    base = single["one"]
+    base = multi["rows"]["one"]
     base_med, base_best = med(base["times"]), min(base["times"])
     dp = multi["rows"]["data parallel"]
     lines = [
@@ -231,7 +225,7 @@ def report(single: dict, multi: dict, args, seconds: float) -> tuple[dict, str]:
     total = {kind: M * sum(costs[kind]) for kind in costs}
     add("one process, one thread", 1, base)
     add(
-        "one process, microbatched", 1, single["microbatched"],
+        "one process, microbatched", 1, multi["rows"]["microbatched"],
         work=_ms(total["F"] + total["B"]),
     )  # fmt: skip
     add("data parallel", 2, dp)
@@ -281,9 +275,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        single = _launch(args, "single", 1, os.path.join(tmp, "single.json"))
-        multi = _launch(args, "multi", RANKS, os.path.join(tmp, "multi.json"))
-    data, md = report(single, multi, args, time.perf_counter() - start)
+        multi = _launch(args, "measure", RANKS, os.path.join(tmp, "measure.json"))
+    data, md = report(multi, args, time.perf_counter() - start)
     with open(os.path.join(args.out, "multiprocess.json"), "w") as f:
         json.dump(data, f, indent=1)
     with open(os.path.join(args.out, "multiprocess.md"), "w") as f:
