@@ -248,7 +248,8 @@ def check_schedule(
 
     stages, params, make_batch = small_model(S, seed)
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
-    mesh = make_mesh(R, data, jax.devices("cpu")[: R * data])
+    devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+    mesh = make_mesh(R, data, devices[: R * data])
     pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout)
     packed = pipe.pack(params)
     placed = jax.device_put(batch, pipe.batch_sharding)

@@ -89,6 +89,22 @@ def test_host_grid_keeps_a_hosts_devices_together():
         _host_grid(devs, {"pipe": 8, "data": 1}, {"data": 2})
 
 
+def test_mesh_hosts_in_the_config_are_checked(tmp_path):
+    from jpipe import train as trainer
+
+    with pytest.raises(trainer.ConfigError, match=r"config.mesh.pipe_hosts=3: must divide"):
+        trainer.MeshConfig(pipe=4, data=1, pipe_hosts=3)
+    assert trainer.MeshConfig(4, 2, pipe_hosts=2).across_hosts == {"pipe": 2, "data": 1}
+    assert trainer.MeshConfig(4, 2).across_hosts is None
+
+
+def test_a_work_directory_that_cannot_be_made_names_the_flag(one_process_config, tmp_path):
+    from jpipe import train as trainer
+
+    with pytest.raises(trainer.ConfigError, match=r"--workdir=/proc/x: cannot create the dir"):
+        trainer.train(one_process_config(2, 2), "/proc/x", progress=False)
+
+
 def test_checker_pack_and_unpack_across_two_processes():
     status, out, err, _ = _run([WORKER, "pipeline"])
     assert status == 0, err[-3000:]
@@ -158,30 +174,40 @@ def cache_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """Metrics of one process with 4 of conftest's devices, by mesh ``(pipe, data)``."""
+def one_process_config():
+    """configs/default.py with `TINY` and a ``(pipe, data)`` mesh."""
     import importlib.util
-
-    from jpipe import train as trainer
 
     spec = importlib.util.spec_from_file_location(
         "default_config", os.path.join(ROOT, "configs", "default.py")
     )
     default = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(default)
+
+    def make(pipe, data):
+        config = default.get_config()
+        for key, value in {**TINY, "mesh.pipe": pipe, "mesh.data": data}.items():
+            node = config
+            *path, last = key.split(".")
+            for part in path:
+                node = node[part]
+            node[last] = value
+        return config
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, one_process_config):
+    """Metrics of one process with 4 of conftest's devices, by mesh ``(pipe, data)``."""
+    from jpipe import train as trainer
+
     runs = {}
 
     def run(pipe, data):
         if (pipe, data) not in runs:
-            config = default.get_config()
-            for key, value in {**TINY, "mesh.pipe": pipe, "mesh.data": data}.items():
-                node = config
-                *path, last = key.split(".")
-                for part in path:
-                    node = node[part]
-                node[last] = value
             workdir = tmp_path_factory.mktemp(f"one_{pipe}x{data}")
-            trainer.train(config, str(workdir), progress=False)
+            trainer.train(one_process_config(pipe, data), str(workdir), progress=False)
             runs[(pipe, data)] = _metrics(workdir)
         return runs[(pipe, data)]
 
