@@ -31,51 +31,12 @@ layer each, so every row runs the same model.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 
 from bench import measure, rows
 from bench.run import compare, predictions, profile_programs, stage_counts, time_with_profile
 from bench.run import ratio as run_ratio
 from bench.workloads import get_workload
-
-
-@contextlib.contextmanager
-def idle_tables():
-    """While active, jpipe compiles programs whose table says "idle" everywhere.
-
-    Patches the table builder the lowering calls (`jpipe._lower.table`);
-    yields False, and changes nothing, if jpipe no longer has that hook.
-    """
-    try:
-        import jpipe._lower as lower
-    except ImportError:
-        yield False
-        return
-    original = getattr(lower, "table", None)
-    if original is None:
-        yield False
-        return
-
-    import jpipe._plan as plan_module
-
-    columns = list(getattr(plan_module, "COLUMNS", ()))
-    stage_columns = [columns.index(c) for c in getattr(plan_module, "STAGE_COLUMNS", ())]
-    if not stage_columns:
-        yield False
-        return
-
-    def idle(plan):
-        t = original(plan).copy()
-        t[:, :, stage_columns] = 0  # stage 0 in a kind's column: no piece of that kind
-        return t
-
-    lower.table = idle
-    try:
-        yield True
-    finally:
-        lower.table = original
 
 
 def memory_rows(workload, devices, args, log) -> list[dict]:
@@ -176,13 +137,11 @@ def performance(workload, devices, args, pieces, log) -> tuple[dict, dict]:
         programs.append(prog)
         log(f"  {row.name}: compiled in {prog.compile_seconds:.2f}s")
     idle_names = {}
-    with idle_tables() as patched:
-        if patched:
-            for name in args.schedules:
-                row = rows.jpipe_row(workload, name, M, devices, args.chunks)
-                prog = measure.compile_program(row.name + " (all idle)", row.lowerable, row.args)
-                programs.append(prog)
-                idle_names[row.name] = prog.name
+    for name in args.schedules:
+        row = rows.jpipe_row(workload, name, M, devices, args.chunks, all_idle=True)
+        prog = measure.compile_program(row.name + " (all idle)", row.lowerable, row.args)
+        programs.append(prog)
+        idle_names[row.name] = prog.name
     times, costs = time_with_profile(programs, pieces, args.reps)
     step = {p.name: measure.median(times[p.name]) for p in programs}
     for rec in records:

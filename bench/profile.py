@@ -1,7 +1,7 @@
 """The profiler: what F, I and W of each stage cost on one device.
 
 For each stage of a cut model, on one microbatch and one device, the very
-pieces jpipe runs (`jpipe._stage.StageKernels`):
+pieces jpipe runs (`jpipe.StageKernels`):
 
 - ``F``: the stage's forward, returning its output and the residuals its
   backward needs (less those that are inputs already);
@@ -20,11 +20,8 @@ machine, and `costs_from_times` turns the medians into per-stage costs for
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
+import jpipe
 from bench import measure
-from jpipe._stage import StageKernels
 
 # Calls of a piece per timed run (see `stage_programs`).
 REPEAT = 4
@@ -54,32 +51,18 @@ def stage_programs(
         small pieces cost less than JAX's dispatch of one call, and calling
         again before waiting hides the dispatch behind the previous call.
     """
-    inputs = jax.device_put(microbatch, device)
-    params_list = jax.device_put(params_list, device)
+    kernels, x = [], None
+    for fn, params in zip(stage_fns, params_list):
+        kernels.append(jpipe.StageKernels.trace(fn, params, x, microbatch))
+        x = kernels[-1].y
+    pieces = jpipe.stage_pieces(kernels, params_list, microbatch, [device] * len(kernels))
     programs = []
-    x = None
-    for s, (fn, params) in enumerate(zip(stage_fns, params_list)):
-        k = StageKernels(fn, params, x, inputs)
-        f = jax.jit(k.forward)
-        y, residuals = f(params, x, inputs)
-        g = [jnp.ones_like(v) for v in y]
-        _, carry = jax.jit(k.input_grad)(params, inputs, residuals, g)
-
-        def backward(params, inputs, residuals, g, k=k):
-            dx, kept = k.input_grad(params, inputs, residuals, g)
-            return dx, k.weight_grad(params, inputs, residuals, kept)
-
-        pieces = [
-            ("F", f, (params, x, inputs)),
-            ("I", jax.jit(k.input_grad), (params, inputs, residuals, g)),
-            ("W", jax.jit(k.weight_grad), (params, inputs, residuals, carry)),
-            ("B", jax.jit(backward), (params, inputs, residuals, g)),
-        ]
-        for kind, lowerable, piece_args in pieces:
+    for s, piece in enumerate(pieces):
+        for kind in ("F", "I", "W", "B"):
+            lowerable, piece_args = piece[kind]
             program = measure.compile_program((tag, s, kind), lowerable, piece_args)
             program.fn = _Repeated(program.fn, repeat)
             programs.append(program)
-        x = jax.tree.unflatten(k.y_tree, y)
     return programs
 
 
@@ -96,10 +79,3 @@ def costs_from_times(
         for kind in costs:
             costs[kind].append(per_call(kind, s))
     return costs
-
-
-def stage_costs(stage_fns, params_list, microbatch, device, reps: int = 10) -> dict:
-    """Profiles on its own: compiles, times `reps` rounds, returns the costs."""
-    programs = stage_programs(stage_fns, params_list, microbatch, device, "stage")
-    times = measure.time_together(programs, reps, warmup=2)
-    return costs_from_times(times, "stage", len(stage_fns))

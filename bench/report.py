@@ -306,3 +306,32 @@ def write_compiler(result: dict, out: str, plot: bool = True) -> list[str]:
         if png:
             paths.append(png)
     return paths
+
+
+def memory_markdown(rows: list[dict]) -> str:
+    """The memory suite's table: compiled bytes per device against the schedule's need."""
+    gib = 2**30
+    lines = [
+        "| devices | schedule | M | temp GiB | arguments GiB | need GiB (largest rank) "
+        "| temp / need | params GiB per device | largest rank's own | params / own |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['devices']} | {r['schedule']} | {r['microbatches']} "
+            f"| {r['temp_bytes'] / gib:.2f} | {r['argument_bytes'] / gib:.2f} "
+            f"| {r['need_bytes'] / gib:.2f} | {r['temp_bytes'] / r['need_bytes']:.2f}x "
+            f"| {r['param_bytes'] / gib:.3f} | {r['own_param_bytes'] / gib:.3f} "
+            f"| {r['param_bytes'] / r['own_param_bytes']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_memory(rows: list[dict], out: str) -> list[str]:
+    """Writes ``memory.json`` and ``memory.md`` under `out`."""
+    paths = [os.path.join(out, "memory.json"), os.path.join(out, "memory.md")]
+    with open(paths[0], "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(memory_markdown(rows))
+    return paths

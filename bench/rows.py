@@ -87,13 +87,15 @@ def jpipe_row(
     devices,
     chunks: int = 2,
     tick_layout: str = "auto",
+    all_idle: bool = False,
 ) -> Row:
-    """jpipe running `schedule` on a ``pipe`` mesh of `devices`."""
+    """jpipe running `schedule` on a ``pipe`` mesh of `devices` (all ticks idle with `all_idle`)."""
     R = len(devices)
     V = chunks_for(schedule, chunks)
     sched = jpipe.get_schedule(schedule, R, num_microbatches, V)
     stage_fns, params = workload.stages(sched.num_stages)
-    pipe = jpipe.Pipeline(stage_fns, sched, jpipe.make_mesh(R, 1, devices), tick_layout=tick_layout)
+    mesh = jpipe.make_mesh(R, 1, devices)
+    pipe = jpipe.Pipeline(stage_fns, sched, mesh, tick_layout=tick_layout, all_idle=all_idle)
     packed = pipe.pack(params)
     batch = jax.device_put(workload.batch(num_microbatches), pipe.batch_sharding)
     info = {

@@ -60,10 +60,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suite",
-        choices=("table", "compiler"),
+        choices=("table", "compiler", "memory"),
         default="table",
         help="table: the benchmark table (default); compiler: memory and compile time "
-        "against microbatches and the per-tick overhead, on the compiler issue's shape",
+        "against microbatches and the per-tick overhead, on the compiler issue's shape; "
+        "memory: GPT-2-small shapes compiled (not run), per-device bytes against the need",
     )
     p.add_argument(
         "--quick", action="store_true", help="small model, fewer rows and reps (< 5 min on 2 cores)"
@@ -103,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-peer", action="store_true", help="leave out the peer rows")
     p.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
+    p.add_argument("--json", action="store_true", help="memory suite: print one JSON list")
     return p
 
 
@@ -121,6 +123,8 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         args.microbatches = args.microbatches or ((4, 16) if quick else (8, 32, 128))
         args.schedules = args.schedules or DEFAULT_SCHEDULES
         args.reps = args.reps or (3 if quick else 7)
+    if args.suite == "memory" and args.ranks < 8 and not args.quick:
+        args.ranks = 8  # the memory suite compiles for 4 and 8 devices
     if args.ranks < 2:
         raise SystemExit("--ranks must be at least 2")
     return args
@@ -352,19 +356,3 @@ def run_table(args: argparse.Namespace, log=print) -> dict:
         result["rows"].extend(records)
         result["profile"][str(M)] = {str(S): c for S, c in costs.items()}
     return result
-
-
-def main(argv=None) -> int:
-    args = settle(parser().parse_args(argv))
-    os.makedirs(args.out, exist_ok=True)
-    if args.suite == "compiler":
-        from bench import compiler
-
-        result = compiler.run(args, devices_picker=pick_devices, meta=meta)
-        paths = report.write_compiler(result, args.out, plot=not args.no_plot)
-    else:
-        result = run_table(args)
-        paths = report.write_table(result, args.out, plot=not args.no_plot)
-    for path in paths:
-        print(f"wrote {path}")
-    return 0

@@ -24,6 +24,7 @@ from jpipe._plan import Plan, make_plan
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
 from jpipe._simulate import Costs, Simulation, simulate
+from jpipe._stage import StageKernels, stage_pieces
 from jpipe._validate import ScheduleError, validate
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "StageKernels",
     "TICK_LAYOUTS",
     "W",
     "describe_devices",
@@ -51,6 +53,7 @@ __all__ = [
     "run_stages",
     "simulate",
     "split_microbatches",
+    "stage_pieces",
     "use_cpu_devices",
     "validate",
 ]

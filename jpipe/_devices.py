@@ -13,7 +13,7 @@ import jax
 
 
 def use_cpu_devices(count: int, *, required: bool = False) -> int | None:
-    """Asks JAX for `count` CPU devices, if its backend has not started yet.
+    """Asks JAX for at least `count` CPU devices, if its backend has not started yet.
 
     Args:
       count: the CPU devices wanted.
@@ -21,17 +21,19 @@ def use_cpu_devices(count: int, *, required: bool = False) -> int | None:
         exist after the attempt (the backend had already started).
 
     Returns:
-      The CPU device count now configured, or None when the backend had
-      already started and the setting could not change.
+      `count` when it was set, or None when nothing changed: as many were
+      configured already, or the backend had started and it could not change.
 
     Raises:
       RuntimeError: `required` and fewer than `count` CPU devices.
     """
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-        configured = count
-    except RuntimeError:  # the backend has started: keep what it has
-        configured = None
+    configured = None
+    if jax.config.jax_num_cpu_devices < count:  # never fewer than asked for before
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+            configured = count
+        except RuntimeError:  # the backend has started: keep what it has
+            pass
     if required:
         have = len(jax.devices("cpu"))
         if have < count:

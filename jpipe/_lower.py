@@ -37,6 +37,8 @@ is one of its own stages' arrays, which the stage's branch reshapes in place.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,21 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe._pack import ParamLayout
-from jpipe._plan import COLUMNS, Plan, table
-from jpipe._stage import StageKernels, merge_widths
+from jpipe._plan import COLUMNS, Plan
+from jpipe._stage import StageKernels, loss_seed, merge_widths
+
+
+class Program(NamedTuple):
+    """A lowered plan.
+
+    Attributes:
+      run: ``run(packed_params, batch_mb) -> (loss, packed_grads)``, pure and
+        unjitted; `batch_mb` is the batch cut by `split_microbatches`.
+      kernels: the stages' F, I and W pieces it runs.
+    """
+
+    run: Callable
+    kernels: tuple[StageKernels, ...]
 
 
 def _zeros(widths: dict) -> dict:
@@ -57,7 +72,7 @@ def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[Sta
     kernels: list[StageKernels] = []
     x = None
     for s, fn in enumerate(stage_fns):
-        k = StageKernels(fn, layout.stage_avals(s), x, microbatch_inputs)
+        k = StageKernels.trace(fn, layout.stage_avals(s), x, microbatch_inputs)
         kernels.append(k)
         x = k.y
     return kernels
@@ -73,8 +88,9 @@ def build_step(
     data_axis: str | None = None,
     forward_only: bool = False,
     kernels: list[StageKernels] | None = None,
-):
-    """Returns ``step(packed_params, batch_mb) -> (loss, packed_grads)``.
+    idle: bool = False,
+) -> Program:
+    """Lowers a plan to a `Program`: ``run(packed_params, batch_mb) -> (loss, packed_grads)``.
 
     `batch_mb` is the batch cut into microbatches, ``[rows, M, ...]`` per leaf
     (`jpipe._pipeline.split_microbatches`).
@@ -95,6 +111,8 @@ def build_step(
       forward_only: build only the forward pieces, for a plan of forwards
         (`jpipe._plan.make_forward_plan`); the gradients come back as zeros.
       kernels: the stages' pieces from `trace_kernels`, if already traced.
+      idle: run no piece in any tick (`Plan.table(idle=True)`), to measure
+        the cost of the program's control alone; the results are zeros.
     """
     S = plan.schedule.num_stages
     M = plan.schedule.num_microbatches
@@ -175,7 +193,7 @@ def build_step(
         def run(flat, inputs, io_val, res_val):
             residuals = k.res_layout.unpack(res_val)
             if s == S - 1:
-                g = [jnp.full((), 1.0 / M, loss_dtype)]
+                g = loss_seed(M, loss_dtype)
             else:
                 g = k.y_layout.unpack(io_val)
             dx, kept = k.input_grad(stage_params(s, flat), inputs, residuals, g)
@@ -344,11 +362,9 @@ def build_step(
         # so the check buys nothing here.
         check_vma=False,
     )
-    tab = table(plan)
+    tab = plan.table(idle=idle)
 
-    def step(packed, batch_mb):
+    def run(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(tab))
 
-    step.kernels = kernels
-    step.widths = {"io": io_widths, "res": res_widths, "carry": carry_widths}
-    return step
+    return Program(run, tuple(kernels))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import build_step, trace_kernels
+from jpipe._lower import Program, build_step, trace_kernels
 from jpipe._pack import ParamLayout
 from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
@@ -181,7 +181,10 @@ class Pipeline:
         ``"packed"`` (up to one F, one I and one W per rank per tick: fewer
         ticks, but a transfer still costs one) or ``"auto"`` (the default:
         packed where that does not lengthen the critical path). See
-        `jpipe._plan`.
+        `jpipe.make_plan`.
+      all_idle: for diagnostics only: a program that runs no piece in any
+        tick, so that timing it measures the cost of the pipeline's control
+        and transfers alone. Its loss and gradients are zeros.
     """
 
     def __init__(
@@ -193,8 +196,10 @@ class Pipeline:
         pipe_axis: str = "pipe",
         data_axis: str = "data",
         tick_layout: str = "auto",
+        all_idle: bool = False,
     ):
         info = analyze(schedule)
+        self.all_idle = all_idle
         self.stages = tuple(stages)
         self.schedule = schedule
         self.mesh = _auto(mesh)
@@ -217,7 +222,11 @@ class Pipeline:
         self.plan = make_plan(schedule, tick_layout)
         self.forward_plan = make_forward_plan(schedule)
         self.layout: ParamLayout | None = None
-        self._steps: dict = {}
+        # Built once per batch shape (the key of `_key`): the traced pieces,
+        # the jitted training step with its program, the jitted forward-only loss.
+        self._kernels_cache: dict[tuple, list] = {}
+        self._train_steps: dict[tuple, tuple[Callable, Program]] = {}
+        self._loss_steps: dict[tuple, Callable] = {}
         self.compile_seconds: float | None = None
 
     # -- parameters ------------------------------------------------------------
@@ -242,6 +251,22 @@ class Pipeline:
         See `jpipe._pack` for the buckets; `unpack` gives the per-stage pytrees back.
         """
         return self._layout_for(params_list).pack(params_list, self.mesh, self.pipe_axis)
+
+    def packed_shapes(self, params_list) -> dict:
+        """What `pack` would give, as shapes: ``{bucket: ShapeDtypeStruct [R, size]}``.
+
+        `params_list` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from
+        ``jax.eval_shape(model.init, key)``), and each result carries its
+        sharding, so ``jax.jit(pipeline.step_fn(batch)).lower(shapes, batch)``
+        compiles a model too big for this machine without making any array,
+        and its ``memory_analysis()`` gives what each device would hold.
+        """
+        layout = self._layout_for(params_list)
+        shardings = layout.sharding(self.mesh, self.pipe_axis)
+        return {
+            name: jax.ShapeDtypeStruct((layout.num_ranks,) + shape, dtype, sharding=shardings[name])
+            for name, (shape, dtype) in layout.buckets.items()
+        }
 
     def unpack(self, packed: dict) -> list:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
@@ -292,19 +317,20 @@ class Pipeline:
 
     def _kernels(self, batch) -> list:
         """The stages' pieces for this batch's shapes, traced once for every step."""
-        key = ("kernels",) + self._key(batch)
-        if key not in self._steps:
-            self._steps[key] = trace_kernels(
+        key = self._key(batch)
+        if key not in self._kernels_cache:
+            self._kernels_cache[key] = trace_kernels(
                 self.stages, self.layout, self._microbatch_shapes(batch)
             )
-        return self._steps[key]
+        return self._kernels_cache[key]
 
-    def _build(self, batch):
+    def _build(self, batch) -> tuple[Callable, Program]:
+        """The jitted training step and its `Program`, built once per batch shape."""
         self.check_batch(batch)
         key = self._key(batch)
-        if key in self._steps:
-            return self._steps[key]
-        step = build_step(
+        if key in self._train_steps:
+            return self._train_steps[key]
+        program = build_step(
             self.stages,
             self.plan,
             self.layout,
@@ -313,19 +339,20 @@ class Pipeline:
             self.pipe_axis,
             self.data_axis,
             kernels=self._kernels(batch),
+            idle=self.all_idle,
         )
         M = self.num_microbatches
 
         def value_and_grad(packed, batch):
-            return step(packed, split_microbatches(batch, M))
+            return program.run(packed, split_microbatches(batch, M))
 
         jitted = jax.jit(
             value_and_grad,
             in_shardings=(self.param_sharding, self.batch_sharding),
             out_shardings=(NamedSharding(self.mesh, P()), self.param_sharding),
         )
-        self._steps[key] = (jitted, step)
-        return self._steps[key]
+        self._train_steps[key] = (jitted, program)
+        return self._train_steps[key]
 
     def loss(self, packed, batch):
         """The mean loss over microbatches, running only the forwards.
@@ -336,9 +363,9 @@ class Pipeline:
         if self.layout is None:
             raise ValueError("pack parameters first with Pipeline.pack")
         self.check_batch(batch)
-        key = ("loss",) + self._key(batch)
-        if key not in self._steps:
-            step = build_step(
+        key = self._key(batch)
+        if key not in self._loss_steps:
+            program = build_step(
                 self.stages,
                 self.forward_plan,
                 self.layout,
@@ -348,14 +375,15 @@ class Pipeline:
                 self.data_axis,
                 forward_only=True,
                 kernels=self._kernels(batch),
+                idle=self.all_idle,
             )
             M = self.num_microbatches
-            self._steps[key] = jax.jit(
-                lambda packed, batch: step(packed, split_microbatches(batch, M))[0],
+            self._loss_steps[key] = jax.jit(
+                lambda packed, batch: program.run(packed, split_microbatches(batch, M))[0],
                 in_shardings=(self.param_sharding, self.batch_sharding),
                 out_shardings=NamedSharding(self.mesh, P()),
             )
-        return self._steps[key](packed, batch)
+        return self._loss_steps[key](packed, batch)
 
     def step_fn(self, batch) -> Callable:
         """The pure, unjitted ``(packed_params, batch) -> (loss, packed_grads)``.
@@ -363,17 +391,17 @@ class Pipeline:
         For composing with an optimizer inside the caller's own `jax.jit`;
         `batch` (arrays or shape structs) fixes the shapes it is built for.
         """
-        _, step = self._build(batch)
+        _, program = self._build(batch)
         M = self.num_microbatches
-        return lambda packed, batch: step(packed, split_microbatches(batch, M))
+        return lambda packed, batch: program.run(packed, split_microbatches(batch, M))
 
     def stage_kernels(self, batch) -> list:
-        """The F, I and W pieces (`jpipe._stage.StageKernels`) the step runs, per stage.
+        """The F, I and W pieces (`jpipe.StageKernels`) the step runs, per stage.
 
         For profiling: they are traced for one microbatch as one device sees it.
         """
-        _, step = self._build(batch)
-        return list(step.kernels)
+        _, program = self._build(batch)
+        return list(program.kernels)
 
     def lower(self, packed, batch):
         """The lowered (not yet compiled) step, for inspection."""

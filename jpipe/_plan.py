@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -72,7 +73,12 @@ def _pos(tick: int, phase: int) -> int:
     return _NUM_PHASES * tick + phase
 
 
-Piece = tuple  # (kind, stage, microbatch)
+class Piece(NamedTuple):
+    """One piece of work in a tick: the kind (``F``, ``I`` or ``W``) of a stage on a microbatch."""
+
+    kind: str
+    stage: int
+    microbatch: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +116,8 @@ class Plan:
     num_carry: int
     slot: dict = dataclasses.field(compare=False, hash=False, repr=False)
 
+    COLUMNS: ClassVar[tuple[str, ...]]  # the table's named columns, set below
+
     @property
     def num_ticks(self) -> int:
         return len(self.ticks)
@@ -124,6 +132,25 @@ class Plan:
             for r, pieces in enumerate(row):
                 for piece in pieces:
                     yield t, r, piece
+
+    def table(self, *, idle: bool = False) -> np.ndarray:
+        """The integer table ``[ticks, ranks, columns]`` that the program scans over.
+
+        Columns are `Plan.COLUMNS`, then the io slot that each of
+        `Plan.channels` delivers to on the receiving rank. The table is the one
+        part of the program that grows with the microbatches, so it comes in
+        the narrowest integer type that holds it (int8 up to 128
+        microbatches, then int16).
+
+        Args:
+          idle: a table that runs no piece in any tick (every stage column
+            0), for measuring what the program's control costs alone.
+        """
+        out = _table(self)
+        if idle:
+            out = out.copy()
+            out[:, :, [COLUMNS.index(c) for c in STAGE_COLUMNS]] = 0
+        return out
 
     def predicted_time(self, costs: Costs | None = None) -> float:
         """Time of the lock-step program on devices that run independently.
@@ -156,18 +183,21 @@ def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> flo
 
 def _pieces_of(action) -> list[Piece]:
     if action.kind == "B":
-        return [("I", action.stage, action.microbatch), ("W", action.stage, action.microbatch)]
-    return [(action.kind, action.stage, action.microbatch)]
+        return [
+            Piece("I", action.stage, action.microbatch),
+            Piece("W", action.stage, action.microbatch),
+        ]
+    return [Piece(action.kind, action.stage, action.microbatch)]
 
 
 def _needs(piece: Piece, num_stages: int) -> list[Piece]:
     """The pieces whose outputs `piece` consumes."""
     kind, s, m = piece
     if kind == "F":
-        return [("F", s - 1, m)] if s > 0 else []
+        return [Piece("F", s - 1, m)] if s > 0 else []
     if kind == "I":
-        return [("F", s, m)] + ([("I", s + 1, m)] if s + 1 < num_stages else [])
-    return [("I", s, m)]
+        return [Piece("F", s, m)] + ([Piece("I", s + 1, m)] if s + 1 < num_stages else [])
+    return [Piece("I", s, m)]
 
 
 def _unit_ticks(schedule: Schedule):
@@ -293,7 +323,7 @@ def _slots(ticks, owner, R: int):
     return slot, tuple(counts), tuple(order)
 
 
-def make_plan(schedule: Schedule, layout: str = "auto") -> Plan:
+def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = False) -> Plan:
     """Lays `schedule` out in ticks and assigns its buffer slots.
 
     `layout` is ``"unit"``, ``"packed"`` or ``"auto"``: the packed layout
@@ -301,7 +331,12 @@ def make_plan(schedule: Schedule, layout: str = "auto") -> Plan:
     longer than the unit layout's (it then has the same critical path in
     fewer ticks: GPipe, interleaved 1F1B), else the unit layout (1F1B, whose
     bounded warm-up cannot keep packed ticks full).
+
+    With `forward_only`, the plan runs only the schedule's forwards, to
+    compute a loss (`make_forward_plan`; `layout` is ignored).
     """
+    if forward_only:
+        return make_forward_plan(schedule)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     owner = analyze(schedule).stage_to_rank
@@ -354,16 +389,11 @@ COLUMNS = (
     "w_carry",
 )
 STAGE_COLUMNS = ("f_stage", "i_stage", "w_stage")
+Plan.COLUMNS = COLUMNS
 
 
-def table(plan: Plan) -> np.ndarray:
-    """The integer table ``[ticks, ranks, columns]`` that the program scans over.
-
-    Columns are `COLUMNS`, then the io slot that each of `Plan.channels`
-    delivers to on the receiving rank. The table is the one part of the
-    program that grows with the microbatches, so it comes in the narrowest
-    integer type that holds it (int8 up to 128 microbatches, then int16).
-    """
+def _table(plan: Plan) -> np.ndarray:
+    """`Plan.table`: the integer table the program scans over."""
     S = plan.schedule.num_stages
     R = plan.num_ranks
     owner = plan.stage_to_rank

@@ -102,7 +102,33 @@ def _load_file_function(spec: str) -> ScheduleFn:
     return fn
 
 
+_RENAMED = {"ranks": "num_ranks", "microbatches": "num_microbatches", "chunks": "num_chunks"}
+
+
+def _check_options(name: str, params, options: dict) -> None:
+    """Refuses options the schedule function does not take, naming those it does."""
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    accepted = [p.name for p in positional[2:]] + [
+        p.name for p in params.values() if p.kind is p.KEYWORD_ONLY
+    ]
+    unknown = [key for key in options if key not in accepted]
+    if not unknown:
+        return
+    hints = [f"{_RENAMED[k]}= for {k}=" for k in unknown if k in _RENAMED]
+    takes = ", ".join(a for a in accepted if a != "num_chunks") or "none"
+    raise ValueError(
+        f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+        f"{takes}" + (f" (use {'; '.join(hints)})" if hints else "")
+    )
+
+
 def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, options):
+    params = inspect.signature(fn).parameters
+    _check_options(name, params, options)  # first: a misspelt num_ranks is an unknown option
     if num_ranks is None or num_microbatches is None:
         raise ValueError(
             f"schedule {name!r} is a function: give the number of ranks and microbatches"
@@ -115,7 +141,6 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
         if not ok:
             raise ValueError(f"the number of {what} must be a positive integer, got {value!r}")
     num_ranks, num_microbatches = operator.index(num_ranks), operator.index(num_microbatches)
-    params = inspect.signature(fn).parameters
     kwargs = dict(options)
     if num_chunks is not None:
         if "num_chunks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -162,6 +187,10 @@ def get_schedule(
         return spec
     spec = str(spec)
     if spec.lower().endswith(".csv"):
+        if options:
+            raise ValueError(
+                f"schedule file {spec!r} takes no options, got {', '.join(map(repr, options))}"
+            )
         if not os.path.isfile(spec):
             raise ValueError(f"schedule file {spec!r} does not exist")
         schedule = Schedule.from_csv(spec)

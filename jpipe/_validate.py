@@ -95,9 +95,25 @@ def analyze(
     num_microbatches: int | None = None,
     max_live: int | Sequence[int] | None = None,
 ) -> Analysis:
-    """Like `validate`, but returns what it learned (see `Analysis`)."""
+    """Like `validate`, but returns what it learned (see `Analysis`).
+
+    The analysis of a schedule on its own (no bound given) is done once and
+    kept on the schedule, which is immutable: the passes after validation (the
+    simulator, the plans, the pipeline) are handed it instead of redoing it.
+    """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"expected a jpipe.Schedule, got {type(schedule).__name__}")
+    if num_stages is None and num_microbatches is None and max_live is None:
+        cached = schedule.__dict__.get("_analysis")
+        if cached is None:
+            cached = _analyze(schedule, None, None, None)
+            object.__setattr__(schedule, "_analysis", cached)  # frozen, but not a field
+        return cached
+    return _analyze(schedule, num_stages, num_microbatches, max_live)
+
+
+def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Analysis:
+    """The dependency analysis: indices, dependencies, deadlocks, liveness."""
     rows = [schedule.actions(r) for r in range(schedule.num_ranks)]
     # Position in the rank's row as written (an Overlap cell is one position).
     cell_pos = []

@@ -31,10 +31,31 @@ def main(argv=None) -> int:
         prog="python -m jpipe.check", description=__doc__.split("\n")[0]
     )
     parser.add_argument("spec", help="a schedule name, a .csv file, or path/to/file.py:function")
-    parser.add_argument("-r", "--ranks", type=int, default=None, help="pipeline ranks (R)")
-    parser.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches (M)")
     parser.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (V); default: the schedule's own"
+        "-r",
+        "--ranks",
+        "--num_ranks",
+        dest="ranks",
+        type=int,
+        default=None,
+        help="pipeline ranks (R)",
+    )
+    parser.add_argument(
+        "-m",
+        "--microbatches",
+        "--num_microbatches",
+        dest="microbatches",
+        type=int,
+        default=None,
+        help="microbatches (M)",
+    )
+    parser.add_argument(
+        "--chunks",
+        "--num_chunks",
+        dest="chunks",
+        type=int,
+        default=None,
+        help="stages per rank (V); default: the schedule's own",
     )
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
     parser.add_argument(

@@ -59,10 +59,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "spec", metavar="SPEC", help="a schedule name, a .csv file, or file.py:function"
     )
-    parser.add_argument("-r", "--ranks", type=_positive_int, help="number of ranks R")
-    parser.add_argument("-m", "--microbatches", type=_positive_int, help="number of microbatches M")
+    parser.add_argument(
+        "-r", "--ranks", "--num_ranks", dest="ranks", type=_positive_int, help="number of ranks R"
+    )
+    parser.add_argument(
+        "-m",
+        "--microbatches",
+        "--num_microbatches",
+        dest="microbatches",
+        type=_positive_int,
+        help="number of microbatches M",
+    )
     parser.add_argument(
         "--chunks",
+        "--num_chunks",
+        dest="chunks",
         type=_positive_int,
         default=None,
         help="chunks (stages) per rank V; default: the schedule's own",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jpipe._devices import use_cpu_devices
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
 from jpipe._validate import analyze
@@ -28,25 +29,16 @@ def ensure_cpu_devices(count: int) -> None:
     """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
     import jax
 
-    # Several processes: each has the devices it was started with; the count is global.
-    if not jax.distributed.is_initialized() and jax.config.jax_num_cpu_devices < count:
-        try:
-            jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:
-            pass  # the backend has started: use what it has
-    have = len(jax.devices("cpu"))
-    if have < count and jax.process_count() > 1:
-        raise RuntimeError(
-            f"this check needs {count} CPU devices but the {jax.process_count()} processes "
-            f"have {have} together: start them with more (jpipe.launch --cpu_devices)"
-        )
-    if have < count:
-        raise RuntimeError(
-            f"this check needs {count} CPU devices but JAX has {have}. JAX fixes the count "
-            "when it starts: call jax.config.update('jax_num_cpu_devices', "
-            f"{count}) (or set XLA_FLAGS=--xla_force_host_platform_device_count={count}) "
-            "before any JAX work, e.g. at the top of your conftest.py"
-        )
+    if jax.distributed.is_initialized():
+        # Several processes: each has the devices it was started with; the count is global.
+        have = len(jax.devices("cpu"))
+        if have < count:
+            raise RuntimeError(
+                f"this check needs {count} CPU devices but the {jax.process_count()} processes "
+                f"have {have} together: start them with more (jpipe.launch --cpu_devices)"
+            )
+        return
+    use_cpu_devices(count, required=True)
 
 
 # -- the built-in model --------------------------------------------------------

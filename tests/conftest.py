@@ -4,6 +4,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
+import jpipe  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+jpipe.use_cpu_devices(8)

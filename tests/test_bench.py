@@ -16,11 +16,13 @@ import jax
 import numpy as np
 import pytest
 
+import jpipe
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `bench` lives beside `jpipe`, not in the installed package
 
 from bench.baselines import lockstep, spmd_pipeline  # noqa: E402
-from bench.workloads import get_workload, sequential_loss  # noqa: E402
+from bench.workloads import get_workload  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
@@ -33,7 +35,7 @@ def test_peer_matches_the_unpipelined_model(num_microbatches, repeats):
     stage_fns, params = workload.stages(R * repeats)
     batch = workload.batch(num_microbatches)
     want_loss, want_grads = jax.jit(
-        jax.value_and_grad(lambda p, b: sequential_loss(stage_fns, p, b))
+        jax.value_and_grad(lambda p, b: jpipe.run_stages(stage_fns, p, b))
     )(params, batch)
 
     peer = spmd_pipeline(workload, num_microbatches, jax.devices()[:R], repeats=repeats)

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 import jpipe
-from jpipe import Costs, Overlap, Schedule, get_schedule, simulate, validate
+from jpipe import Costs, Overlap, Schedule, get_schedule, simulate, testing, validate
 
 NAMES = (
     "gpipe",
@@ -254,3 +254,19 @@ def test_1f1b_at_scale_validates_and_simulates_within_a_second():
     assert min(times) < 1.0, (
         f"simulate took {', '.join(f'{t:.2f}' for t in times)} s for 64 ranks x 1024 microbatches"
     )
+
+
+def test_unknown_options_are_refused_by_name():
+    # As a new user would write it: the API's names are num_ranks and num_microbatches.
+    with pytest.raises(ValueError, match=r"takes no option 'ranks', 'microbatches'.*num_ranks="):
+        jpipe.get_schedule("1f1b", ranks=4, microbatches=6)
+    with pytest.raises(ValueError, match=r"takes no option 'warmpu'; its options: warmup"):
+        jpipe.get_schedule("tests_warmup_option", 2, 4, warmpu=1)
+    assert jpipe.get_schedule("tests_warmup_option", 2, 4, warmup=1).num_ranks == 2
+    with pytest.raises(ValueError, match="takes no option"):
+        testing.check_schedule("1f1b", ranks=4, microbatches=6)
+
+
+@jpipe.register_schedule("tests_warmup_option")
+def _with_an_option(num_ranks, num_microbatches, warmup=0):
+    return jpipe.get_schedule("1f1b", num_ranks, num_microbatches)

@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 
 import jpipe
-from jpipe import testing
-from jpipe._pipeline import Pipeline, make_mesh
-from jpipe._stage import StageKernels
+from jpipe import Pipeline, StageKernels, make_mesh, testing
 
 RTOL = 1e-5  # float32; see jpipe.testing.CheckResult for how it is measured
 
-PYTORCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "pytorch-schedules"
+PYTORCH = Path(__file__).resolve().parent / "data" / "pytorch-schedules"
 
 # (schedule, ranks, microbatches, chunks): fewer microbatches than ranks,
 # not divisible by the ranks, and divisible, for 2 and 4 ranks.
@@ -80,8 +78,6 @@ def test_pipe_by_data_mesh(name, microbatches, chunks):
 @pytest.mark.parametrize("filename", ["zb1p_2rank_2stagep_compute.csv", "dualpipev_4rank_10mb.csv"])
 def test_pytorch_schedule_files(filename):
     path = PYTORCH / filename
-    if not path.exists():
-        pytest.skip(f"{path} is not here (it comes from the shared data folder)")
     result = testing.check_schedule(str(path))
     assert result.passed, result
 
@@ -222,11 +218,12 @@ def _dense_block(params, x, inputs):
     "wrap", [lambda f: f, jax.jit, jax.checkpoint], ids=["plain", "jit", "remat"]
 )
 def test_input_and_weight_gradients_are_really_split(wrap):
-    from jpipe._stage import StageKernels
 
     params = {"w1": np.ones((16, 64), np.float32), "w2": np.ones((64, 16), np.float32)}
     x = np.ones((4, 16), np.float32)
-    kernels = StageKernels(wrap(_dense_block), params, x, {"bias": np.ones((4, 16), np.float32)})
+    kernels = StageKernels.trace(
+        wrap(_dense_block), params, x, {"bias": np.ones((4, 16), np.float32)}
+    )
     carried = sum(int(np.prod(a.shape)) for a in kernels.carry_avals)
     weights = sum(a.size for a in params.values())
     # W gets the activations and cotangents it needs, never a finished weight
@@ -306,7 +303,7 @@ def test_i_runs_the_backward_chain_and_w_the_weight_products(first):
     params = {n: jax.ShapeDtypeStruct((8, 8), f32) for n in ("w1", "w2")}
     act = jax.ShapeDtypeStruct((4, 8), f32)
     inputs = {"x": act}
-    k = StageKernels(stage, params, None if first else act, inputs)
+    k = StageKernels.trace(stage, params, None if first else act, inputs)
     g = [act]
     i_dots = _dots(k.input_grad, params, inputs, k.res_avals, g)
     carry = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in k.carry_avals]
@@ -319,3 +316,23 @@ def test_more_microbatches_than_an_int8_table_holds():
     # up to microbatch 127, int16 beyond. 130 microbatches take the int16 path.
     result = testing.check_schedule("1f1b", 2, 130, rows_per_microbatch=1)
     assert result.passed, result
+
+
+def test_packed_shapes_compile_like_packed_arrays():
+    # A model too big for the machine is compiled from shapes: they must be
+    # exactly what `pack` would place, so the compiled program is the same.
+    stages, params, make_batch = testing.small_model(4)
+    schedule = jpipe.get_schedule("1f1b", 4, 4)
+    pipe = Pipeline(stages, schedule, make_mesh(4))
+    shapes = pipe.packed_shapes(jax.eval_shape(lambda: params))
+    packed = pipe.pack(params)
+    assert shapes.keys() == packed.keys()
+    for name, array in packed.items():
+        assert (shapes[name].shape, shapes[name].dtype) == (array.shape, array.dtype)
+        assert shapes[name].sharding == array.sharding
+    batch = jax.device_put(make_batch(8), pipe.batch_sharding)
+    step = jax.jit(pipe.step_fn(batch))
+    from_shapes = step.lower(shapes, batch).compile().memory_analysis()
+    from_arrays = step.lower(packed, batch).compile().memory_analysis()
+    assert from_shapes.temp_size_in_bytes == from_arrays.temp_size_in_bytes
+    assert from_shapes.argument_size_in_bytes == from_arrays.argument_size_in_bytes

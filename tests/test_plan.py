@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from test_compiler_properties import random_schedule
 
 import jpipe
-from jpipe._plan import COLUMNS, make_forward_plan, make_plan, table
 
 LAYOUTS = ("unit", "packed")
 BUILTINS = [
@@ -34,12 +33,12 @@ BUILTINS = [
 
 
 def replay(plan) -> int:
-    """Replays `table(plan)`; returns the number of pieces run. Fails on a wrong read."""
+    """Replays `plan.table()`; returns the number of pieces run. Fails on a wrong read."""
     S = plan.schedule.num_stages
     R = plan.num_ranks
     owner = plan.stage_to_rank
-    tab = table(plan)
-    col = {name: i for i, name in enumerate(COLUMNS)}
+    tab = plan.table()
+    col = {name: i for i, name in enumerate(jpipe.Plan.COLUMNS)}
     spare = {"io": plan.num_io, "res": plan.num_res, "carry": plan.num_carry}
     state = [{arena: {} for arena in spare} for _ in range(R)]
     ran = 0
@@ -94,7 +93,7 @@ def replay(plan) -> int:
                     for k, v in outputs[sender].items()
                     if (kind is None or k == kind) and owner[v[1]] == r
                 ]
-                slot = tab[t, r, len(COLUMNS) + c]
+                slot = tab[t, r, len(jpipe.Plan.COLUMNS) + c]
                 if slot != spare["io"]:
                     assert len(sent) == 1, (t, r, kind, d, sent)
                     write(r, "io", slot, sent[0])
@@ -102,7 +101,7 @@ def replay(plan) -> int:
 
 
 def check_plan(schedule, layout):
-    plan = make_plan(schedule, layout)
+    plan = jpipe.make_plan(schedule, layout)
     assert plan.layout == layout
     pieces = sum(2 if a.kind == "B" else 1 for _, _, a in schedule.all_actions())
     assert replay(plan) == pieces
@@ -154,7 +153,7 @@ def test_random_plans_replay(seed, ranks, stages, microbatches, layout):
 
 def test_forward_plan_replays_and_keeps_nothing():
     schedule = jpipe.get_schedule("zbv", 4, 8, 2)
-    plan = make_forward_plan(schedule)
+    plan = jpipe.make_plan(schedule, forward_only=True)
     assert replay(plan) == sum(a.kind == "F" for _, _, a in schedule.all_actions())
     assert plan.num_res == 0
     assert all(len(pieces) <= 1 for row in plan.ticks for pieces in row)
@@ -170,26 +169,26 @@ def test_auto_takes_packed_only_where_it_is_no_slower():
         ("1f1b", 1, "unit"),
     ]:
         schedule = jpipe.get_schedule(name, 4, 16, chunks)
-        unit, packed = make_plan(schedule, "unit"), make_plan(schedule, "packed")
-        auto = make_plan(schedule)
+        unit, packed = jpipe.make_plan(schedule, "unit"), jpipe.make_plan(schedule, "packed")
+        auto = jpipe.make_plan(schedule)
         assert auto.layout == want, name
         assert auto.predicted_time() == min(unit.predicted_time(), packed.predicted_time())
         if want == "packed":
             assert packed.num_ticks < unit.num_ticks
-    assert make_plan(jpipe.get_schedule("1f1b", 4, 16), "packed").predicted_time() > 57
+    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 16), "packed").predicted_time() > 57
 
 
 def test_unknown_layout_is_refused():
     with pytest.raises(
         ValueError, match="unknown tick layout 'fast': use one of auto, unit, packed"
     ):
-        make_plan(jpipe.get_schedule("1f1b", 2, 2), "fast")
+        jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 2), "fast")
 
 
 def test_replay_catches_values_that_share_a_slot():
     # The replay is the check above: squeezing 1F1B's residuals into one slot
     # must make some backward read another microbatch's residuals.
-    plan = make_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
+    plan = jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
     assert plan.num_res > 1
     squeezed = dict(plan.slot)
     squeezed.update({key: 0 for key in plan.slot if key[0] == "res"})
@@ -200,5 +199,5 @@ def test_replay_catches_values_that_share_a_slot():
 
 def test_the_table_is_as_narrow_as_it_can_be():
     # It is the one part of the program that grows with M.
-    assert table(make_plan(jpipe.get_schedule("1f1b", 2, 128))).dtype == np.int8
-    assert table(make_plan(jpipe.get_schedule("1f1b", 2, 129))).dtype == np.int16
+    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 128)).table().dtype == np.int8
+    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 129)).table().dtype == np.int16

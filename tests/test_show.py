@@ -12,7 +12,7 @@ import jpipe
 from jpipe import B, F, I, Schedule, W
 from jpipe.show import chrome_trace, draw_gantt, main, text_chart
 
-PYTORCH_SCHEDULES = Path(__file__).parents[2] / "shared" / "data" / "pytorch-schedules"
+PYTORCH_SCHEDULES = Path(__file__).parent / "data" / "pytorch-schedules"
 
 
 def _gpipe(num_ranks, num_microbatches):
@@ -137,8 +137,6 @@ def test_files_are_written(capsys, tmp_path):
 
 def test_pytorch_file_with_overlaps(capsys, tmp_path):
     path = PYTORCH_SCHEDULES / "dualpipev_4rank_10mb.csv"
-    if not path.is_file():
-        pytest.skip(f"PyTorch's schedule files are not at {PYTORCH_SCHEDULES}")
     assert main([str(path), "--png", str(tmp_path / "d.png")]) == 0
     out, _ = capsys.readouterr()
     assert "not to scale" in out and "\nr0 s0,7  " in out
@@ -293,3 +291,10 @@ def test_draw_gantt_rejects_other_formats(tmp_path):
     sim = jpipe.simulate(Schedule.of([[F(0, 0), B(0, 0)]]))
     with pytest.raises(ValueError, match=r"use \.svg or \.png"):
         draw_gantt(sim, tmp_path / "chart.pdf")
+
+
+def test_the_api_names_work_as_flags(capsys):
+    # num_ranks / num_microbatches, as in jpipe.get_schedule, are accepted too.
+    assert main(["1f1b", "--num_ranks", "2", "--num_microbatches", "3", "--json"]) == 0
+    out, _ = capsys.readouterr()
+    assert json.loads(out)["ranks"] == 2

@@ -424,3 +424,28 @@ def test_tensorboard_gets_the_same_numbers(reference):
         for key in ("loss", "eval_loss"):
             if key in record:
                 assert seen[(key, record["step"])] == pytest.approx(record[key], rel=1e-6)
+
+
+def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
+    # Every pass after validation (the simulator, the training and forward
+    # plans, the pipeline) must be handed the dependency analysis, not redo
+    # it: count the analyses of a whole run (start, steps, evaluation) by the
+    # function that does the work, and the schedules they were of.
+    analysed = []
+
+    def watch(frame, event, arg):
+        code = frame.f_code
+        if (
+            event == "call"
+            and code.co_name == "_analyze"
+            and code.co_filename.endswith(os.path.join("jpipe", "_validate.py"))
+        ):
+            analysed.append(id(frame.f_locals["schedule"]))
+
+    sys.setprofile(watch)
+    try:
+        trainer.train(tiny_config(steps=1), str(tmp_path / "run"), progress=False)
+    finally:
+        sys.setprofile(None)
+    assert analysed, "the watch saw no analysis: has the validator's function been renamed?"
+    assert len(analysed) == len(set(analysed)) == 1, analysed

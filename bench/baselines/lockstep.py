@@ -1,7 +1,7 @@
 """Diagnostics: the work of a pipeline with no pipeline, and lock-step alone.
 
 Each of R devices runs one stage's pieces (the same F, I and W kernels jpipe
-runs, from `jpipe._stage.StageKernels`) for every microbatch, on its own
+runs, from `jpipe.StageKernels`) for every microbatch, on its own
 copy of a middle stage's parameters; no activation travels between devices.
 Three variants:
 
@@ -33,9 +33,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jpipe
 from bench.baselines.unpipelined import Program
 from bench.workloads import Workload
-from jpipe._stage import StageKernels
 
 VARIANTS = ("free", "in phase", "rotated")
 
@@ -78,7 +78,7 @@ def middle_stage_kernels(workload: Workload, model, num_microbatches: int):
     batch = workload.batch(num_microbatches)
     one = jax.tree.map(lambda a: a[: a.shape[0] // num_microbatches], batch)
     x = jax.eval_shape(lambda p, i: stage_fns[0](p, None, i), params_list[0], one)
-    return StageKernels(stage_fns[1], params_list[1], x, one)
+    return jpipe.StageKernels.trace(stage_fns[1], params_list[1], x, one)
 
 
 def microbatch_inputs(workload: Workload, model, num_microbatches: int, num_ranks: int):

@@ -71,31 +71,23 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"accepted: pipe * data <= {len(devices)}{cpu_hint}"
         )
 
-    if c.schedule.lower().endswith(".csv") and os.path.isfile(c.schedule):
-        # A file fixes its ranks and microbatches: name the field to change.
-        from_file = jpipe.get_schedule(c.schedule)
-        for field, value, needed in (
-            ("mesh.pipe", R, from_file.num_ranks),
-            ("num_microbatches", M, from_file.num_microbatches),
-        ):
-            if value != needed:
-                raise config_error(
-                    field,
-                    value,
-                    f"the schedule file {c.schedule} has {needed}; accepted: {field}={needed}",
-                )
     setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
+    from_file = c.schedule.lower().endswith(".csv") and os.path.isfile(c.schedule)
     try:
-        schedule = jpipe.get_schedule(c.schedule, R, M, V or None)
+        # A file fixes its own ranks and microbatches: read them, then name the field to change.
+        schedule = jpipe.get_schedule(c.schedule, *(() if from_file else (R, M, V or None)))
     except ValueError as e:
         raise config_error("schedule", c.schedule, f"{e} ({setting})") from None
-    if schedule.num_ranks != R or schedule.num_microbatches != M:
-        raise config_error(
-            "schedule",
-            c.schedule,
-            f"has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches; "
-            f"set mesh.pipe={schedule.num_ranks} and num_microbatches={schedule.num_microbatches}",
-        )
+    for field, value, needed in (
+        ("mesh.pipe", R, schedule.num_ranks),
+        ("num_microbatches", M, schedule.num_microbatches),
+    ):
+        if value != needed:
+            raise config_error(
+                field,
+                value,
+                f"the schedule {c.schedule} has {needed}; accepted: {field}={needed}",
+            )
     try:
         jpipe.validate(schedule)
     except ValueError as e:

@@ -13,9 +13,9 @@ import time
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 import jpipe
+from jpipe._stage import stage_pieces
 from jpipe.train.metrics import say
 
 
@@ -54,29 +54,19 @@ def measure_stages(
       microbatch: one microbatch as one device sees it (host arrays).
       reps: timed runs per piece, after one warm-up.
     """
-    params_list = pipeline.unpack(params)
-    kernels = pipeline.stage_kernels(batch)
     stage_to_rank = pipeline.plan.stage_to_rank
-    M = pipeline.num_microbatches
-    F, I, W = [], [], []
-    x = None
-    for s, k in enumerate(kernels):
-        device = pipeline.mesh.devices[stage_to_rank[s], 0]
-        p = jax.device_put(params_list[s], device)
-        inputs = jax.device_put(microbatch, device)
-        x = None if x is None else jax.device_put(x, device)
-        forward = jax.jit(k.forward)
-        F.append(_median_seconds(forward, p, x, inputs, reps=reps))
-        y, res = forward(p, x, inputs)
-        if s == len(kernels) - 1:
-            g = [jnp.full((), 1.0 / M, y[0].dtype)]
-        else:
-            g = [jnp.ones_like(leaf) for leaf in y]
-        input_grad = jax.jit(k.input_grad)
-        I.append(_median_seconds(input_grad, p, inputs, res, g, reps=reps))
-        _, carry = input_grad(p, inputs, res, g)
-        W.append(_median_seconds(jax.jit(k.weight_grad), p, inputs, res, carry, reps=reps))
-        x = jax.tree.unflatten(k.y_tree, y)
+    devices = [pipeline.mesh.devices[stage_to_rank[s], 0] for s in range(len(stage_to_rank))]
+    pieces = stage_pieces(
+        pipeline.stage_kernels(batch),
+        pipeline.unpack(params),
+        microbatch,
+        devices,
+        pipeline.num_microbatches,
+    )
+    F, I, W = (
+        [_median_seconds(piece[kind][0], *piece[kind][1], reps=reps) for piece in pieces]
+        for kind in ("F", "I", "W")
+    )
     B = tuple(i + w for i, w in zip(I, W))
     return StageTimes(tuple(F), tuple(I), tuple(W), B)
 
