@@ -155,10 +155,11 @@ def _measure(args) -> dict:
 
 
 def _child(args) -> int:
-    from jpipe._distributed import initialize
-
-    initialize()
     import jax
+
+    import jpipe
+
+    jpipe.initialize_distributed()
 
     result = _measure(args)
     if jax.process_index() == 0:
@@ -171,14 +172,14 @@ def _child(args) -> int:
 
 
 def _launch(args, role: str, n: int, result: str) -> dict:
-    from jpipe._launch import launch
+    import jpipe
 
     command = [
         "-m", "bench.multiprocess", "--role", role, "--result", result,
         "--model", args.model, "--microbatches", str(args.microbatches), "--reps", str(args.reps),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    status = launch(command, n, cpu_devices=1, one_thread=True, env=env)
+    status = jpipe.launch_local(command, n, cpu_devices=1, one_thread=True, env=env)
     if status:
         raise SystemExit(f"error: the {role} phase failed with status {status}")
     with open(result) as f:

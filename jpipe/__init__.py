@@ -11,6 +11,8 @@ microbatch size, L sequence length, D model width.
 """
 
 from jpipe._devices import describe_devices, use_cpu_devices
+from jpipe._distributed import initialize as initialize_distributed
+from jpipe._launch import launch as launch_local
 from jpipe._pipeline import (
     Pipeline,
     make_mesh,
@@ -44,6 +46,8 @@ __all__ = [
     "W",
     "describe_devices",
     "get_schedule",
+    "initialize_distributed",
+    "launch_local",
     "make_mesh",
     "make_plan",
     "microbatches",

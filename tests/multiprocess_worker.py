@@ -3,7 +3,7 @@
     python tests/multiprocess_worker.py MODE
 
 Run under `jpipe.launch` (or with the same environment): it joins the others
-with `jpipe._distributed.initialize` and then, by MODE:
+with `jpipe.initialize_distributed` and then, by MODE:
 
 * ``pipeline``: the checker's CLI with pipe 4 over all processes, then a
   host-aware mesh and `Pipeline.pack` (from only this process's stages) /
@@ -23,13 +23,14 @@ def _pipeline() -> dict:
 
     import jpipe
     from jpipe import check, testing
-    from jpipe._pipeline import make_mesh
 
     out = {"check": check.main(["1f1b", "--ranks", "4", "-m", "8"])}
     me = jax.process_index()
-    mesh = make_mesh(2, 2, across_hosts={"pipe": 2})
+    mesh = jpipe.make_mesh(2, 2, across_hosts={"pipe": 2})
     out["pipe_processes"] = [sorted({d.process_index for d in row}) for row in mesh.devices]
-    mesh4 = make_mesh(4, 1)
+    mesh = jpipe.make_mesh(2, 2, across_hosts={"data": 2})
+    out["data_processes"] = [sorted({d.process_index for d in row}) for row in mesh.devices]
+    mesh4 = jpipe.make_mesh(4, 1)
     out["pipe4_processes"] = [d.process_index for d in mesh4.devices[:, 0]]
 
     stages, params, _ = testing.small_model(4, seed=3)
@@ -54,10 +55,11 @@ def _pipeline() -> dict:
 
 
 def main(mode: str) -> int:
-    from jpipe._distributed import initialize
-
-    initialize()
     import jax
+
+    import jpipe
+
+    jpipe.initialize_distributed()
 
     if mode == "pipeline":
         print("RESULT " + json.dumps(_pipeline()), flush=True)

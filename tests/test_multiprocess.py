@@ -9,15 +9,14 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 
-from jpipe._launch import child_env, free_port, launch
-from jpipe._pipeline import _host_grid
+import jpipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
@@ -26,11 +25,32 @@ ENV.pop("XLA_FLAGS", None)  # conftest's 8 devices are for this process only
 ENV.pop("JAX_NUM_CPU_DEVICES", None)
 
 
-def _run(command, n=2, cpu_devices=2):
+def _run(command, n=2, cpu_devices=2, env=ENV):
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
-    status = launch(command, n, cpu_devices=cpu_devices, env=ENV, stdout=out, stderr=err)
+    status = jpipe.launch_local(
+        command, n, cpu_devices=cpu_devices, env=env, stdout=out, stderr=err
+    )
     return status, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def _child_env(process_id: int, address: str, base: dict) -> dict:
+    """What a multi-host job gives process `process_id` of 2 (docs/multihost.md), 2 CPU devices."""
+    return dict(
+        base,
+        JAX_COORDINATOR_ADDRESS=address,
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID=str(process_id),
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="2",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
@@ -50,43 +70,33 @@ def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
 
 
 def test_initialize_is_a_no_op_alone_and_names_missing_or_bad_settings(monkeypatch):
-    from jpipe import _distributed
-
     for name in list(os.environ):
         if name.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_")):
             monkeypatch.delenv(name)
         if name.startswith(("OMPI_", "KUBERNETES_")):
             monkeypatch.delenv(name)
-    assert _distributed.initialize() is False  # nothing given, no cluster: one process
-    assert _distributed.initialize(num_processes=1) is False
+    assert jpipe.initialize_distributed() is False  # nothing given, no cluster: one process
+    assert jpipe.initialize_distributed(num_processes=1) is False
     with pytest.raises(ValueError, match=r"--coordinator_address, --process_id not given"):
-        _distributed.initialize(num_processes=2)
+        jpipe.initialize_distributed(num_processes=2)
     with pytest.raises(ValueError, match=r"--process_id must be in \[0, 2\).*got 2"):
-        _distributed.initialize("127.0.0.1:1", 2, 2)
+        jpipe.initialize_distributed("127.0.0.1:1", 2, 2)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES='two' is not an integer"):
-        _distributed.initialize()
+        jpipe.initialize_distributed()
 
 
-def test_host_grid_keeps_a_hosts_devices_together():
-    # Two hosts of four devices, listed out of order: stand-ins carry what the grid reads.
-    devs = [
-        types.SimpleNamespace(process_index=p, id=100 * p + k) for p in (1, 0) for k in range(4)
-    ]
-    ids = lambda grid: [[d.id for d in row] for row in grid]  # noqa: E731
-    # pipe across the hosts, data within: each pipe rank's data group is on one host.
-    grid = _host_grid(devs, {"pipe": 2, "data": 4}, {"pipe": 2})
-    assert ids(grid) == [[0, 1, 2, 3], [100, 101, 102, 103]]
-    # pipe 4 = 2 hosts x 2: neighbours 0-1 and 2-3 share a host, one hop crosses.
-    grid = _host_grid(devs, {"pipe": 4, "data": 2}, {"pipe": 2})
-    assert ids(grid) == [[0, 1], [2, 3], [100, 101], [102, 103]]
-    # data across the hosts: every pipe rank has one device on each host.
-    grid = _host_grid(devs, {"pipe": 4, "data": 2}, {"data": 2})
-    assert ids(grid) == [[0, 100], [1, 101], [2, 102], [3, 103]]
-    with pytest.raises(ValueError, match=r"2 hosts with 4 devices each"):
-        _host_grid(devs, {"pipe": 4, "data": 2}, {"pipe": 4})
+def test_make_mesh_refuses_host_sizes_the_devices_do_not_have():
+    # One process (conftest's 8 devices): one host. The layouts across 2
+    # processes are checked in test_checker_pack_and_unpack_across_two_processes.
+    with pytest.raises(ValueError, match=r"but there are 1 hosts with 8 devices each"):
+        jpipe.make_mesh(4, 2, across_hosts={"pipe": 2})
     with pytest.raises(ValueError, match=r"'data' axis of size 1 cannot span 2 hosts"):
-        _host_grid(devs, {"pipe": 8, "data": 1}, {"data": 2})
+        jpipe.make_mesh(8, 1, across_hosts={"data": 2})
+    with pytest.raises(ValueError, match=r"names \['tensor'\], which are not mesh axes"):
+        jpipe.make_mesh(8, 1, across_hosts={"tensor": 1})
+    mesh = jpipe.make_mesh(4, 2, across_hosts={"pipe": 1})
+    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_mesh_hosts_in_the_config_are_checked(tmp_path):
@@ -115,6 +125,7 @@ def test_checker_pack_and_unpack_across_two_processes():
     for r in results:
         assert r["check"] == 0  # python -m jpipe.check 1f1b --ranks 4 passed on both
         assert r["pipe_processes"] == [[0], [1]]  # pipe across the hosts, data within
+        assert r["data_processes"] == [[0, 1], [0, 1]]  # data across, pipe within
         assert r["pipe4_processes"] == [0, 0, 1, 1]
         assert r["unpack_equal"]  # packed from this process's stages only, unpacked whole
         assert r["local_rows"] == ([0, 1] if r["process"] == 0 else [2, 3])
@@ -222,11 +233,10 @@ def two_processes(tmp_path_factory, cache_env):
     def run(pipe, data):
         if (pipe, data) not in runs:
             workdir = tmp_path_factory.mktemp(f"two_{pipe}x{data}")
-            out, err = io.StringIO(), io.StringIO()
             command = [os.path.join(ROOT, "train.py")] + _flags(workdir, pipe, data)
-            status = launch(command, 2, cpu_devices=2, env=cache_env, stdout=out, stderr=err)
-            assert status == 0, err.getvalue()[-3000:]
-            assert "in 2 processes" in out.getvalue()
+            status, out, err, _ = _run(command, env=cache_env)
+            assert status == 0, err[-3000:]
+            assert "in 2 processes" in out
             runs[(pipe, data)] = _metrics(workdir)
         return runs[(pipe, data)]
 
@@ -259,12 +269,12 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_
     """
     workdir = tmp_path / "run"
     command = [sys.executable, os.path.join(ROOT, "train.py")] + _flags(workdir, 2, 2)
-    address = f"127.0.0.1:{free_port()}"
+    address = _free_address()
     logs = [open(tmp_path / f"stderr{i}", "w+") for i in range(2)]
     procs = [
         subprocess.Popen(
             command,
-            env=child_env(i, 2, address, cpu_devices=2, base=cache_env),
+            env=_child_env(i, address, cache_env),
             stdout=subprocess.DEVNULL,
             stderr=logs[i],
         )
@@ -294,9 +304,8 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_
     done = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
     assert done and done[-1] < TINY["steps"], f"checkpoints {done}: the kill came too late"
 
-    out, err = io.StringIO(), io.StringIO()
-    status = launch(command[1:], 2, cpu_devices=2, env=cache_env, stdout=out, stderr=err)
-    assert status == 0, err.getvalue()[-3000:]
-    assert "in 2 processes" in out.getvalue()
-    assert f"resuming from the checkpoint of step {done[-1]}" in out.getvalue()
+    status, out, err, _ = _run(command[1:], env=cache_env)
+    assert status == 0, err[-3000:]
+    assert "in 2 processes" in out
+    assert f"resuming from the checkpoint of step {done[-1]}" in out
     assert _metrics(workdir) == one_process(2, 2)
