@@ -232,15 +232,25 @@ def _excepthook(kind, value, tb) -> None:
     if issubclass(kind, KeyboardInterrupt):
         fail("interrupted", 130)
     text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
-    lost = ""
-    if any(word in str(value) for word in _PEER_LOST_WORDS):
-        # A collective failed because a peer is gone. Say which one.
-        gone = lost_processes()
-        if gone:
-            lost = f"\nlost: process {', '.join(map(str, gone))} (no longer reachable)"
-        elif gone is None:
-            lost = "\nlost: the coordinator (process 0) or the connection to it"
-    fail(f"stopping after an uncaught exception:\n{text}{lost}")
+    if not any(word in str(value) for word in _PEER_LOST_WORDS):
+        fail(f"stopping after an uncaught exception:\n{text}")
+    # A collective failed because a peer is gone: print what failed now, then
+    # ask which peer. JAX's own heartbeat check may abort this process first,
+    # with "The following tasks are unhealthy (stopped sending heartbeats):"
+    # and the lost process's index; either way the message names it.
+    print(
+        f"[{process_label()}] stopping after an uncaught exception:\n{text}\n"
+        f"[{process_label()}] a collective failed; asking which process is lost "
+        f"(up to {_heartbeat_seconds + 5} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    gone = lost_processes()
+    if gone:
+        fail(f"lost: process {', '.join(map(str, gone))} (no longer reachable)")
+    if gone is None:
+        fail("lost: the coordinator (process 0) or the connection to it")
+    fail("every process still answers; the collective failed for another reason")
 
 
 def install_exit_on_error() -> None:

@@ -300,7 +300,8 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_
     err = logs[0].read()
     assert status != 0
     assert seconds < 60
-    assert "lost: process 1" in err, err[-3000:]
+    # Named by jpipe's exception hook, or by JAX's heartbeat check when it aborts first.
+    assert "lost: process 1" in err or "(stopped sending heartbeats):\n1\n" in err, err[-3000:]
     done = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
     assert done and done[-1] < TINY["steps"], f"checkpoints {done}: the kill came too late"
 
