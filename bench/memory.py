@@ -9,11 +9,11 @@ structs only (`jpipe.Pipeline.packed_shapes`: no array is made) and its
 per-device `memory_analysis()` read. Beside it, what the schedule needs:
 
 - ``need_bytes``: the largest rank's need from the schedule alone, as the
-  compiler's own pieces size it: at the simulator's peak, the residuals and
-  I-to-W carries that rank holds live at their real sizes (each stage's
-  `jpipe.StageKernels` residual and carry bytes, the live values counted by
-  `jpipe.simulate`'s timeline), plus one activation in and one out per piece
-  kind, plus its parameters' gradient accumulator.
+  compiler's own pieces size it: the simulator's peak bytes (`jpipe.simulate`
+  with `jpipe.Sizes`: each stage's residual and I-to-W carry bytes from its
+  `jpipe.StageKernels`, live as the rank's list runs, plus the gradient
+  accumulator of its stages), plus one activation in and one out for the
+  piece that runs.
 - ``param_bytes``: parameter bytes per device as packed (each bucket's row
   for every rank), and ``own_param_bytes``: the largest rank's own.
 
@@ -51,68 +51,53 @@ def _bytes(avals) -> int:
 
 
 def live_need(schedule: jpipe.Schedule, kernels, grad_bytes: list[int]) -> list[int]:
-    """Each rank's peak bytes of live residuals and carries, plus its pieces' working set.
+    """Each rank's need: the simulator's peak bytes plus its largest piece's working set.
 
-    A ``(stage, microbatch)``'s residuals live from its F to the end of its W
-    (or B); its carry from its I to its W. The peak is taken over the unit-cost
-    timeline of `jpipe.simulate`.
+    `jpipe.simulate` with `jpipe.Sizes` from the compiled pieces: a stage's
+    residuals (`StageKernels.res_avals`) live from its F to its W, its carry
+    (`carry_avals`) from its I to its W, and its gradient accumulator
+    (`grad_bytes`, as big as its parameters) all step. The working set of a
+    piece is taken as one activation in and one out.
     """
-    sim = jpipe.simulate(schedule)
-    res = [_bytes(k.res_avals) for k in kernels]
-    carry = [_bytes(k.carry_avals) for k in kernels]
+    sizes = jpipe.Sizes(
+        activation=[_bytes(k.res_avals) for k in kernels],
+        carry=[_bytes(k.carry_avals) for k in kernels],
+        params=grad_bytes,
+    )
+    peaks = jpipe.simulate(schedule, sizes=sizes).peak_bytes
     act = [_bytes(jax.tree.leaves(k.y)) for k in kernels]
-    events = []  # (time, +/- bytes, rank)
-    owner = schedule.stage_to_rank
-    started = {}
-    for e in sim.timeline:
-        a = e.action
-        key = (a.stage, a.microbatch)
-        r = owner[a.stage]
-        if a.kind == "F":
-            events.append((e.start, res[a.stage], r))
-            started[key] = e.start
-        elif a.kind == "I":
-            events.append((e.end, carry[a.stage], r))
-        elif a.kind == "W":
-            events.append((e.end, -res[a.stage] - carry[a.stage], r))
-        elif a.kind == "B":
-            events.append((e.end, -res[a.stage], r))
-    peak = [0] * schedule.num_ranks
-    live = [0] * schedule.num_ranks
-    # Frees before allocations at the same instant (a B's end and the next F's start).
-    for _, delta, r in sorted(events, key=lambda t: (t[0], t[1])):
-        live[r] += delta
-        peak[r] = max(peak[r], live[r])
-    need = []
-    for r in range(schedule.num_ranks):
-        stages = [s for s in range(len(kernels)) if owner[s] == r]
-        working = max(2 * act[s] for s in stages) if stages else 0
-        need.append(peak[r] + working + grad_bytes[r])
-    return need
+    return [
+        int(peaks[r]) + max((2 * act[s] for s in schedule.stages_of(r)), default=0)
+        for r in range(schedule.num_ranks)
+    ]
 
 
-def row(num_devices: int, name: str, chunks: int, M: int) -> dict:
+def row(
+    num_devices: int, name: str, chunks: int, M: int, config: gpt.GPTConfig = GPT2_SMALL
+) -> dict:
+    """One compiled point of the table (see the module docstring)."""
     schedule = jpipe.get_schedule(name, num_devices, M, chunks if chunks > 1 else None)
     S = schedule.num_stages
-    model = gpt.make_stages(GPT2_SMALL, models.split_layers(GPT2_SMALL.num_layers, S))
+    model = gpt.make_stages(config, models.split_layers(config.num_layers, S))
     mesh = jpipe.make_mesh(num_devices, 1, jax.devices()[:num_devices])
     pipe = jpipe.Pipeline(model.stages, schedule, mesh)
     params = jax.eval_shape(model.init, jax.random.key(0))
     packed = pipe.packed_shapes(params)
-    L = GPT2_SMALL.seq_len
+    L = config.seq_len
     batch = {
         k: jax.ShapeDtypeStruct((M * MICROBATCH, L), jnp.int32, sharding=pipe.batch_sharding)
         for k in ("tokens", "targets")
     }
     compiled = jax.jit(pipe.step_fn(batch)).lower(packed, batch).compile()
     memory = compiled.memory_analysis()
+    stage_bytes = [_bytes(jax.tree.leaves(p)) for p in params]
     own = [0] * num_devices
-    for s, p in enumerate(params):
-        own[schedule.stage_to_rank[s]] += _bytes(jax.tree.leaves(p))
+    for s, b in enumerate(stage_bytes):
+        own[schedule.stage_to_rank[s]] += b
     param_bytes = sum(
         math.prod(sh) * np.dtype(dt).itemsize for sh, dt in pipe.layout.buckets.values()
     )
-    need = live_need(schedule, pipe.stage_kernels(batch), own)
+    need = live_need(schedule, pipe.stage_kernels(batch), stage_bytes)
     return {
         "schedule": name,
         "chunks": chunks,

@@ -32,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.chunks = 0  # stages per rank V; 0 = the schedule's own (interleaved_1f1b, zbv: 2)
     config.tick_layout = "auto"  # "unit", "packed", or "auto": packed where no slower
     config.layers_per_stage = ""  # blocks per stage, e.g. "3,4,4,3"; "" = balanced
+    # A plan file from `python -m jpipe.plan ... --save FILE`; "" = none. When set, it
+    # sets mesh, layers_per_stage, schedule, chunks, num_microbatches and batch_size.
+    config.plan = ""
 
     # Devices.
     config.mesh = ml_collections.ConfigDict()

@@ -13,6 +13,7 @@ microbatch size, L sequence length, D model width.
 from jpipe._devices import describe_devices, use_cpu_devices
 from jpipe._distributed import initialize as initialize_distributed
 from jpipe._launch import launch as launch_local
+from jpipe._partition import partition as partition_layers
 from jpipe._pipeline import (
     Pipeline,
     make_mesh,
@@ -23,16 +24,22 @@ from jpipe._pipeline import (
 )
 from jpipe._plan import LAYOUTS as TICK_LAYOUTS
 from jpipe._plan import Plan, make_plan
+from jpipe._planner import ClusterPlan, DeviceGroup, read_plan_file
+from jpipe._planner import evaluate as evaluate_plan
+from jpipe._planner import plan as plan_cluster
+from jpipe._profile import load_sailor_profile
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
-from jpipe._simulate import Costs, Simulation, simulate
+from jpipe._simulate import Costs, Simulation, Sizes, simulate
 from jpipe._stage import StageKernels, stage_pieces
 from jpipe._validate import ScheduleError, validate
 
 __all__ = [
     "Action",
     "B",
+    "ClusterPlan",
     "Costs",
+    "DeviceGroup",
     "F",
     "I",
     "Overlap",
@@ -41,16 +48,22 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "Sizes",
     "StageKernels",
     "TICK_LAYOUTS",
     "W",
     "describe_devices",
+    "evaluate_plan",
     "get_schedule",
     "initialize_distributed",
     "launch_local",
+    "load_sailor_profile",
     "make_mesh",
     "make_plan",
     "microbatches",
+    "partition_layers",
+    "plan_cluster",
+    "read_plan_file",
     "reference_value_and_grad",
     "register_schedule",
     "registered_schedules",

@@ -219,6 +219,13 @@ class Schedule:
         """The stages placed on `rank`, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any backward is split into I and W (the planner costs them apart)."""
+        return any(a.kind == "W" for _, _, a in self.all_actions())
+
+    # -- text ------------------------------------------------------------------
+
     def to_rows(self) -> list[list[str]]:
         return [[str(step) for step in row] for row in self.ranks]
 

@@ -7,12 +7,22 @@ start every action can have given the per-rank order, so the makespan is what
 a machine that overlaps perfectly would reach.
 
 Costs are per kind and per stage (one value for all stages or one per stage,
-so mixed devices can be modelled). ``B`` defaults to ``I + W``.
+so mixed devices can be modelled). ``B`` defaults to ``I + W``. The transfer
+latency ``comm`` is one value, or one per boundary between stage ``s`` and
+``s + 1`` (links differ on a mixed cluster).
 
 Reported: makespan (first start to last end on any rank), busy time per rank,
 ``bubble_fraction = 1 - total busy / (ranks * makespan)``, peak live
 activations per rank (a `(stage, microbatch)` is live from its ``F`` until its
 ``B`` or ``W`` has run), and the timeline of every action.
+
+Memory in bytes (optional, given as `Sizes`): each stage holds its ``params``
+bytes for the whole step; the ``activation`` (residual) bytes of one microbatch
+are live from its ``F`` until its ``B`` or ``W`` (as for the live activation
+count: jpipe's ``W`` piece reads the residuals too); an ``I`` adds its
+``carry`` bytes (what it hands ``W``), live until the ``W``. A rank runs
+its list in order, so walking the list gives its live bytes after every action;
+the maximum plus the parameters of its stages is the rank's ``peak_bytes``.
 """
 
 from __future__ import annotations
@@ -43,10 +53,10 @@ class Costs:
     I: PerStage = 1
     W: PerStage = 1
     B: PerStage | None = None
-    comm: Number = 0
+    comm: PerStage = 0
 
     def __post_init__(self):
-        for name in ("F", "I", "W", "B"):
+        for name in ("F", "I", "W", "B", "comm"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -57,8 +67,6 @@ class Costs:
                     not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
                 ):
                     raise ValueError(f"cost {name} must be a finite non-negative number, got {v!r}")
-        if not isinstance(self.comm, (int, float)) or not math.isfinite(self.comm) or self.comm < 0:
-            raise ValueError(f"cost comm must be a finite non-negative number, got {self.comm!r}")
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -97,6 +105,98 @@ class Costs:
         b = tuple(x + y for x, y in zip(i, w)) if self.B is None else per_stage("B", self.B)
         return {"F": f, "I": i, "W": w, "B": b}
 
+    def comm_table(self, num_stages: int) -> tuple[float, ...]:
+        """Transfer latency across each boundary, stage ``s`` to ``s + 1`` (``S - 1`` values)."""
+        if isinstance(self.comm, tuple):
+            if len(self.comm) != num_stages - 1:
+                raise ValueError(
+                    f"cost comm has {len(self.comm)} values but a schedule of {num_stages} "
+                    f"stages has {num_stages - 1} boundaries"
+                )
+            return tuple(float(v) for v in self.comm)
+        return (float(self.comm),) * max(num_stages - 1, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Bytes each stage holds, one value for all stages or one per stage.
+
+    Attributes:
+      activation: residuals one microbatch keeps from its ``F`` until its ``B``
+        (or ``W``, which reads them too).
+      carry: what an ``I`` hands its ``W``, live from the ``I`` until the ``W``.
+      params: bytes held for the whole step (weights, gradients, optimizer state).
+    """
+
+    activation: PerStage = 0
+    carry: PerStage = 0
+    params: PerStage = 0
+
+    def __post_init__(self):
+        for name in ("activation", "carry", "params"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+                value = getattr(self, name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"size {name} must be a finite non-negative number, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Sizes:
+        """Reads ``"activation=1e6,carry=5e5,params=4e8"``; every key is optional."""
+        kwargs = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in ("activation", "carry", "params"):
+                raise ValueError(
+                    f"cannot read size {item!r}: expected KEY=VALUE with KEY one of "
+                    "activation, carry, params"
+                )
+            try:
+                kwargs[key] = float(value)
+            except ValueError:
+                raise ValueError(f"size {key} must be a number of bytes, got {value!r}") from None
+        return cls(**kwargs)
+
+    def table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
+        """Per-stage sizes, `{name: (bytes of stage 0, ...)}`."""
+        out = {}
+        for name in ("activation", "carry", "params"):
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                if len(value) != num_stages:
+                    raise ValueError(
+                        f"size {name} has {len(value)} values but the schedule has "
+                        f"{num_stages} stages"
+                    )
+                out[name] = tuple(float(v) for v in value)
+            else:
+                out[name] = (float(value),) * num_stages
+        return out
+
+
+def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float, ...]:
+    """Each rank's peak bytes: its stages' parameters plus its most live activations and carries."""
+    size = sizes.table(num_stages)
+    peaks = []
+    for r in range(schedule.num_ranks):
+        live = peak = 0.0
+        for a in schedule.actions(r):
+            s = a.stage
+            if a.kind == "F":
+                live += size["activation"][s]
+            elif a.kind == "B":
+                live -= size["activation"][s]
+            elif a.kind == "I":
+                live += size["carry"][s]
+            else:  # W: the residuals and the carry both go
+                live -= size["carry"][s] + size["activation"][s]
+            peak = max(peak, live)
+        peaks.append(peak + sum(size["params"][s] for s in schedule.stages_of(r)))
+    return tuple(peaks)
+
 
 @dataclasses.dataclass(frozen=True)
 class Event:
@@ -120,6 +220,8 @@ class Simulation:
     peak_activations: tuple[int, ...]
     starts: tuple[tuple[float, ...], ...] = dataclasses.field(repr=False)
     ends: tuple[tuple[float, ...], ...] = dataclasses.field(repr=False)
+    sizes: Sizes | None = None
+    peak_bytes: tuple[float, ...] | None = None
 
     @functools.cached_property
     def timeline(self) -> tuple[Event, ...]:
@@ -141,16 +243,23 @@ class Simulation:
             "bubble_fraction": self.bubble_fraction,
             "busy": list(self.busy),
             "peak_activations": list(self.peak_activations),
+            **({} if self.peak_bytes is None else {"peak_bytes": list(self.peak_bytes)}),
         }
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
-    """Runs `schedule` (validated first) as timed events with `costs`."""
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, sizes: Sizes | None = None
+) -> Simulation:
+    """Runs `schedule` (validated first) as timed events with `costs`.
+
+    With `sizes`, the result also has each rank's `peak_bytes` (see the module
+    docstring); without, it is `None`.
+    """
     costs = costs or Costs()
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
     cost = costs.table(S)
-    comm = float(costs.comm)
+    comm = costs.comm_table(S)
     owner = info.stage_to_rank
     rows = [schedule.actions(r) for r in range(schedule.num_ranks)]
 
@@ -169,13 +278,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
         ready = free[r]
         if kind == "F":
             if s > 0:
-                ready = max(ready, end_f[k - M] + (comm if owner[s - 1] != r else 0.0))
+                ready = max(ready, end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0))
         elif kind == "W":
             ready = max(ready, end_i[k])
         else:
             ready = max(ready, end_f[k])
             if s < S - 1:
-                ready = max(ready, end_g[k + M] + (comm if owner[s + 1] != r else 0.0))
+                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
         duration = cost[kind][s]
         finish = ready + duration
         starts[r][i], ends[r][i] = ready, finish
@@ -203,4 +312,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
         peak_activations=info.peak_live,
         starts=tuple(map(tuple, starts)),
         ends=tuple(map(tuple, ends)),
+        sizes=sizes,
+        peak_bytes=None if sizes is None else peak_bytes(schedule, sizes, S),
     )

@@ -3,7 +3,8 @@
 Usage::
 
     python -m jpipe.show SPEC [--ranks R] [--microbatches M] [--chunks V]
-        [--cost F=1,I=1,W=1,comm=0] [--width 120]
+        [--cost F=1,I=1,W=1,comm=0] [--bytes activation=0,carry=0,params=0]
+        [--width 120]
         [--json] [--svg FILE] [--png FILE] [--trace FILE] [--csv FILE]
 
 SPEC is a registered schedule name (``gpipe``), a PyTorch schedule CSV
@@ -16,7 +17,9 @@ SPEC is a registered schedule name (``gpipe``), a PyTorch schedule CSV
 The schedule is validated and simulated (`jpipe.simulate`, costs per kind
 given by ``--cost``; ``B`` defaults to ``I + W``). The output is a text chart,
 one row per rank (see `text_chart`), then the makespan, the bubble fraction,
-and the busy time and peak live activations of each rank. ``--json`` prints
+and the busy time and peak live activations of each rank; with ``--bytes``
+(per-stage residual, I-to-W carry and parameter bytes) also each rank's peak
+bytes. ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
 Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
 https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
@@ -36,7 +39,7 @@ import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
 from jpipe._registry import get_schedule
-from jpipe._simulate import Costs, Simulation, simulate
+from jpipe._simulate import Costs, Simulation, Sizes, simulate
 
 __all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
 
@@ -84,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="F=1,I=1,W=1,comm=0",
         help="time per kind of action (B defaults to I+W) and cross-rank latency",
     )
+    parser.add_argument(
+        "--bytes",
+        default=None,
+        metavar="activation=0,carry=0,params=0",
+        help="bytes per stage: residuals of a microbatch, I-to-W carry, parameters; "
+        "adds each rank's peak bytes",
+    )
     parser.add_argument("--width", type=_positive_int, default=120, help="chart width in columns")
     parser.add_argument(
         "--json", action="store_true", help="print only a JSON object of the figures"
@@ -101,13 +111,15 @@ def _figures(sim: Simulation) -> str:
         f"makespan         {sim.makespan:g}",
         f"bubble fraction  {sim.bubble_fraction:.4f}",
         "",
-        "rank  stages        busy      idle  peak live",
+        "rank  stages        busy      idle  peak live"
+        + ("  peak bytes" if sim.peak_bytes else ""),
     ]
     for r in range(s.num_ranks):
         stages = ",".join(str(x) for x in s.stages_of(r)) or "-"
         lines.append(
             f"{r:>4}  {stages:<10}{sim.busy[r]:>8g}{sim.makespan - sim.busy[r]:>10g}"
             f"{sim.peak_activations[r]:>11}"
+            + (f"{sim.peak_bytes[r]:>12.4g}" if sim.peak_bytes else "")
         )
     return "\n".join(lines)
 
@@ -126,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             if path and not path.lower().endswith(ext):
                 raise ValueError(f"--{ext[1:]} needs a file name ending in {ext}, got {path!r}")
         costs = Costs.parse(args.cost)
+        sizes = None if args.bytes is None else Sizes.parse(args.bytes)
         schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
-        sim = simulate(schedule, costs)  # validates first
+        sim = simulate(schedule, costs, sizes)  # validates first
         written = []
         if args.csv:
             schedule.to_csv(args.csv)

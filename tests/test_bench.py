@@ -136,3 +136,21 @@ def test_quick_bench_writes_a_sane_table(tmp_path):
 
     table = (out / "bench.md").read_text()
     assert "| jpipe 1f1b |" in table and "| peer gpipe |" in table
+
+
+def test_memory_suite_row_on_a_small_gpt():
+    """`python -m bench --suite memory` compiles from shapes; its row on a tiny GPT is sane."""
+    from bench import memory
+
+    config = jpipe.models.GPTConfig(
+        vocab_size=300, seq_len=16, num_layers=4, num_heads=2, d_model=32, d_ff=64
+    )
+    one = memory.row(4, "1f1b", 1, 8, config)
+    zb = memory.row(4, "zb_h1", 1, 8, config)
+    for rec in (one, zb):
+        assert rec["temp_bytes"] > 0 and rec["argument_bytes"] > 0
+        assert len(rec["need_per_rank"]) == 4 and rec["need_bytes"] == max(rec["need_per_rank"])
+        assert rec["own_param_bytes"] <= rec["param_bytes"]
+    # 1F1B's first rank holds the most residuals; ZB-H1 adds carries on top.
+    assert one["need_per_rank"][0] > one["need_per_rank"][2]
+    assert zb["need_bytes"] >= one["need_bytes"]

@@ -3,6 +3,9 @@
 `TrainConfig.from_config` turns the `ml_collections.ConfigDict` of a
 ``configs/*.py`` file into typed, frozen dataclasses that check every field
 and raise `ConfigError` naming the field, the value and what is accepted.
+A ``plan`` field naming a plan file (``python -m jpipe.plan ... --save FILE``)
+sets the mesh, the layers per stage, the schedule, its chunks, the
+microbatches and the batch from that file first (`jpipe.read_plan_file`).
 Checks that need the schedule, the devices or the corpus happen in
 `jpipe.train.prepare`.
 """
@@ -159,6 +162,7 @@ class TrainConfig:
     layers_per_stage: str = ""
     cpu_devices: int = 0
     profile: bool = False
+    plan: str = ""  # a jpipe plan file; its settings were applied by from_config
 
     def __post_init__(self):
         _check_type(
@@ -204,6 +208,8 @@ class TrainConfig:
             "model": gpt.GPTConfig,
         }
         kwargs = _fields(cls, raw, "")
+        if kwargs.get("plan"):
+            kwargs = _apply_plan(kwargs)
         for name, kind in sections.items():
             sub = kwargs.get(name)
             if not isinstance(sub, Mapping):
@@ -216,6 +222,40 @@ class TrainConfig:
             except (ValueError, TypeError) as e:  # GPTConfig's own checks
                 raise ConfigError(f"config.{name}: {e}") from None
         return cls(**kwargs)
+
+
+def _read_plan(path):
+    _check_type("plan", path, str, "the path of a plan file (python -m jpipe.plan ... --save FILE)")
+    try:
+        return jpipe.read_plan_file(path)
+    except ValueError as e:
+        raise config_error("plan", path, str(e)) from None
+
+
+def _apply_plan(kwargs: dict) -> dict:
+    """The config with the plan file's mesh, split, schedule, microbatches and batch."""
+    path = kwargs["plan"]
+    settings = _read_plan(path)
+    model = kwargs.get("model")
+    blocks = sum(settings.layers_per_stage)
+    if isinstance(model, Mapping) and model.get("num_layers") != blocks:
+        raise config_error(
+            "plan",
+            path,
+            f"splits {blocks} transformer blocks over its stages but config.model.num_layers="
+            f"{model.get('num_layers')}; set config.model.num_layers={blocks} or plan this model",
+        )
+    mesh = dict(kwargs.get("mesh") or {})
+    mesh.update(pipe=settings.pipe, data=settings.data)
+    return {
+        **kwargs,
+        "mesh": mesh,
+        "schedule": settings.schedule,
+        "chunks": settings.num_chunks,
+        "num_microbatches": settings.num_microbatches,
+        "batch_size": settings.batch_size,
+        "layers_per_stage": ",".join(str(b) for b in settings.layers_per_stage),
+    }
 
 
 def _fields(kind: type, raw: dict, prefix: str) -> dict:
@@ -250,10 +290,10 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     """Fakes enough CPU devices for the config's mesh, before JAX starts its backends.
 
     Call it first thing, before any JAX computation (after
-    `jpipe._distributed.initialize` in a multi-process run): it asks for
+    `jpipe.initialize_distributed` in a multi-process run): it asks for
     ``config.cpu_devices`` CPU devices in this process or, when that is 0,
-    ``mesh.pipe * mesh.data`` divided among the processes (see
-    `jpipe.use_cpu_devices`).
+    ``mesh.pipe * mesh.data`` (the plan file's mesh when ``config.plan``
+    names one) divided among the processes (see `jpipe.use_cpu_devices`).
 
     Returns:
       The CPU device count set, or None when JAX had already started (the
@@ -262,6 +302,9 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     get = config.get if isinstance(config, Mapping | ml_collections.ConfigDict) else None
     mesh = get("mesh") if get else None
     try:
+        if get("plan", ""):  # the plan file's mesh is the one the run will use
+            settings = jpipe.read_plan_file(get("plan"))
+            mesh = {"pipe": settings.pipe, "data": settings.data}
         n = int(get("cpu_devices", 0) or 0) or -(
             -int(mesh["pipe"]) * int(mesh["data"]) // num_processes()
         )

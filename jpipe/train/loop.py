@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
+from jpipe._profile import save_profile
 from jpipe.models import gpt
 from jpipe.train import optimizer as optimizer_lib
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
@@ -35,7 +36,7 @@ from jpipe.train.config import ConfigError, TrainConfig
 from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
 from jpipe.train.prepare import Prepared, prepare
-from jpipe.train.profile import print_profile
+from jpipe.train.profile import print_profile, stage_profile
 from jpipe.train.step import TrainState, compile_train_step, state_shardings
 
 
@@ -260,7 +261,12 @@ def _run(
     if c.profile:
         rows = c.batch_size // c.num_microbatches // c.mesh.data
         microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
-        print_profile(pipeline, compiled, state, batch, microbatch)
+        times = print_profile(pipeline, compiled, state, batch, microbatch)
+        if times is not None and lead:
+            path = os.path.join(workdir, "profile.json")
+            profile = stage_profile(pipeline, state.params, times, rows, prepared.layers_per_stage)
+            save_profile(profile, path)
+            say(f"profile: wrote {path} (python -m jpipe.plan --profiles {path} ...)")
 
     if removed:
         say(f"removed unfinished checkpoint(s) {removed}")

@@ -3,7 +3,10 @@
 `measure_stages` times the very pieces the compiled step runs
 (`jpipe.Pipeline.stage_kernels`), one microbatch on its rank's device; the
 benchmarks time the same pieces with it. `print_profile` compares the
-simulator's predictions from those times with the measured train step.
+simulator's predictions from those times with the measured train step, and
+`stage_profile` turns the times into the planner's profile format (one profile
+"layer" per stage), which the trainer writes to ``WORKDIR/profile.json`` for
+``python -m jpipe.plan --profiles WORKDIR/profile.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import NamedTuple
 import jax
 
 import jpipe
+from jpipe._profile import Profile, profile_from_stage_times
 from jpipe._stage import stage_pieces
 from jpipe.train.metrics import say
 
@@ -71,11 +75,44 @@ def measure_stages(
     return StageTimes(tuple(F), tuple(I), tuple(W), B)
 
 
-def print_profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> None:
-    """Prints measured stage times, the predicted step times and the measured one."""
+def stage_profile(
+    pipeline: jpipe.Pipeline,
+    params: dict,
+    times: StageTimes,
+    microbatch_size: int,
+    layers_per_stage,
+    model: str = "gpt",
+) -> Profile:
+    """The measured stage times as a planner profile (`jpipe._profile.Profile`).
+
+    Each stage is one profile layer holding its blocks; its parameter bytes
+    are the stage's own, its device type and memory those of rank 0's device.
+    """
+    device = pipeline.mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    memory = (stats or {}).get("bytes_limit")
+    params_bytes = [
+        float(sum(leaf.nbytes for leaf in jax.tree.leaves(p))) for p in pipeline.unpack(params)
+    ]
+    return profile_from_stage_times(
+        times,
+        device.device_kind,
+        microbatch_size=microbatch_size,
+        params_bytes=params_bytes,
+        memory_bytes=memory,
+        blocks_per_stage=layers_per_stage,
+        model=model,
+    )
+
+
+def print_profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> StageTimes | None:
+    """Prints measured stage times, the predicted step times and the measured one.
+
+    Returns the measured times, or None where it could not measure them.
+    """
     if jax.process_count() > 1:
         say("profile: skipped, it runs every stage from one process (single-process runs only)")
-        return
+        return None
     times = measure_stages(pipeline, state.params, batch, microbatch, reps=reps)
     ms = lambda t: f"{t * 1e3:8.2f}"  # noqa: E731
     say(f"profile: time of one microbatch on one device, ms (median of {reps} runs)")
@@ -107,3 +144,4 @@ def print_profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -
         say(
             "  (fake CPU devices share the host's cores, so the measured step cannot overlap ranks)"
         )
+    return times

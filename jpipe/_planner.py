@@ -1,0 +1,782 @@
+"""Planning for mixed devices: score a placement by simulating the schedule that will run.
+
+A `ClusterPlan` says which device holds each pipeline rank in each
+data-parallel replica, which layers each stage holds, the microbatch size, the
+global batch and the schedule. `evaluate` predicts its step time and memory:
+
+1. Per-stage costs. Each stage's forward, backward (and input/weight-gradient
+   halves) are its profile layers summed on its rank's device at the plan's
+   microbatch size and tensor-parallel degree (`Profile.layer_times`, which
+   derives a missing degree from the profile's own entries). Where the profile
+   has only the full backward, schedules that split it get half as ``I`` and
+   half as ``W``.
+2. Transfers. A stage's output (its last layer's output bytes) goes to the
+   next stage over the link between their nodes, and the gradient of the same
+   size comes back. Transfers are *blocking*, as in DeepSpeed's pipeline
+   engine that Sailor's measured plans ran: NCCL's send and receive kernels
+   occupy both GPUs, so the sender's action and the receiver's lasts its
+   compute plus the transfer (the latency of the first transfer on the
+   critical path is thereby counted twice, once per side: a small overcount
+   at the pipeline's fill). ``receiver_busy=False`` charges the sender only.
+3. The schedule is built for the plan's ranks and microbatches
+   (`get_schedule`, built-ins or the user's ``file.py:function``) and
+   simulated once per data-parallel replica (replicas may hold different
+   devices, so each has its own costs) by `jpipe.simulate`.
+4. After its last action each rank all-reduces its stages' gradients with its
+   replicas (a ring: ``2 (d - 1) / d * bytes / bandwidth`` over the slowest
+   link between replicas; the ``T`` tensor-parallel shards reduce in parallel
+   over the node's links) and then runs the optimizer update (profile
+   ``update`` times). The step ends when the last rank has updated:
+   ``max over ranks of (latest replica finish + all-reduce + update)``.
+5. Memory per rank: ``4 x`` its parameter bytes over ``T`` (fp32 weights,
+   gradients and two Adam moments) plus the simulator's peak of live residuals
+   (`jpipe.Sizes`, profile activation bytes over ``T``; for schedules that
+   split the backward, an ``I``'s carry is taken as large as the residuals,
+   which overstates it rather than understates it).
+
+`Evaluation.closed_form_seconds` is the formula the published heterogeneous planners (AMP,
+Metis, Sailor, FlashFlex) use on the same inputs:
+``(M - 1) max_s(t_s + c_s) + sum_s(t_s + c_s) + update + data-parallel sync``.
+
+`plan` searches device orderings (types in contiguous blocks), tensor-,
+data- and pipeline-parallel degrees, microbatch sizes and schedules; for each
+shape it splits layers with the exact partitioner (`jpipe._partition`, memory
+a hard limit), then simulates. Candidates are visited in order of a lower
+bound (the busiest rank's work, which no schedule beats), so the search stops
+simulating once no remaining candidate can enter the best ``top``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+from jpipe._partition import partition, proportional_partition, uniform_partition
+from jpipe._profile import Profile
+from jpipe._registry import get_schedule
+from jpipe._schedule import Schedule
+from jpipe._simulate import Costs, Simulation, Sizes, simulate
+
+PLAN_FORMAT = "jpipe-plan/1"
+OPTIMIZER_COPIES = 4  # fp32 weights, gradients, Adam first and second moments
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroup:
+    """One tensor-parallel group: `tensor_parallel` GPUs of type `kind` on node `node`.
+
+    `gpus_per_node` picks the measured links (Sailor keys links by it).
+    """
+
+    kind: str
+    tensor_parallel: int = 1
+    gpus_per_node: int = 1
+    node: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    """A placement to evaluate (see the module docstring).
+
+    Attributes:
+      ranks: ``ranks[r][d]`` is the device of pipeline rank ``r`` in
+        data-parallel replica ``d``.
+      stage_layers: the profile layers of each stage, in stage order.
+      microbatch_size: B.
+      global_batch: sequences per step over all replicas.
+      schedule: a schedule SPEC (name or ``file.py:function``).
+      num_chunks: stages per rank for the schedule; `None` for its default.
+    """
+
+    ranks: tuple[tuple[DeviceGroup, ...], ...]
+    stage_layers: tuple[tuple[int, ...], ...]
+    microbatch_size: int
+    global_batch: int
+    schedule: str = "1f1b"
+    num_chunks: int | None = None
+
+    @property
+    def pipe(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def data(self) -> int:
+        return len(self.ranks[0])
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.microbatch_size * self.data)
+
+    def check(self, num_layers: int) -> None:
+        """Raises `ValueError` naming what is inconsistent."""
+        if not self.ranks or any(len(r) != self.data for r in self.ranks):
+            raise ValueError("every pipeline rank needs the same number of data-parallel replicas")
+        if self.microbatch_size < 1 or self.global_batch < 1:
+            raise ValueError("the microbatch size and the global batch must be positive")
+        if self.global_batch % (self.microbatch_size * self.data):
+            raise ValueError(
+                f"the global batch {self.global_batch} is not a multiple of microbatch size "
+                f"{self.microbatch_size} x data-parallel degree {self.data}"
+            )
+        flat = [l for s in self.stage_layers for l in s]
+        if flat != list(range(num_layers)):
+            raise ValueError(
+                f"the stages must hold layers 0..{num_layers - 1} once each, in order; got "
+                f"{[list(s) for s in self.stage_layers]}"
+            )
+
+    def to_json(self) -> dict:
+        return {
+            "ranks": [[d.to_json() for d in r] for r in self.ranks],
+            "stage_layers": [list(s) for s in self.stage_layers],
+            "microbatch_size": self.microbatch_size,
+            "global_batch": self.global_batch,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "num_chunks": self.num_chunks,
+            "mesh": {"pipe": self.pipe, "data": self.data, "tensor": self.tensor_parallel},
+        }
+
+    @property
+    def tensor_parallel(self) -> int:
+        return max(d.tensor_parallel for r in self.ranks for d in r)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What `evaluate` predicts for a plan.
+
+    Attributes:
+      plan: the plan.
+      step_seconds: predicted seconds per training step.
+      pipeline_seconds: the slowest replica's simulated makespan.
+      allreduce_seconds, update_seconds: per rank (slowest replica).
+      peak_bytes: per rank, per replica: predicted peak memory of one GPU.
+      stage_seconds: per stage, F + B of one microbatch (slowest replica, with sends).
+      transfer_seconds: per stage boundary, one send (slowest replica).
+      closed_form_seconds: the closed-form formula on the same inputs.
+      simulation: the slowest replica's simulation (for charts).
+    """
+
+    plan: ClusterPlan
+    step_seconds: float
+    pipeline_seconds: float
+    allreduce_seconds: tuple[float, ...]
+    update_seconds: tuple[float, ...]
+    peak_bytes: tuple[tuple[float, ...], ...]
+    stage_seconds: tuple[float, ...]
+    transfer_seconds: tuple[float, ...]
+    closed_form_seconds: float
+    simulation: Simulation = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def max_peak_bytes(self) -> float:
+        return max(max(r) for r in self.peak_bytes)
+
+    def summary(self) -> dict:
+        return {
+            **self.plan.to_json(),
+            "predicted_seconds": self.step_seconds,
+            "pipeline_seconds": self.pipeline_seconds,
+            "allreduce_seconds": list(self.allreduce_seconds),
+            "update_seconds": list(self.update_seconds),
+            "predicted_max_mem_bytes": self.max_peak_bytes,
+            "peak_bytes": [list(r) for r in self.peak_bytes],
+            "stage_seconds": list(self.stage_seconds),
+            "transfer_seconds": list(self.transfer_seconds),
+            "closed_form_seconds": self.closed_form_seconds,
+        }
+
+
+def _link_seconds(profile: Profile, a: DeviceGroup, b: DeviceGroup, nbytes: float) -> float:
+    if a.node == b.node:
+        return profile.intra_link(a.kind, a.gpus_per_node).seconds(nbytes)
+    link = profile.inter_link(a.kind, a.gpus_per_node, b.kind, b.gpus_per_node)
+    return link.seconds(nbytes)
+
+
+def _sharing(ranks, owner) -> list[list[int]]:
+    """``[boundary][replica]``: transfers that cross the same pair of nodes at once.
+
+    Replicas run in step, so when several send across the same two nodes they
+    share that link's bandwidth (each transfer takes that many times longer).
+    """
+    S = len(owner)
+    out = []
+    for s in range(S - 1):
+        pairs = [
+            (ranks[owner[s]][j].node, ranks[owner[s + 1]][j].node) for j in range(len(ranks[0]))
+        ]
+        out.append([pairs.count(p) if p[0] != p[1] else 1 for p in pairs])
+    return out
+
+
+def _allreduce_seconds(profile: Profile, group: Sequence[DeviceGroup], nbytes: float) -> float:
+    """Ring all-reduce of `nbytes` (all TP shards) among replicas, over the slowest link."""
+    d = len(group)
+    if d < 2 or nbytes <= 0:
+        return 0.0
+    per_gpu = nbytes / max(x.tensor_parallel for x in group)
+    slowest = 0.0
+    for a, b in itertools.combinations(group, 2):
+        # one shard's time over the pair's link; every shard's ring runs at once
+        t = _link_seconds(profile, a, b, per_gpu)
+        slowest = max(slowest, t * nbytes / per_gpu)
+    return 2 * (d - 1) / d * slowest
+
+
+def _schedule_for(plan: ClusterPlan) -> Schedule:
+    schedule = get_schedule(plan.schedule, plan.pipe, plan.num_microbatches, plan.num_chunks)
+    if schedule.num_ranks != plan.pipe:
+        raise ValueError(
+            f"schedule {plan.schedule!r} has {schedule.num_ranks} ranks, the plan {plan.pipe}"
+        )
+    return schedule
+
+
+def evaluate(
+    plan: ClusterPlan,
+    profile: Profile,
+    schedule: Schedule | None = None,
+    *,
+    receiver_busy: bool = True,
+) -> Evaluation:
+    """Predicts `plan`'s step time and memory by simulating its schedule (module docstring).
+
+    Args:
+      plan: the placement.
+      profile: the model's profile.
+      schedule: the built schedule, if already at hand (else built from `plan`).
+      receiver_busy: whether a transfer occupies the receiving rank as well as
+        the sender (NCCL's send and receive kernels run on both GPUs, in the
+        compute stream under DeepSpeed); `False` charges the sender only.
+    """
+    plan.check(profile.num_layers)
+    schedule = schedule or _schedule_for(plan)
+    S = schedule.num_stages
+    if S != len(plan.stage_layers):
+        raise ValueError(
+            f"schedule {plan.schedule!r} has {S} stages but the plan splits layers into "
+            f"{len(plan.stage_layers)}"
+        )
+    owner = list(schedule.stage_to_rank)
+    mbs = plan.microbatch_size
+    outputs, acts = profile.outputs(mbs), profile.activations(mbs)
+    finish = [[0.0] * plan.data for _ in range(plan.pipe)]
+    updates = [[0.0] * plan.data for _ in range(plan.pipe)]
+    peaks = [[0.0] * plan.data for _ in range(plan.pipe)]
+    stage_seconds = [0.0] * S
+    transfer = [0.0] * max(S - 1, 0)
+    worst = None
+    uses_w = schedule.splits_backward
+    sharing = _sharing(plan.ranks, owner)
+    for d in range(plan.data):
+        dev = [plan.ranks[owner[s]][d] for s in range(S)]
+        F, I, W, B, U = [], [], [], [], []
+        for s, layers in enumerate(plan.stage_layers):
+            t = profile.layer_times(dev[s].kind, mbs, dev[s].tensor_parallel)
+            i_half, w_half = t.split()
+            F.append(sum(t.forward[l] for l in layers))
+            B.append(sum(t.backward[l] for l in layers))
+            I.append(sum(i_half[l] for l in layers))
+            W.append(sum(w_half[l] for l in layers))
+            U.append(sum(t.update[l] for l in layers))
+        for s in range(S - 1):
+            if owner[s] == owner[s + 1]:
+                continue
+            c = _link_seconds(profile, dev[s], dev[s + 1], outputs[plan.stage_layers[s][-1]])
+            c *= sharing[s][d]
+            transfer[s] = max(transfer[s], c)
+            F[s] += c  # blocking send of the activation forward
+            I[s + 1] += c  # and of the gradient back
+            B[s + 1] += c
+            if receiver_busy:
+                F[s + 1] += c  # the receiver's side of the same transfers
+                I[s] += c
+                B[s] += c
+        for s in range(S):
+            stage_seconds[s] = max(stage_seconds[s], F[s] + B[s])
+        tp = [dev[s].tensor_parallel for s in range(S)]
+        act = [sum(acts[l] for l in layers) / tp[s] for s, layers in enumerate(plan.stage_layers)]
+        sizes = Sizes(
+            activation=act,
+            carry=act if uses_w else 0.0,  # W needs the layer inputs: keep them all (conservative)
+            params=[
+                OPTIMIZER_COPIES * sum(profile.params_bytes[l] for l in layers) / tp[s]
+                for s, layers in enumerate(plan.stage_layers)
+            ],
+        )
+        sim = simulate(schedule, Costs(F=F, I=I, W=W, B=B), sizes)
+        for r in range(plan.pipe):
+            finish[r][d] = max(sim.ends[r], default=0.0)
+            updates[r][d] = sum(U[s] for s in range(S) if owner[s] == r)
+            peaks[r][d] = sim.peak_bytes[r]
+        if worst is None or sim.makespan > worst.makespan:
+            worst = sim
+    allreduce = []
+    for r in range(plan.pipe):
+        nbytes = sum(
+            profile.params_bytes[l] for s in range(S) if owner[s] == r for l in plan.stage_layers[s]
+        )
+        allreduce.append(_allreduce_seconds(profile, plan.ranks[r], nbytes))
+    update = [max(u) for u in updates]
+    step = max(max(finish[r]) + allreduce[r] + update[r] for r in range(plan.pipe))
+    M = plan.num_microbatches
+    closed = (M - 1) * max(stage_seconds) + sum(stage_seconds) + max(update) + max(allreduce)
+    return Evaluation(
+        plan=plan,
+        step_seconds=step,
+        pipeline_seconds=worst.makespan,
+        allreduce_seconds=tuple(allreduce),
+        update_seconds=tuple(update),
+        peak_bytes=tuple(tuple(p) for p in peaks),
+        stage_seconds=tuple(stage_seconds),
+        transfer_seconds=tuple(transfer),
+        closed_form_seconds=closed,
+        simulation=worst,
+    )
+
+
+# --- Sailor plan files -------------------------------------------------------------------
+
+
+def plan_from_sailor(config: dict, schedule: str = "1f1b") -> ClusterPlan:
+    """Reads a Sailor ``plan_config_*.json`` (already parsed) as a `ClusterPlan`.
+
+    Each ``tmp_per_stage`` entry is one data-parallel replica of the stage:
+    ``[[[gpu type, GPUs per node, zone]], tensor-parallel degree]``. Every
+    replica's tensor-parallel group is taken to be on its own node (in the
+    measured plans the degree equals the GPUs per node), so stage-to-stage and
+    replica-to-replica traffic crosses nodes. Sailor ran DeepSpeed's pipeline
+    engine, a 1F1B schedule, hence the default `schedule`.
+    """
+    try:
+        pipelines = config["pipeline_list"]
+        if len(pipelines) != 1:
+            raise ValueError(f"expected one pipeline in pipeline_list, got {len(pipelines)}")
+        pipe = pipelines[0]
+        layers = tuple(tuple(int(l) for l in s) for s in pipe["layers_per_stage"])
+        per_stage = pipe["tmp_per_stage"]
+        dps = {len(s) for s in per_stage}
+        if len(dps) != 1:
+            raise ValueError(f"stages have different data-parallel degrees {sorted(dps)}")
+        ranks = []
+        node = 0
+        for replicas in per_stage:
+            row = []
+            for gpus, tp in replicas:
+                kind, per_node, _zone = gpus[0]
+                row.append(DeviceGroup(str(kind), int(tp), int(per_node), node))
+                node += 1
+            ranks.append(tuple(row))
+        return ClusterPlan(
+            ranks=tuple(ranks),
+            stage_layers=layers,
+            microbatch_size=int(config["mbs"]),
+            global_batch=int(config["gbs"]),
+            schedule=schedule,
+        )
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"not a Sailor plan file: cannot read {e!r}") from None
+
+
+def load_sailor_plan(path: str, schedule: str = "1f1b") -> tuple[ClusterPlan, dict]:
+    """Reads a Sailor plan file; returns the plan and the raw JSON (with ``real``, ``max_mem``)."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+    return plan_from_sailor(raw, schedule), raw
+
+
+# --- Searching ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan the search kept, with why it ranks where it does."""
+
+    evaluation: Evaluation
+    reasons: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    best: tuple[Candidate, ...]
+    considered: int
+    simulated: int
+    skipped: tuple[str, ...]
+    seconds: float
+
+
+def parse_devices(text: str) -> list[tuple[str, int]]:
+    """Reads ``"A100-40:4,V100-16:4"`` as ``[("A100-40", 4), ("V100-16", 4)]``."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, count = item.rpartition(":")
+        if not sep or not kind:
+            raise ValueError(f"cannot read device {item!r}: expected TYPE:COUNT like A100-40:4")
+        try:
+            n = int(count)
+        except ValueError:
+            raise ValueError(f"device count in {item!r} must be a whole number") from None
+        if n < 1:
+            raise ValueError(f"device count in {item!r} must be at least 1")
+        out.append((kind, n))
+    if not out:
+        raise ValueError("no devices given: expected TYPE:COUNT[,TYPE:COUNT...]")
+    kinds = [k for k, _ in out]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"a device type is listed twice in {text!r}")
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _split_layers(
+    profile: Profile,
+    devs: Sequence[DeviceGroup],
+    mbs: int,
+    microbatches: int,
+    receiver_busy: bool = True,
+    share: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit."""
+    outputs, acts = profile.outputs(mbs), profile.activations(mbs)
+    share = share or [1] * len(devs)
+    rows, memory = [], []
+    for d in devs:
+        t = profile.layer_times(d.kind, mbs, d.tensor_parallel)
+        rows.append([f + b for f, b in zip(t.forward, t.backward)])
+        memory.append(profile.memory_of(d.kind))
+    S = len(devs)
+    pbytes = list(itertools.accumulate(profile.params_bytes, initial=0.0))
+    abytes = list(itertools.accumulate(acts, initial=0.0))
+
+    # send[s][l]: seconds to move layer l's output across the cut after stage s
+    send = [
+        [share[s] * _link_seconds(profile, devs[s], devs[s + 1], x) for x in outputs]
+        for s in range(S - 1)
+    ]
+    # as in `evaluate`: a stage sends its output and its input gradient, and also
+    # receives their counterparts when transfers occupy the receiver
+    both = 2 if receiver_busy else 1
+
+    def extra(s, a, b):
+        out = send[s][b - 1] if s < S - 1 else 0.0
+        back = send[s - 1][a - 1] if s > 0 else 0.0
+        return both * (out + back)
+
+    def fits(s, a, b):
+        tp = devs[s].tensor_parallel
+        live = min(S - s, microbatches)  # 1F1B's in-flight microbatches on stage s
+        need = (OPTIMIZER_COPIES * (pbytes[b] - pbytes[a]) + live * (abytes[b] - abytes[a])) / tp
+        return need <= memory[s]
+
+    return partition(rows, fits, extra).layers
+
+
+def plan(
+    profile: Profile,
+    devices: Sequence[tuple[str, int]],
+    global_batch: int,
+    *,
+    schedules: Sequence[str] = ("1f1b",),
+    microbatch_sizes: Sequence[int] | None = None,
+    gpus_per_node: int = 8,
+    top: int = 3,
+    receiver_busy: bool = True,
+) -> SearchResult:
+    """Searches placements of `devices` and returns the `top` plans by predicted step time.
+
+    Args:
+      profile: the model's profile.
+      devices: ``[(device type, count), ...]``.
+      global_batch: sequences per step.
+      schedules: schedule SPECs to try (built-in names or ``file.py:function``).
+      microbatch_sizes: B values to try; default every size the profile has for
+        all the device types.
+      gpus_per_node: GPUs of one type share a node up to this many.
+      top: how many plans to return.
+      receiver_busy: see `evaluate`.
+    """
+    start = time.perf_counter()
+    for kind, _ in devices:
+        if kind not in profile.times:
+            raise ValueError(
+                f"the {profile.model} profile has no device {kind!r}; it has "
+                f"{', '.join(profile.devices)}"
+            )
+        profile.memory_of(kind)
+    if microbatch_sizes is None:
+        common = set.intersection(*({b for b, _ in profile.times[k]} for k, _ in devices))
+        microbatch_sizes = sorted(common)
+    node_size = {k: min(n, gpus_per_node) for k, n in devices}
+    tps = [t for t in (1, 2, 4, 8) if all(n % t == 0 and t <= node_size[k] for k, n in devices)]
+    shapes = []  # (lower bound, plan) for every candidate
+    skipped = []
+    kinds = [k for k, _ in devices]
+    for tp in tps:
+        units = {k: n // tp for k, n in devices}
+        for d in _divisors(math.gcd(*units.values())):
+            per_replica = {k: u // d for k, u in units.items()}
+            p = sum(per_replica.values())
+            if p > profile.num_layers:
+                continue
+            for order in itertools.permutations(kinds):
+                # Replica j's ranks take the next TP groups of each type, filling nodes in order.
+                used = {k: 0 for k in kinds}
+                ranks = [[None] * d for _ in range(p)]
+                for j in range(d):
+                    r = 0
+                    for k in order:
+                        for _ in range(per_replica[k]):
+                            g = used[k]
+                            used[k] += 1
+                            node = kinds.index(k) * 1000 + (g * tp) // node_size[k]
+                            ranks[r][j] = DeviceGroup(k, tp, node_size[k], node)
+                            r += 1
+                ranks = tuple(tuple(x) for x in ranks)
+                for mbs in microbatch_sizes:
+                    if global_batch % (mbs * d):
+                        continue
+                    M = global_batch // (mbs * d)
+                    for spec in schedules:
+                        try:
+                            schedule = get_schedule(spec, p, M)
+                        except ValueError as e:
+                            skipped.append(f"{spec} on {p} ranks x {M} microbatches: {e}")
+                            continue
+                        S = schedule.num_stages
+                        if S > profile.num_layers:
+                            continue
+                        owner = schedule.stage_to_rank
+                        # the slowest replica's devices decide the split
+                        devs = [ranks[owner[s]][0] for s in range(S)]
+                        try:
+                            share = [x[0] for x in _sharing(ranks, owner)]
+                            layers = _split_layers(profile, devs, mbs, M, receiver_busy, share)
+                        except ValueError as e:
+                            skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
+                            continue
+                        candidate = ClusterPlan(ranks, layers, mbs, global_batch, spec)
+                        shapes.append(
+                            (_lower_bound(profile, candidate, owner), candidate, schedule)
+                        )
+    shapes.sort(key=lambda x: x[0])
+    found: list[Evaluation] = []
+    simulated = 0
+    for bound, candidate, schedule in shapes:
+        if len(found) >= top and bound >= found[top - 1].step_seconds:
+            break  # no candidate left can beat the top plans
+        ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
+        simulated += 1
+        if ev.max_peak_bytes > min(profile.memory_of(d.kind) for r in candidate.ranks for d in r):
+            too_big = [
+                f"rank {r}: {ev.peak_bytes[r][j] / 1e9:.1f} GB on {dev.kind}"
+                for r, row in enumerate(candidate.ranks)
+                for j, dev in enumerate(row)
+                if ev.peak_bytes[r][j] > profile.memory_of(dev.kind)
+            ]
+            if too_big:
+                skipped.append(f"{_describe(candidate)}: out of memory ({'; '.join(too_big)})")
+                continue
+        found.append(ev)
+        found.sort(key=lambda e: e.step_seconds)
+        del found[top:]
+    if not found:
+        raise ValueError(
+            "no plan fits: " + ("; ".join(skipped[:5]) or "no candidate shapes for these devices")
+        )
+    best = tuple(Candidate(ev, _reasons(profile, ev, found, receiver_busy)) for ev in found)
+    return SearchResult(best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start)
+
+
+def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> float:
+    """No schedule beats the busiest rank doing all its microbatches back to back."""
+    mbs, M = plan.microbatch_size, plan.num_microbatches
+    busiest = 0.0
+    for r, row in enumerate(plan.ranks):
+        for dev in row:
+            t = profile.layer_times(dev.kind, mbs, dev.tensor_parallel)
+            work = sum(
+                t.forward[l] + t.backward[l]
+                for s, layers in enumerate(plan.stage_layers)
+                if owner[s] == r
+                for l in layers
+            )
+            busiest = max(busiest, M * work)
+    return busiest
+
+
+def _describe(p: ClusterPlan) -> str:
+    kinds = [p.ranks[r][0].kind for r in range(p.pipe)]
+    return (
+        f"pp={p.pipe} dp={p.data} tp={p.tensor_parallel} B={p.microbatch_size} "
+        f"M={p.num_microbatches} {p.schedule} ranks={','.join(kinds)}"
+    )
+
+
+def _reasons(
+    profile: Profile, ev: Evaluation, found: Sequence[Evaluation], receiver_busy: bool = True
+) -> tuple[str, ...]:
+    """Why this plan: its bottleneck, its cost breakdown, and how it compares."""
+    p = ev.plan
+    s = max(range(len(ev.stage_seconds)), key=lambda k: ev.stage_seconds[k])
+    dev = p.ranks[ev.simulation.schedule.stage_to_rank[s]][0].kind
+    out = [
+        f"{_describe(p)}: {ev.step_seconds:.4g} s per step = pipeline {ev.pipeline_seconds:.4g} s "
+        f"+ all-reduce {max(ev.allreduce_seconds):.3g} s + update {max(ev.update_seconds):.3g} s",
+        f"bottleneck stage {s} ({len(p.stage_layers[s])} layers"
+        + f" on {dev}"
+        + f"): {ev.stage_seconds[s]:.4g} s per microbatch; stages hold "
+        f"{[len(x) for x in p.stage_layers]} layers",
+        f"closed-form estimate {ev.closed_form_seconds:.4g} s "
+        f"({(ev.closed_form_seconds / ev.step_seconds - 1) * 100:+.1f}% vs simulated)",
+    ]
+    if found and ev is not found[0]:
+        out.append(f"{(ev.step_seconds / found[0].step_seconds - 1) * 100:+.1f}% vs the best plan")
+    elif len(found) > 1:
+        out.append(
+            f"{(found[1].step_seconds / ev.step_seconds - 1) * 100:.1f}% faster than the next"
+        )
+    if p.pipe > 1:
+        owner_devs = [p.ranks[r][0] for r in range(p.pipe)]
+        for name, split in (
+            ("uniform", uniform_partition),
+            ("speed-proportional", proportional_partition),
+        ):
+            if len(p.stage_layers) != p.pipe:
+                break
+            rows = []
+            for d in owner_devs:
+                t = profile.layer_times(d.kind, p.microbatch_size, d.tensor_parallel)
+                rows.append([f + b for f, b in zip(t.forward, t.backward)])
+            base = dataclasses.replace(p, stage_layers=split(rows).layers)
+            try:
+                other = evaluate(
+                    base, profile, ev.simulation.schedule, receiver_busy=receiver_busy
+                ).step_seconds
+            except ValueError:
+                continue
+            out.append(
+                f"the {name} layer split would take {other:.4g} s "
+                f"({(other / ev.step_seconds - 1) * 100:+.1f}%)"
+            )
+    return tuple(out)
+
+
+# --- Plan files for the trainer ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """What the trainer needs from a plan file.
+
+    Attributes:
+      pipe, data, tensor: mesh sizes.
+      layers_per_stage: transformer blocks per stage (embedding and head excluded).
+      schedule: the schedule SPEC.
+      num_chunks: stages per rank, or 0 for the schedule's own.
+      num_microbatches: M.
+      batch_size: the global batch.
+    """
+
+    pipe: int
+    data: int
+    tensor: int
+    layers_per_stage: tuple[int, ...]
+    schedule: str
+    num_chunks: int
+    num_microbatches: int
+    batch_size: int
+
+
+def plan_file(ev: Evaluation, profile: Profile) -> dict:
+    """The JSON plan file for `ev` (``"jpipe-plan/1"``): read back by `read_plan_file`."""
+    p = ev.plan
+    return {
+        "format": PLAN_FORMAT,
+        "model": profile.model,
+        **p.to_json(),
+        "blocks_per_stage": [sum(profile.blocks(l) for l in s) for s in p.stage_layers],
+        "predicted_seconds": ev.step_seconds,
+        "predicted_max_mem_bytes": ev.max_peak_bytes,
+    }
+
+
+def read_plan_file(source: str | dict) -> TrainerSettings:
+    """Reads a plan file (path or parsed JSON) into `TrainerSettings`; errors say what to fix."""
+    if isinstance(source, str):
+        try:
+            with open(source) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read plan file {source!r}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan file {source!r} is not JSON: {e}") from None
+        where = source
+    else:
+        d, where = source, "the plan"
+    if d.get("format") != PLAN_FORMAT:
+        raise ValueError(
+            f"{where} is not a jpipe plan: 'format' is {d.get('format')!r}, not {PLAN_FORMAT!r} "
+            "(write one with python -m jpipe.plan ... --save plan.json)"
+        )
+    try:
+        mesh = d["mesh"]
+        pipe, data, tensor = int(mesh["pipe"]), int(mesh["data"]), int(mesh.get("tensor", 1))
+        blocks = tuple(int(b) for b in d["blocks_per_stage"])
+        schedule = str(d["schedule"])
+        chunks = int(d.get("num_chunks") or 0)
+        M = int(d["num_microbatches"])
+        batch = int(d["global_batch"])
+        mbs = int(d["microbatch_size"])
+    except KeyError as e:
+        raise ValueError(f"{where} has no field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where} has a field of the wrong type: {e}") from None
+    for name, v in (
+        ("mesh.pipe", pipe),
+        ("mesh.data", data),
+        ("mesh.tensor", tensor),
+        ("num_microbatches", M),
+        ("global_batch", batch),
+    ):
+        if v < 1:
+            raise ValueError(f"{where}: {name} must be at least 1, got {v}")
+    if tensor != 1:
+        raise ValueError(
+            f"{where} uses tensor parallelism {tensor}; the trainer has no tensor axis yet "
+            "(plan with --tensor-parallel 1)"
+        )
+    stages = len(blocks)
+    if stages % pipe:
+        raise ValueError(f"{where}: {stages} stages do not divide over mesh.pipe={pipe} ranks")
+    if any(b < 1 for b in blocks):
+        raise ValueError(
+            f"{where}: blocks_per_stage {list(blocks)} has a stage without a transformer block; "
+            "the trainer needs at least one per stage"
+        )
+    if M * mbs * data != batch:
+        raise ValueError(
+            f"{where}: num_microbatches {M} x microbatch_size {mbs} x mesh.data {data} "
+            f"!= global_batch {batch}"
+        )
+    return TrainerSettings(pipe, data, tensor, blocks, schedule, chunks, M, batch)
+
+
+def median_abs_error(pairs: Sequence[tuple[float, float]]) -> float:
+    """Median of ``|predicted - measured| / measured`` over ``(predicted, measured)`` pairs."""
+    return statistics.median(abs(p - m) / m for p, m in pairs)

@@ -1,0 +1,565 @@
+"""Profiles: what a model costs on each kind of device, and how fast the links are.
+
+A `Profile` is the planner's input, measured once per model and device type:
+
+- per layer, per device type, per (microbatch size B, tensor-parallel degree
+  T): forward, backward, and (where known) input-gradient and weight-gradient
+  times, and the optimizer-update time, in seconds (`LayerTimes`);
+- per layer: parameter bytes (all tensor-parallel shards together), residual
+  (activation) bytes kept for the backward and output bytes sent to the next
+  stage, per microbatch size;
+- per device type: its memory in bytes;
+- links (`Link`): inside a node per device type and GPU count, and between
+  nodes per pair of (device type, GPUs per node).
+
+On disk a profile is one JSON object (`save_profile` / `load_profile`, format
+``"jpipe-profile/1"``). `load_sailor_profile` imports the published Sailor
+profiles (vendored in ``jpipe/_data/sailor``), and `profile_from_stage_times`
+turns the trainer's measured per-stage F/I/W times into the same format.
+
+Missing entries are derived, never invented: `Profile.times` takes an absent
+tensor-parallel degree from the nearest present one scaled by the ratio the
+profile itself shows between those degrees at other microbatch sizes (ideal
+``1/T`` scaling only when the profile has no such pair), and an absent
+microbatch size from the nearest present one scaled linearly in B. What it
+derived is listed in `Profile.derived` so a report can say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+
+FORMAT = "jpipe-profile/1"
+SAILOR_DIR = os.path.join(os.path.dirname(__file__), "_data", "sailor")
+
+# Memory of the device types in the Sailor data (nominal, GiB), which the data omits.
+GIB = 1024**3
+DEVICE_MEMORY = {
+    "A100-40": 40 * GIB,
+    "A100-80": 80 * GIB,
+    "GH-96": 96 * GIB,
+    "V100-16": 16 * GIB,
+    "RTX-2080": 8 * GIB,
+    "RTX-3090": 24 * GIB,
+    "Titan-RTX": 24 * GIB,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """Seconds per layer for one microbatch on one device type at one (B, T).
+
+    ``input_grad``/``weight_grad`` are `None` when only the full backward was
+    measured; `split` then assumes half each.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    update: tuple[float, ...]
+    input_grad: tuple[float, ...] | None = None
+    weight_grad: tuple[float, ...] | None = None
+
+    def split(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(input-gradient, weight-gradient) times; half the backward each if not measured."""
+        if self.input_grad is not None and self.weight_grad is not None:
+            return self.input_grad, self.weight_grad
+        half = tuple(b / 2 for b in self.backward)
+        return half, half
+
+    def scaled(self, factor: float) -> LayerTimes:
+        f = lambda xs: None if xs is None else tuple(x * factor for x in xs)  # noqa: E731
+        return LayerTimes(
+            f(self.forward), f(self.backward), self.update, f(self.input_grad), f(self.weight_grad)
+        )
+
+    def to_json(self) -> dict:
+        out = {"forward": self.forward, "backward": self.backward, "update": self.update}
+        if self.input_grad is not None:
+            out["input_grad"], out["weight_grad"] = self.input_grad, self.weight_grad
+        return {k: list(v) for k, v in out.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link's bandwidth: Sailor's fitted curve, or a flat figure.
+
+    Bandwidth in GB/s is ``poly(log2(bytes / 1e6))`` (coefficients highest
+    power first), capped at ``max_bytes_per_s``; with no coefficients it is
+    ``max_bytes_per_s`` for every size.
+    """
+
+    max_bytes_per_s: float
+    coeffs: tuple[float, ...] = ()
+
+    def bytes_per_s(self, nbytes: float) -> float:
+        if not self.coeffs or nbytes <= 0:
+            return self.max_bytes_per_s
+        x = math.log2(nbytes / 1e6)
+        gbps = 0.0
+        for c in self.coeffs:
+            gbps = gbps * x + c
+        # The fits are quadratics that turn down outside the measured range; a
+        # floor of 1% of the peak keeps a tiny or huge message finite.
+        return min(self.max_bytes_per_s, max(gbps * 1e9, 0.01 * self.max_bytes_per_s))
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to send `nbytes` over the link."""
+        return 0.0 if nbytes <= 0 else nbytes / self.bytes_per_s(nbytes)
+
+    def to_json(self) -> dict:
+        return {"max_bytes_per_s": self.max_bytes_per_s, "coeffs": list(self.coeffs)}
+
+    @classmethod
+    def from_json(cls, d) -> Link:
+        return cls(float(d["max_bytes_per_s"]), tuple(float(c) for c in d.get("coeffs", ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A model's costs on several device types (see the module docstring).
+
+    Attributes:
+      model: the model's name.
+      layer_kinds: ``"embedding"``, ``"block"`` or ``"head"`` per layer.
+      params_bytes: parameter bytes per layer (all tensor-parallel shards).
+      activation_bytes: ``{B: residual bytes per layer}`` kept from F to backward.
+      output_bytes: ``{B: bytes per layer}`` a layer's output, sent across a stage cut.
+      times: ``{device: {(B, T): LayerTimes}}``.
+      memory: ``{device: bytes}``.
+      intra: ``{device: {gpus: Link}}`` inside one node.
+      inter: ``{(device, gpus per node, device, gpus per node): Link}`` between nodes.
+      missing: ``{device: why}`` for device files an importer could not use.
+      layer_blocks: transformer blocks per layer when a layer holds several
+        (a profile of measured stages); `None` means one per ``"block"`` layer.
+    """
+
+    model: str
+    layer_kinds: tuple[str, ...]
+    params_bytes: tuple[float, ...]
+    activation_bytes: dict[int, tuple[float, ...]]
+    output_bytes: dict[int, tuple[float, ...]]
+    times: dict[str, dict[tuple[int, int], LayerTimes]]
+    memory: dict[str, float]
+    intra: dict[str, dict[int, Link]] = dataclasses.field(default_factory=dict)
+    inter: dict[tuple[str, int, str, int], Link] = dataclasses.field(default_factory=dict)
+    derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
+    _links: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    missing: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    layer_blocks: tuple[int, ...] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    def blocks(self, layer: int) -> int:
+        """Transformer blocks in profile layer `layer` (a measured stage may hold several)."""
+        if self.layer_blocks is not None:
+            return self.layer_blocks[layer]
+        return int(self.layer_kinds[layer] == "block")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(sorted(self.times))
+
+    def _device(self, device: str) -> dict[tuple[int, int], LayerTimes]:
+        if device not in self.times:
+            why = f" ({self.missing[device]})" if device in self.missing else ""
+            raise ValueError(
+                f"the {self.model} profile has no device {device!r}{why}; it has "
+                f"{', '.join(self.devices)}"
+            )
+        return self.times[device]
+
+    def layer_times(self, device: str, mbs: int, tp: int) -> LayerTimes:
+        """Per-layer times on `device` at microbatch size `mbs` and tensor-parallel `tp`."""
+        table = self._device(device)
+        if (mbs, tp) in table:
+            return table[(mbs, tp)]
+        self.derived.add((device, mbs, tp))
+        total = lambda t: sum(t.forward) + sum(t.backward)  # noqa: E731
+        tps_here = sorted({t for b, t in table if b == mbs})
+        if tps_here:
+            near = min(tps_here, key=lambda t: (abs(math.log2(t / tp)), t))
+            ratios = [
+                total(table[(b, tp)]) / total(table[(b, near)])
+                for b, t in table
+                if t == near and (b, tp) in table and total(table[(b, near)]) > 0
+            ]
+            factor = statistics.median(ratios) if ratios else near / tp
+            return table[(mbs, near)].scaled(factor)
+        sizes = sorted({b for b, t in table if t == tp}) or sorted({b for b, _ in table})
+        near_b = min(sizes, key=lambda b: (abs(math.log2(b / mbs)), b))
+        base = self.layer_times(device, near_b, tp)
+        return base.scaled(mbs / near_b)
+
+    def _bytes(self, table: dict[int, tuple[float, ...]], mbs: int) -> tuple[float, ...]:
+        if mbs in table:
+            return table[mbs]
+        near = min(table, key=lambda b: (abs(math.log2(b / mbs)), b))
+        return tuple(x * mbs / near for x in table[near])
+
+    def activations(self, mbs: int) -> tuple[float, ...]:
+        """Residual bytes per layer of one microbatch of size `mbs` (scaled if not profiled)."""
+        return self._bytes(self.activation_bytes, mbs)
+
+    def outputs(self, mbs: int) -> tuple[float, ...]:
+        """Output bytes per layer of one microbatch of size `mbs`."""
+        return self._bytes(self.output_bytes, mbs)
+
+    def memory_of(self, device: str) -> float:
+        if device not in self.memory:
+            raise ValueError(f"the {self.model} profile does not say the memory of {device!r}")
+        return self.memory[device]
+
+    def intra_link(self, device: str, gpus: int) -> Link:
+        """The link among `gpus` GPUs of one node (the nearest measured count)."""
+        links = self.intra.get(device)
+        if not links:
+            raise ValueError(f"the {self.model} profile has no intra-node link for {device!r}")
+        return links[min(links, key=lambda n: (abs(n - gpus), n))]
+
+    def inter_link(self, a: str, na: int, b: str, nb: int) -> Link:
+        """The link between a node of `na` GPUs of type `a` and one of `nb` of type `b`.
+
+        Falls back to the nearest measured GPU counts for the pair, then to the
+        slower of the two types' own node-to-node links.
+        """
+        key = (a, na, b, nb)
+        if key not in self._links:
+            self._links[key] = self._inter_link(a, na, b, nb)
+        return self._links[key]
+
+    def _inter_link(self, a: str, na: int, b: str, nb: int) -> Link:
+        for key in ((a, na, b, nb), (b, nb, a, na)):
+            if key in self.inter:
+                return self.inter[key]
+        pair = [
+            (abs(k[1] - na) + abs(k[3] - nb), v)
+            for k, v in self.inter.items()
+            if {k[0], k[2]} == {a, b}
+        ]
+        if pair:
+            return min(pair, key=lambda x: x[0])[1]
+        own = [v for k, v in self.inter.items() if k[0] == k[2] and k[0] in (a, b)]
+        if own:
+            return min(own, key=lambda link: link.max_bytes_per_s)
+        raise ValueError(f"the {self.model} profile has no link between {a!r} and {b!r} nodes")
+
+
+def _sailor_link(entry) -> Link:
+    coeffs, peak = entry
+    return Link(float(peak), tuple(float(c) for c in coeffs))
+
+
+def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
+    """Imports the published Sailor profiles of `model` (see ``jpipe/_data/sailor/README.md``).
+
+    Args:
+      model: a model folder under ``profiles/``, such as ``"OPT-350"``.
+      directory: a Sailor data folder (``profiles/``, ``llm_info.json``,
+        ``network/``); default: the copy inside jpipe.
+    """
+    directory = directory or SAILOR_DIR
+    model_dir = os.path.join(directory, "profiles", model)
+    if not os.path.isdir(model_dir):
+        have = sorted(os.listdir(os.path.join(directory, "profiles")))
+        raise ValueError(f"no Sailor profile for model {model!r} in {directory}; have {have}")
+    with open(os.path.join(directory, "llm_info.json")) as f:
+        info = json.load(f)
+    if model not in info:
+        raise ValueError(f"{directory}/llm_info.json has no model {model!r}")
+    sizes = {int(b): layers for b, layers in info[model].items()}
+    some = next(iter(sizes.values()))
+    num_layers = len(some)
+    order = [str(i) for i in range(num_layers)]
+    params = tuple(float(some[i]["params_bytes"]) for i in order)
+    activation = {b: tuple(float(v[i]["act_mem_bytes"]) for i in order) for b, v in sizes.items()}
+    output = {b: tuple(float(v[i]["act_output_bytes"]) for i in order) for b, v in sizes.items()}
+    times, missing = {}, {}
+    for device in sorted(os.listdir(model_dir)):
+        with open(os.path.join(model_dir, device, "profile.json")) as f:
+            raw = json.load(f)
+        table = {}
+        for b, by_tp in raw.items():
+            for t, layers in by_tp.items():
+                if len(layers) != num_layers:
+                    # The known flaw: GPT-Neo-2.7 on GH-96 is the 26-layer OPT-350 profile.
+                    missing[device] = (
+                        f"its Sailor file has {len(layers)} layers, the model {num_layers}"
+                    )
+                    continue
+                rows = [layers[i] for i in order]
+                table[(int(b), int(t))] = LayerTimes(
+                    forward=tuple(float(r[0]) for r in rows),
+                    backward=tuple(float(r[1]) for r in rows),
+                    update=tuple(float(r[2]) for r in rows),
+                )
+        if table:
+            times[device] = table
+            missing.pop(device, None)
+    network = os.path.join(directory, "network")
+    intra, inter = {}, {}
+    with open(os.path.join(network, "intra_node_bandwidths.json")) as f:
+        for device, by_n in json.load(f).items():
+            intra[device] = {int(n): _sailor_link(e) for n, e in by_n.items()}
+    for name in ("multizone_bandwidths.json", "multizone_bandwidths_het.json"):
+        with open(os.path.join(network, name)) as f:
+            raw = json.load(f)
+        zone = "us-central1-a"  # every measured plan ran in one zone
+        for a, by_na in raw.get(zone, {}).items():
+            for na, to in by_na.items():
+                for b, by_nb in to.get(zone, {}).items():
+                    for nb, e in by_nb.items():
+                        inter.setdefault((a, int(na), b, int(nb)), _sailor_link(e))
+    kinds = tuple(
+        "embedding" if i == 0 else "head" if i == num_layers - 1 else "block"
+        for i in range(num_layers)
+    )
+    return Profile(
+        model=model,
+        layer_kinds=kinds,
+        params_bytes=params,
+        activation_bytes=activation,
+        output_bytes=output,
+        times=times,
+        memory={d: DEVICE_MEMORY[d] for d in times if d in DEVICE_MEMORY},
+        intra=intra,
+        inter=inter,
+        missing=missing,
+    )
+
+
+def profile_to_json(profile: Profile) -> dict:
+    """The profile as one JSON-ready object (format ``"jpipe-profile/1"``)."""
+    return {
+        "format": FORMAT,
+        "model": profile.model,
+        "layer_kinds": list(profile.layer_kinds),
+        **({} if profile.layer_blocks is None else {"layer_blocks": list(profile.layer_blocks)}),
+        "params_bytes": list(profile.params_bytes),
+        "activation_bytes": {str(b): list(v) for b, v in profile.activation_bytes.items()},
+        "output_bytes": {str(b): list(v) for b, v in profile.output_bytes.items()},
+        "devices": {
+            d: {
+                "memory_bytes": profile.memory.get(d),
+                "times": [
+                    {"microbatch_size": b, "tensor_parallel": t, **lt.to_json()}
+                    for (b, t), lt in sorted(table.items())
+                ],
+            }
+            for d, table in profile.times.items()
+        },
+        "intra_node": [
+            {"device": d, "gpus": n, **link.to_json()}
+            for d, links in profile.intra.items()
+            for n, link in sorted(links.items())
+        ],
+        "inter_node": [
+            {"device_a": a, "gpus_a": na, "device_b": b, "gpus_b": nb, **link.to_json()}
+            for (a, na, b, nb), link in profile.inter.items()
+        ],
+    }
+
+
+def _floats(xs, what: str, n: int | None = None) -> tuple[float, ...]:
+    out = tuple(float(x) for x in xs)
+    if n is not None and len(out) != n:
+        raise ValueError(
+            f"profile field {what} has {len(out)} values, expected {n} (one per layer)"
+        )
+    for x in out:
+        if not math.isfinite(x) or x < 0:
+            raise ValueError(f"profile field {what} has {x!r}; values must be non-negative")
+    return out
+
+
+def profile_from_json(d: dict) -> Profile:
+    """Reads a profile written by `profile_to_json`; errors name the bad field."""
+    if d.get("format") != FORMAT:
+        raise ValueError(f"not a jpipe profile: 'format' is {d.get('format')!r}, not {FORMAT!r}")
+    try:
+        kinds = tuple(d["layer_kinds"])
+        n = len(kinds)
+        times, memory = {}, {}
+        for device, dev in d["devices"].items():
+            table = {}
+            for e in dev["times"]:
+                key = (int(e["microbatch_size"]), int(e["tensor_parallel"]))
+                where = f"devices.{device}.times[B={key[0]}, T={key[1]}]"
+                split = "input_grad" in e and e["input_grad"] is not None
+                table[key] = LayerTimes(
+                    forward=_floats(e["forward"], f"{where}.forward", n),
+                    backward=_floats(e["backward"], f"{where}.backward", n),
+                    update=_floats(e["update"], f"{where}.update", n),
+                    input_grad=_floats(e["input_grad"], f"{where}.input_grad", n)
+                    if split
+                    else None,
+                    weight_grad=_floats(e["weight_grad"], f"{where}.weight_grad", n)
+                    if split
+                    else None,
+                )
+            times[device] = table
+            if dev.get("memory_bytes") is not None:
+                memory[device] = float(dev["memory_bytes"])
+        return Profile(
+            model=str(d["model"]),
+            layer_kinds=kinds,
+            params_bytes=_floats(d["params_bytes"], "params_bytes", n),
+            activation_bytes={
+                int(b): _floats(v, f"activation_bytes[{b}]", n)
+                for b, v in d["activation_bytes"].items()
+            },
+            output_bytes={
+                int(b): _floats(v, f"output_bytes[{b}]", n) for b, v in d["output_bytes"].items()
+            },
+            times=times,
+            memory=memory,
+            intra=_intra(d.get("intra_node", [])),
+            layer_blocks=None
+            if d.get("layer_blocks") is None
+            else tuple(int(b) for b in d["layer_blocks"]),
+            inter={
+                (e["device_a"], int(e["gpus_a"]), e["device_b"], int(e["gpus_b"])): Link.from_json(
+                    e
+                )
+                for e in d.get("inter_node", [])
+            },
+        )
+    except KeyError as e:
+        raise ValueError(f"the profile is missing the field {e.args[0]!r}") from None
+
+
+def _intra(entries) -> dict[str, dict[int, Link]]:
+    out: dict[str, dict[int, Link]] = {}
+    for e in entries:
+        out.setdefault(e["device"], {})[int(e["gpus"])] = Link.from_json(e)
+    return out
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile_to_json(profile), f)
+
+
+def load_profile(path: str) -> Profile:
+    """Reads a jpipe profile file."""
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+    return profile_from_json(d)
+
+
+def profile_from_stage_times(
+    stage_times,
+    device: str,
+    *,
+    microbatch_size: int,
+    tensor_parallel: int = 1,
+    params_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    output_bytes: Sequence[float] | None = None,
+    update: Sequence[float] | None = None,
+    memory_bytes: float | None = None,
+    blocks_per_stage: Sequence[int] | None = None,
+    link_bytes_per_s: float = math.inf,
+    model: str = "measured",
+) -> Profile:
+    """Turns the trainer's measured per-stage times into a profile.
+
+    Each measured stage becomes one profile "layer" (the finest grain the
+    trainer measures), so the planner can re-split or re-place whole stages.
+
+    Args:
+      stage_times: anything with per-stage tuples ``F``, ``I``, ``W`` (and
+        optionally ``B``), seconds per microbatch, like the trainer's
+        ``StageTimes`` from ``measure_stages``.
+      device: the device type the times were measured on.
+      microbatch_size, tensor_parallel: the (B, T) they were measured at.
+      params_bytes, activation_bytes, output_bytes: bytes per stage, if known
+        (default 0).
+      update: optimizer-update seconds per stage (default 0).
+      memory_bytes: the device's memory, if known.
+      blocks_per_stage: transformer blocks in each measured stage (the
+        trainer's layers per stage), so a plan counts blocks, not stages.
+      link_bytes_per_s: bandwidth between devices, inside and across nodes;
+        the default (unmeasured) makes transfers free.
+      model: a name for the profile.
+    """
+    F = _floats(stage_times.F, "F")
+    n = len(F)
+    I = _floats(stage_times.I, "I", n)
+    W = _floats(stage_times.W, "W", n)
+    B = getattr(stage_times, "B", None)
+    B = _floats(B, "B", n) if B is not None else tuple(i + w for i, w in zip(I, W))
+    zeros = (0.0,) * n
+    b = int(microbatch_size)
+    return Profile(
+        model=model,
+        layer_kinds=("block",) * n,
+        params_bytes=_floats(params_bytes, "params_bytes", n) if params_bytes else zeros,
+        activation_bytes={b: _floats(activation_bytes, "activation_bytes", n)}
+        if activation_bytes
+        else {b: zeros},
+        output_bytes={b: _floats(output_bytes, "output_bytes", n)} if output_bytes else {b: zeros},
+        times={
+            device: {
+                (b, int(tensor_parallel)): LayerTimes(
+                    forward=F,
+                    backward=B,
+                    update=_floats(update, "update", n) if update else zeros,
+                    input_grad=I,
+                    weight_grad=W,
+                )
+            }
+        },
+        memory={} if memory_bytes is None else {device: float(memory_bytes)},
+        layer_blocks=None if blocks_per_stage is None else tuple(int(b) for b in blocks_per_stage),
+        intra={device: {1: Link(link_bytes_per_s)}},
+        inter={(device, 1, device, 1): Link(link_bytes_per_s)},
+    )
+
+
+def monotone_in_batch(profile: Profile) -> Profile:
+    """The profile with every layer time made non-decreasing in microbatch size.
+
+    A layer cannot take longer on B sequences than on 2B; where a profile
+    says it does (noise in the measurement, as in Sailor's GH-96 OPT-350 entry
+    at B = 1, T = 4, slower than at B = 2), the time at the larger size bounds
+    the smaller one. Applied per device, tensor-parallel degree, layer and kind
+    of time (forward, backward, input and weight gradient); updates are
+    unchanged. Returns a new profile; what changed is not recorded per entry.
+    """
+
+    def clean(table):
+        out = dict(table)
+        for tp in {t for _, t in table}:
+            sizes = sorted(b for b, t in table if t == tp)
+            bound = None
+            for b in reversed(sizes):
+                lt = table[(b, tp)]
+                if bound is not None:
+                    lt = LayerTimes(
+                        forward=tuple(map(min, lt.forward, bound.forward)),
+                        backward=tuple(map(min, lt.backward, bound.backward)),
+                        update=lt.update,
+                        input_grad=None
+                        if lt.input_grad is None or bound.input_grad is None
+                        else tuple(map(min, lt.input_grad, bound.input_grad)),
+                        weight_grad=None
+                        if lt.weight_grad is None or bound.weight_grad is None
+                        else tuple(map(min, lt.weight_grad, bound.weight_grad)),
+                    )
+                out[(b, tp)] = lt
+                bound = lt
+        return out
+
+    return dataclasses.replace(
+        profile, times={d: clean(t) for d, t in profile.times.items()}, derived=set(), _links={}
+    )

@@ -1,0 +1,119 @@
+"""A plan file trains through train.py, and the trainer's profile mode writes a profile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+import jpipe
+from jpipe.planning import (
+    ClusterPlan,
+    DeviceGroup,
+    evaluate,
+    load_profile,
+    plan_file,
+    profile_from_stage_times,
+)
+from jpipe.train.config import ConfigError, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StageTimes(NamedTuple):
+    F: tuple
+    I: tuple
+    W: tuple
+    B: tuple
+
+
+def _plan_file(tmp_path) -> Path:
+    """A 2-stage plan of 3 measured one-block stages: blocks (2, 1) over pipe=2."""
+    times = StageTimes((1.0, 1.0, 2.0), (1.0,) * 3, (1.0,) * 3, (2.0, 2.0, 4.0))
+    prof = profile_from_stage_times(times, "cpu", microbatch_size=1, blocks_per_stage=[1, 1, 1])
+    ranks = ((DeviceGroup("cpu"),), (DeviceGroup("cpu", node=1),))
+    ev = evaluate(ClusterPlan(ranks, ((0, 1), (2,)), 1, 4, "1f1b"), prof)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_file(ev, prof)))
+    return path
+
+
+def test_plan_sets_the_trainer_config(tmp_path):
+    from configs import default
+
+    config = default.get_config()
+    config.plan = str(_plan_file(tmp_path))
+    config.model.num_layers = 3
+    c = TrainConfig.from_config(config)
+    assert (c.mesh.pipe, c.mesh.data) == (2, 1) and c.layers_per_stage == "2,1"
+    assert (c.schedule, c.num_microbatches, c.batch_size) == ("1f1b", 4, 4)
+    config.model.num_layers = 4
+    with pytest.raises(ConfigError, match="splits 3 transformer blocks .*num_layers=4"):
+        TrainConfig.from_config(config)
+    config.plan = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="config.plan=.*cannot read plan file"):
+        TrainConfig.from_config(config)
+
+
+def test_plan_file_trains_through_train_py(tmp_path):
+    plan = _plan_file(tmp_path)
+    # configs/ has no `plan` field yet; a user's config file adds it
+    cfg = tmp_path / "with_plan.py"
+    cfg.write_text(
+        "from configs import default\n\n\ndef get_config():\n"
+        "    config = default.get_config()\n    config.plan = ''\n    return config\n"
+    )
+    workdir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"--config={cfg}",
+        f"--config.plan={plan}",
+        f"--workdir={workdir}",
+        "--config.steps=2",
+        "--config.eval_batches=1",
+        "--config.data.max_bytes=32768",
+        "--config.model.seq_len=16",
+        "--config.model.num_layers=3",
+        "--config.model.d_model=32",
+        "--config.model.d_ff=64",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "devices: 2 cpu devices" in done.stdout  # faked from the plan's mesh
+    assert "1f1b: 2 ranks" in done.stdout
+    assert "3 blocks as (2, 1)" in done.stdout
+    assert jpipe.read_plan_file(str(plan)).layers_per_stage == (2, 1)
+
+
+def test_profile_mode_writes_the_planner_format(tmp_path):
+    """`stage_profile` on measured times (what train.py --config.profile=True writes)."""
+    import jax
+    import numpy as np
+
+    from jpipe.planning import save_profile
+    from jpipe.train.profile import StageTimes as Measured
+    from jpipe.train.profile import stage_profile
+
+    class Mesh:
+        devices = np.array([[jax.devices()[0]]], dtype=object)
+
+    class Pipeline:  # the two things stage_profile reads from a jpipe.Pipeline
+        mesh = Mesh()
+
+        def unpack(self, params):
+            return params
+
+    times = Measured(F=(0.1, 0.2), I=(0.15, 0.25), W=(0.05, 0.1), B=(0.2, 0.35))
+    params = [{"w": np.zeros(10, np.float32)}, {"w": np.zeros(3, np.float32), "b": np.zeros(1)}]
+    prof = stage_profile(Pipeline(), params, times, 2, (2, 1))
+    save_profile(prof, str(tmp_path / "profile.json"))
+    measured = load_profile(str(tmp_path / "profile.json"))
+    assert measured == prof and measured.params_bytes == (40.0, 20.0)
+    assert [measured.blocks(l) for l in range(2)] == [2, 1]
+    t = measured.layer_times(jax.devices()[0].device_kind, 2, 1)
+    assert t.forward == (0.1, 0.2) and t.split() == ((0.15, 0.25), (0.05, 0.1))
