@@ -25,7 +25,7 @@ alike):
 - the **transfer** alone: a loop of `ppermute`s of one stage output
   between the two processes.
 
-Every row's loss is checked against the one-process loss. The predictions
+Every row's loss is compared with the one-process loss (the last column). The predictions
 use the measured pieces and transfer: ``sim ideal`` is
 ``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))`` (ranks that
 overlap perfectly); ``sim lock-step`` is the program jpipe compiles,
