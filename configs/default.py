@@ -69,6 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.d_model = 64  # D, model width
     config.model.d_ff = 256  # MLP hidden width
     config.model.dtype = "float32"  # compute dtype: "float32", "bfloat16" or "float16"
+    # Run each stage's blocks in one nn.scan (stacked per-stage block weights; the
+    # same model and initial weights as unrolled, one traced block per stage).
+    config.model.scan_layers = False
 
     # Optimizer: AdamW, linear warm-up then cosine decay, global-norm clipping.
     config.optimizer = ml_collections.ConfigDict()

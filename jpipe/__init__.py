@@ -31,7 +31,7 @@ from jpipe._profile import load_sailor_profile
 from jpipe._registry import get_schedule, register_schedule, registered_schedules
 from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
-from jpipe._stage import StageKernels, stage_pieces
+from jpipe._stage import StageKernels, WeightedLoss, stage_pieces
 from jpipe._validate import ScheduleError, validate
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "StageKernels",
     "TICK_LAYOUTS",
     "W",
+    "WeightedLoss",
     "describe_devices",
     "evaluate_plan",
     "get_schedule",

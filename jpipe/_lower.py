@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._pack import ParamLayout
 from jpipe._plan import COLUMNS, Plan
-from jpipe._stage import StageKernels, loss_seed, merge_widths
+from jpipe._stage import StageKernels, WeightedLoss, loss_seed, merge_widths
 
 
 class Program(NamedTuple):
@@ -122,16 +122,21 @@ def build_step(
     if kernels is None:
         kernels = trace_kernels(stage_fns, layout, microbatch_inputs)
     last = kernels[-1]
+    weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
     loss_leaves = jax.tree.leaves(last.y)
     if (
-        len(loss_leaves) != 1
-        or loss_leaves[0].shape != ()
-        or not jnp.issubdtype(loss_leaves[0].dtype, jnp.floating)
+        len(loss_leaves) != (2 if weighted else 1)
+        or any(leaf.shape != () for leaf in loss_leaves)
+        or not all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in loss_leaves)
     ):
         raise ValueError(
-            f"the last stage must return the microbatch's loss as a float scalar, got {last.y}"
+            "the last stage must return the microbatch's loss as a float scalar, or a "
+            f"jpipe.WeightedLoss(total, weight) of two float scalars; got {last.y}"
         )
-    loss_dtype = loss_leaves[0].dtype
+    loss_dtype = jnp.result_type(*(leaf.dtype for leaf in loss_leaves))
+    # The loss accumulator: the sum of the microbatch losses, or of the
+    # weighted losses' totals and weights.
+    loss_zero = jnp.zeros((2,) if weighted else (), loss_dtype)
     for s, k in enumerate(kernels[:-1]):
         for leaf in jax.tree.leaves(k.y):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -182,8 +187,9 @@ def build_step(
             y, residuals = k.forward(stage_params(s, flat), x, inputs)
             res_new = k.res_layout.pack(residuals, res_widths)
             if s == S - 1:
-                return zero_send(), res_new, y[0].astype(loss_dtype)
-            return k.y_layout.pack(y, io_widths), res_new, jnp.zeros((), loss_dtype)
+                loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
+                return zero_send(), res_new, loss_piece.astype(loss_dtype)
+            return k.y_layout.pack(y, io_widths), res_new, loss_zero
 
         return run
 
@@ -192,7 +198,12 @@ def build_step(
 
         def run(flat, inputs, io_val, res_val):
             residuals = k.res_layout.unpack(res_val)
-            if s == S - 1:
+            if s == S - 1 and weighted:
+                # d(total) = 1 and d(weight) = 0: the step divides by the summed
+                # weights once, at the end (the weight must not depend on the
+                # parameters).
+                g = [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(loss_leaves)]
+            elif s == S - 1:
                 g = loss_seed(M, loss_dtype)
             else:
                 g = k.y_layout.unpack(io_val)
@@ -233,7 +244,7 @@ def build_step(
         tab = tab[:, 0]
         carry0 = (
             {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
-            jnp.zeros((), loss_dtype),
+            loss_zero,
             {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
             {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
             {dt: jnp.zeros((plan.num_carry + 1, n), dt) for dt, n in carry_widths.items()},
@@ -272,7 +283,7 @@ def build_step(
                 return write(res, row[col["f_res"]], res_new), send, loss_piece
 
             res, send_f, loss_piece = lax.cond(
-                runs_f, forward, lambda r: (r, zero_send(), jnp.zeros((), loss_dtype)), res
+                runs_f, forward, lambda r: (r, zero_send(), loss_zero), res
             )
 
             def input_grad(carry):
@@ -344,6 +355,17 @@ def build_step(
             return (grads, loss, io, res, carry, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
+        if weighted:
+            # The weighted mean over every microbatch of every data shard,
+            # divided once: sum(totals) / sum(weights), and the gradients of
+            # the totals (seeded with 1) by the same sum of weights.
+            axes = (pipe_axis,) + ((data_axis,) if data_axis is not None else ())
+            total, weight = lax.psum(loss[0], axes), lax.psum(loss[1], axes)
+            loss = total / weight
+            if data_axis is not None:
+                grads = {b: lax.psum(g, data_axis) for b, g in grads.items()}
+            grads = {b: (g / weight).astype(g.dtype) for b, g in grads.items()}
+            return loss, {b: g[None] for b, g in grads.items()}
         loss = lax.psum(loss, pipe_axis) / M
         if data_axis is not None:
             loss = lax.pmean(loss, data_axis)

@@ -27,6 +27,7 @@ from jpipe._lower import Program, build_step, trace_kernels
 from jpipe._pack import ParamLayout
 from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
+from jpipe._stage import WeightedLoss
 from jpipe._validate import analyze
 
 
@@ -171,7 +172,10 @@ class Pipeline:
 
     Args:
       stages: the stage functions ``stage(params, x, inputs) -> y`` in order;
-        the first gets ``x=None``, the last returns its microbatch's mean loss.
+        the first gets ``x=None``, the last returns its microbatch's mean loss
+        (the step's loss is then the mean over microbatches), or a
+        `jpipe.WeightedLoss` ``(total, weight)`` (the step's loss is then
+        ``sum(total) / sum(weight)``, e.g. a token-masked mean of the batch).
       schedule: a `jpipe.Schedule` with one stage per function.
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count (and
         optionally a ``data`` axis).
@@ -430,7 +434,8 @@ def reference_value_and_grad(
 
     Runs the stages one after another on each microbatch (cut as `Pipeline`
     cuts them) and averages; with ``num_microbatches=1`` it is the model on the
-    whole batch.
+    whole batch. A last stage that returns a `jpipe.WeightedLoss` gives
+    ``sum(total) / sum(weight)`` over the microbatches, as the pipeline does.
     """
 
     def loss_fn(params_list):
@@ -438,6 +443,8 @@ def reference_value_and_grad(
             lambda inputs: run_stages(stages, params_list, inputs),
             microbatches(batch, num_microbatches),
         )
+        if isinstance(losses, WeightedLoss):
+            return jnp.sum(losses.total) / jnp.sum(losses.weight)
         return jnp.mean(losses)
 
     return jax.value_and_grad(loss_fn)(params_list)

@@ -14,7 +14,49 @@ into three pieces that can run in different ticks on the same rank:
 The split is exact: the backward is traced once to a jaxpr, and its equations
 are divided between the pieces by what each output depends on, so ``I`` and
 ``W`` together do the work of one backward, with nothing recomputed. A full
-backward ``B`` runs as ``I`` then ``W``.
+backward ``B`` runs as ``I`` then ``W``. The bodies of jit and remat calls
+are spliced in first (`_inline_calls`), so the division sees inside them.
+
+Scanned layers. A stage that runs its layers in `jax.lax.scan` (``nn.scan``,
+``nn.remat_scan`` with one level, a scan of a `jax.checkpoint`-ed layer) has its whole
+backward in one scan equation: the transpose of the forward scan, whose
+carry is the activation cotangent and whose xs are the per-layer weights and
+residuals. Left whole, it would go to ``I`` (it reads the weights) and hand
+``W`` finished weight gradients. Instead each scan of the backward is split
+by the same rule, applied to its body (`_plan_scan`):
+
+- the I-scan runs the body equations that the scan outputs ``I`` needs
+  depend on, plus the cotangent chain (body equations that read a weight:
+  a body input whose operand is a stage parameter, such as a layer's
+  weights scanned as xs) and what they need; a carry whose incoming value
+  the I-scan reads is carried by the I-scan, to a fixed point. It also
+  emits, as extra ys stacked over the iterations, every body value the W
+  part reads that the I part made (or an I carry's incoming value): the
+  per-layer cotangents and activations ``W`` needs, which become the
+  stage's carry, about what the unrolled stage carries.
+- the W-scan runs the rest, with the same ``length``, ``reverse`` and
+  ``unroll``: the weight-gradient products, reading the stacked values as
+  xs. Gradients of per-layer weights come out as its ys; gradients of
+  weights shared by every iteration (scan consts) accumulate in its carry.
+
+Every body equation runs in exactly one of the two scans, so nothing is
+computed twice; both scans keep only the operands they read. Which outputs
+of a scan ``I`` needs depends on the division of the whole backward, which
+depends on the split scans, so `_split_scans` starts from none and grows
+the set when ``I``'s slice reaches a W-scan (it does for a scan whose carry
+output feeds an input gradient through equations that do not read weights).
+The stage-level rule keeps a W-scan in ``W`` even where it reads a weight,
+which would otherwise put it in the chain.
+
+JAX 0.10.2's ``lax.scan(..., _split_transpose=True)`` was the alternative:
+in this version the argument is accepted and ignored (the scan primitive has
+no such parameter; its transpose is one scan), so jpipe splits scans itself.
+Limits: a scan nested inside a scan body is not split further (it runs
+whole in the piece the rule gives it: exact, but ``nn.remat_scan`` with
+``lengths=(2, 2)`` then carries its weight gradients again); and a scan's
+backward runs every iteration alike, so in a stage without an input
+gradient it still computes the cotangent into its first layer, which an
+unrolled backward drops as dead code (JAX's own transpose does the same).
 
 Values between pieces are kept as flat vectors, one per dtype (`FlatLayout`),
 so that the stages, whose pytrees differ, can share fixed-size buffers.
@@ -110,8 +152,32 @@ def _body(eqn):
     return sub, []
 
 
+def _needs_inline(jaxpr) -> bool:
+    """Whether `jaxpr` has a call-like equation, here or inside a scan body."""
+    for eqn in jaxpr.eqns:
+        if _body(eqn) is not None:
+            return True
+        if eqn.primitive.name == "scan" and _needs_inline(eqn.params["jaxpr"].jaxpr):
+            return True
+    return False
+
+
+def _bind(eqn, invals, **changes):
+    """Binds `eqn`'s primitive on `invals`, with some params changed; a list of outputs."""
+    params = eqn.primitive.get_bind_params(dict(eqn.params, **changes))
+    subfuns = []
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
 def _eval_inline(jaxpr, consts, args):
-    """Evaluates `jaxpr`, running the bodies of call-like equations inline."""
+    """Evaluates `jaxpr`, running the bodies of call-like equations inline.
+
+    Scan bodies are inlined too (the scan itself stays), so that `_plan_scan`
+    sees inside the jit and remat calls of a scanned layer.
+    """
     env = {}
 
     def read(v):
@@ -126,14 +192,10 @@ def _eval_inline(jaxpr, consts, args):
         body = _body(eqn)
         if body is not None:
             outs = _eval_inline(body[0], body[1], invals)
+        elif eqn.primitive.name == "scan":
+            outs = _bind(eqn, invals, jaxpr=_inline_calls(eqn.params["jaxpr"]))
         else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            subfuns = []
-            if isinstance(params, tuple):  # older JAX: (subfuns, params)
-                subfuns, params = params
-            outs = eqn.primitive.bind(*subfuns, *invals, **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = _bind(eqn, invals)
         for v, out in zip(eqn.outvars, outs):
             env[v] = out
     return [read(v) for v in jaxpr.outvars]
@@ -141,7 +203,7 @@ def _eval_inline(jaxpr, consts, args):
 
 def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """The same computation with jit and remat bodies spliced in (recursively)."""
-    if not any(_body(e) is not None for e in closed.jaxpr.eqns):
+    if not _needs_inline(closed.jaxpr):
         return closed
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *args: _eval_inline(closed.jaxpr, closed.consts, args))(*avals)
@@ -247,6 +309,21 @@ class StageKernels:
     def weight_grad(self, params, inputs, res, carry):
         """The W piece: returns the parameter gradient leaves."""
         return list(self._w_fn(*jax.tree.leaves(params), *jax.tree.leaves(inputs), *res, *carry))
+
+
+class WeightedLoss(NamedTuple):
+    """What a last stage returns for a loss that is not an equal-weight mean of rows.
+
+    ``total`` is the microbatch's summed loss (e.g. over its unmasked tokens)
+    and ``weight`` what it counts (e.g. those tokens). The pipeline's loss is
+    ``sum(total) / sum(weight)`` over every microbatch (and data shard), and
+    its gradients are those of that quotient: a token-masked mean equals the
+    masked mean of the whole batch, not a mean of per-microbatch means. The
+    weight must not depend on the parameters.
+    """
+
+    total: Any
+    weight: Any
 
 
 def loss_seed(num_microbatches: int, dtype):
@@ -365,6 +442,313 @@ def _trace_forward(fn, params, x, inputs) -> _Forward:
     )
 
 
+def _producers(jaxpr) -> dict:
+    return {v: idx for idx, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+
+
+def _slice(jaxpr, producer: dict, outs, stop=frozenset()) -> set:
+    """Indices of the equations of `jaxpr` that `outs` need (not crossing `stop`)."""
+    needed, seen = set(), set()
+    frontier = [v for v in outs if not _is_lit(v)]
+    while frontier:
+        v = frontier.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        idx = producer.get(v)
+        if idx is None or idx in stop:
+            continue
+        needed.add(idx)
+        frontier.extend(u for u in jaxpr.eqns[idx].invars if not _is_lit(u))
+    return needed
+
+
+def _reads(eqn, variables) -> bool:
+    return any(not _is_lit(u) and u in variables for u in eqn.invars)
+
+
+def _equations_run(eqns) -> int:
+    """Equations run, a scan's body counted once per iteration."""
+    total = 0
+    for eqn in eqns:
+        if eqn.primitive.name == "scan":
+            total += eqn.params["length"] * _equations_run(eqn.params["jaxpr"].jaxpr.eqns)
+        else:
+            total += 1
+    return total
+
+
+def _unique(variables) -> list:
+    out, seen = [], set()
+    for v in variables:
+        if not _is_lit(v) and v not in seen:
+            seen.add(v)
+            out.append(v)
+    return out
+
+
+class _ScanPlan(NamedTuple):
+    """How one scan of the backward runs as an I-scan and a W-scan.
+
+    Operand and output positions are those of the original scan equation;
+    the I-scan's outputs are its carries, its ys, then the stacked values
+    the W-scan reads as extra xs.
+    """
+
+    i_jaxpr: Any  # ClosedJaxpr, or None when W does all of it
+    i_operands: tuple
+    i_outputs: tuple
+    w_jaxpr: Any  # ClosedJaxpr
+    w_operands: tuple
+    w_outputs: tuple
+    i_num_consts: int
+    i_num_carry: int
+    w_num_consts: int
+    w_num_carry: int
+
+
+def _closed(body: ClosedJaxpr, invars, outvars, eqns, name: str) -> ClosedJaxpr:
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    info = DebugInfo(
+        "jpipe",
+        name,
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    jaxpr = Jaxpr(body.jaxpr.constvars, invars, outvars, eqns, effects, debug_info=info)
+    return ClosedJaxpr(jaxpr, body.consts)
+
+
+def _plan_scan(eqn, need: set, param_operands: set) -> _ScanPlan | None:
+    """Divides one scan of the backward by the same rule as the stage's equations.
+
+    Inside the body, I gets what the outputs in `need` (those the stage's I
+    piece reads) need, plus the cotangent chain: every live equation that
+    reads a parameter (a body input whose operand is one of the stage's
+    parameters, such as the layer's weights scanned as xs) and what it
+    needs. A carry whose incoming value I reads is carried by I, so the
+    rule is iterated to a fixed point. W gets the rest (the weight-gradient
+    products, and the accumulators of weights shared by every iteration),
+    and reads what I made in the body as xs stacked over the iterations,
+    which the I-scan emits as extra ys.
+
+    Returns None when I does all of it (the scan then stays whole).
+    """
+    body = eqn.params["jaxpr"]
+    jb = body.jaxpr
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    invars, outvars = list(jb.invars), list(jb.outvars)
+    producer = _producers(jb)
+    params_read = {invars[k] for k in param_operands}
+    live = _slice(jb, producer, outvars)
+    chain = [
+        v for idx in sorted(live) if _reads(jb.eqns[idx], params_read) for v in jb.eqns[idx].outvars
+    ]
+    i_outs = set(need)
+    while True:
+        i_eqns = _slice(jb, producer, [outvars[j] for j in i_outs] + chain)
+        i_made = {v for idx in i_eqns for v in jb.eqns[idx].outvars}
+        reads = {u for idx in i_eqns for u in jb.eqns[idx].invars if not _is_lit(u)}
+        reads |= {outvars[j] for j in i_outs if not _is_lit(outvars[j])}
+        grow = {k for k in range(ncar) if invars[nc + k] in reads}
+        # An output I makes anyway is I's: W would otherwise take it stacked.
+        grow |= {j for j, v in enumerate(outvars) if not _is_lit(v) and v in i_made}
+        if grow <= i_outs:
+            break
+        i_outs |= grow
+    w_outs = [j for j in range(len(outvars)) if j not in i_outs]
+    if not w_outs:
+        return None
+    i_carry = [k for k in range(ncar) if k in i_outs]
+    w_carry = [k for k in range(ncar) if k not in i_outs]
+    i_ys = sorted(j for j in i_outs if j >= ncar)
+    w_ys = [j for j in w_outs if j >= ncar]
+    w_eqns = _slice(jb, producer, [outvars[j] for j in w_outs], stop=frozenset(i_eqns))
+    i_carry_in = {invars[nc + k] for k in i_carry}
+    w_reads = _unique(
+        [u for idx in sorted(w_eqns) for u in jb.eqns[idx].invars] + [outvars[j] for j in w_outs]
+    )
+    stacked = [u for u in w_reads if u in i_made or u in i_carry_in]
+    position = {v: p for p, v in enumerate(invars)}
+
+    def outer(used):  # the consts and xs among `used`, as operand positions
+        ps = sorted(position[u] for u in used if u in position)
+        return [p for p in ps if p < nc], [p for p in ps if p >= nc + ncar]
+
+    w_consts, w_xs = outer(w_reads)
+    w_invars = (
+        [invars[p] for p in w_consts]
+        + [invars[nc + k] for k in w_carry]
+        + [invars[p] for p in w_xs]
+        + stacked
+    )
+    w_jaxpr = _closed(
+        body,
+        w_invars,
+        [outvars[k] for k in w_carry] + [outvars[j] for j in w_ys],
+        [jb.eqns[idx] for idx in sorted(w_eqns)],
+        "W-scan",
+    )
+    w_plan = dict(
+        w_jaxpr=w_jaxpr,
+        w_operands=tuple(w_consts + [nc + k for k in w_carry] + w_xs),
+        w_outputs=tuple(w_carry + w_ys),
+        w_num_consts=len(w_consts),
+        w_num_carry=len(w_carry),
+    )
+    if not i_outs:
+        return _ScanPlan(None, (), (), i_num_consts=0, i_num_carry=0, **w_plan)
+    i_consts, i_xs = outer(reads)
+    i_invars = [invars[p] for p in i_consts] + [invars[nc + k] for k in i_carry]
+    i_jaxpr = _closed(
+        body,
+        i_invars + [invars[p] for p in i_xs],
+        [outvars[k] for k in i_carry] + [outvars[j] for j in i_ys] + stacked,
+        [jb.eqns[idx] for idx in sorted(i_eqns)],
+        "I-scan",
+    )
+    return _ScanPlan(
+        i_jaxpr=i_jaxpr,
+        i_operands=tuple(i_consts + [nc + k for k in i_carry] + i_xs),
+        i_outputs=tuple(i_carry + i_ys),
+        i_num_consts=len(i_consts),
+        i_num_carry=len(i_carry),
+        **w_plan,
+    )
+
+
+def _run_plans(closed: ClosedJaxpr, plans: dict) -> ClosedJaxpr:
+    """`closed` retraced with each planned scan run as its I-scan then its W-scan."""
+
+    def run(*args):
+        env = {}
+
+        def read(v):
+            return v.val if _is_lit(v) else env[v]
+
+        jaxpr = closed.jaxpr
+        for v, c in zip(jaxpr.constvars, closed.consts):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for idx, eqn in enumerate(jaxpr.eqns):
+            invals = [read(v) for v in eqn.invars]
+            plan = plans.get(idx)
+            if plan is None:
+                outs = _bind(eqn, invals)
+            else:
+                outs = [None] * len(eqn.outvars)
+                stacked = []
+                if plan.i_jaxpr is not None:
+                    i_outs = _bind(
+                        eqn,
+                        [invals[p] for p in plan.i_operands],
+                        jaxpr=plan.i_jaxpr,
+                        num_consts=plan.i_num_consts,
+                        num_carry=plan.i_num_carry,
+                    )
+                    for j, out in zip(plan.i_outputs, i_outs):
+                        outs[j] = out
+                    stacked = i_outs[len(plan.i_outputs) :]
+                w_outs = _bind(
+                    eqn,
+                    [invals[p] for p in plan.w_operands] + stacked,
+                    jaxpr=plan.w_jaxpr,
+                    num_consts=plan.w_num_consts,
+                    num_carry=plan.w_num_carry,
+                )
+                for j, out in zip(plan.w_outputs, w_outs):
+                    outs[j] = out
+            for v, out in zip(eqn.outvars, outs):
+                env[v] = out
+        return [read(v) for v in jaxpr.outvars]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(run)(*avals)
+
+
+class _Division(NamedTuple):
+    i_eqns: set
+    w_eqns: set
+    carry: list
+
+
+def _divide(jaxpr, p_vars, g_vars, dp_out, dx_out, is_w_scan) -> _Division:
+    """Which equations of the backward `jaxpr` I runs, which W runs, and the carry."""
+    producer = _producers(jaxpr)
+    # I: everything the input gradient needs, and the whole cotangent chain
+    # through the stage: every equation that reads a parameter (as
+    # ``dy @ w.T`` does) and what it needs. W: the rest, the products that
+    # make parameter gradients (``x.T @ dy``) from what I carries over.
+    # For a middle stage the chain is what dx needs anyway; for the first
+    # stage, which has no dx, it keeps the backward through its layers in
+    # I instead of leaving all of it to W, so I and W are closer in cost
+    # (a two-layer first stage: one product in I, two in W). A value that
+    # the backward recomputes from a parameter and only W needs (a cast,
+    # a weight norm) is thereby made in I and carried to W: exact, at the
+    # cost of carry memory. A W-scan (`_plan_scan`) reads the scanned
+    # weights too but belongs to W: the chain inside it went to its I-scan.
+    live = _slice(jaxpr, producer, dp_out + dx_out)
+    params_read = set(p_vars)
+    chain = [
+        v
+        for idx in sorted(live)
+        if _reads(jaxpr.eqns[idx], params_read) and not is_w_scan(jaxpr.eqns[idx])
+        for v in jaxpr.eqns[idx].outvars
+    ]
+    i_eqns = _slice(jaxpr, producer, dx_out + chain)
+    w_eqns = _slice(jaxpr, producer, dp_out, stop=frozenset(i_eqns))
+    # The carry: values the W piece reads that the I piece made or received.
+    i_made = {v for idx in i_eqns for v in jaxpr.eqns[idx].outvars}
+    w_reads = [u for idx in sorted(w_eqns) for u in jaxpr.eqns[idx].invars] + dp_out
+    carry = [u for u in _unique(w_reads) if u in i_made or u in set(g_vars)]
+    return _Division(i_eqns, w_eqns, carry)
+
+
+def _split_scans(closed: ClosedJaxpr, num_params: int, roles):
+    """Splits every scan of the backward into an I-scan and a W-scan.
+
+    Which outputs of a scan the I piece needs depends on the division of the
+    whole backward, which depends on the split scans; so it starts from none
+    and grows: when I's slice reaches a W-scan, the outputs it reads there
+    move to that scan's I-scan, and the scans are planned again.
+
+    Returns:
+      ``(backward, division, is_w_scan)`` for the rewritten backward.
+    """
+    jaxpr = closed.jaxpr
+    scans = [idx for idx, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
+    p_vars = set(jaxpr.invars[:num_params])
+    need = {idx: set() for idx in scans}
+    while True:
+        plans, w_scans = {}, {}
+        for idx in scans:
+            eqn = jaxpr.eqns[idx]
+            operands = {k for k, v in enumerate(eqn.invars) if not _is_lit(v) and v in p_vars}
+            plan = _plan_scan(eqn, need[idx], operands)
+            if plan is not None:
+                plans[idx] = plan
+                w_scans[id(plan.w_jaxpr)] = (idx, plan)
+        new = _run_plans(closed, plans) if plans else closed
+
+        def is_w_scan(eqn, w_scans=w_scans):
+            return eqn.primitive.name == "scan" and id(eqn.params["jaxpr"]) in w_scans
+
+        division = _divide(new.jaxpr, *roles(new.jaxpr), is_w_scan)
+        grown = False
+        i_reads = {u for i in division.i_eqns for u in new.jaxpr.eqns[i].invars if not _is_lit(u)}
+        i_reads |= set(roles(new.jaxpr)[3])  # dx_out
+        for i in division.i_eqns:
+            eqn = new.jaxpr.eqns[i]
+            if is_w_scan(eqn):
+                idx, plan = w_scans[id(eqn.params["jaxpr"])]
+                read = {plan.w_outputs[j] for j, v in enumerate(eqn.outvars) if v in i_reads}
+                need[idx] |= read
+                grown = True
+        if not grown:
+            return new, division, is_w_scan
+
+
 def _split_backward(forward: _Forward, params, x, inputs) -> _Backward:
     """Traces the backward once and divides its equations between I and W."""
     has_x = x is not None
@@ -386,68 +770,24 @@ def _split_backward(forward: _Forward, params, x, inputs) -> _Backward:
     g_avals = jax.tree.leaves(forward.y)
     res_avals = list(forward.res_avals)
     closed = _inline_calls(jax.make_jaxpr(backward_flat)(p_avals, in_avals, res_avals, g_avals))
-    jaxpr = closed.jaxpr
     n_p, n_in, n_res = len(p_avals), len(in_avals), len(res_avals)
+
+    def roles(jaxpr):  # (p_vars, g_vars, dp_out, dx_out) of a backward jaxpr
+        invars = list(jaxpr.invars)
+        return (
+            invars[:n_p],
+            invars[n_p + n_in + n_res :],
+            list(jaxpr.outvars[:n_p]),
+            list(jaxpr.outvars[n_p:]),
+        )
+
+    closed, division, _ = _split_scans(closed, n_p, roles)
+    jaxpr = closed.jaxpr
+    p_vars, g_vars, dp_out, dx_out = roles(jaxpr)
     invars = list(jaxpr.invars)
-    p_vars = invars[:n_p]
     in_vars = invars[n_p : n_p + n_in]
     res_vars = invars[n_p + n_in : n_p + n_in + n_res]
-    g_vars = invars[n_p + n_in + n_res :]
-    n_dp = len(p_avals)
-    dp_out = list(jaxpr.outvars[:n_dp])
-    dx_out = list(jaxpr.outvars[n_dp:])
-
-    producer = {}
-    for idx, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.outvars:
-            producer[v] = idx
-
-    def slice_for(outs, stop=frozenset()):
-        needed, frontier = set(), [v for v in outs if not _is_lit(v)]
-        seen = set()
-        while frontier:
-            v = frontier.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            idx = producer.get(v)
-            if idx is None or idx in stop:
-                continue
-            needed.add(idx)
-            frontier.extend(u for u in jaxpr.eqns[idx].invars if not _is_lit(u))
-        return needed
-
-    # I: everything the input gradient needs, and the whole cotangent chain
-    # through the stage: every equation that reads a parameter (as
-    # ``dy @ w.T`` does) and what it needs. W: the rest, the products that
-    # make parameter gradients (``x.T @ dy``) from what I carries over.
-    # For a middle stage the chain is what dx needs anyway; for the first
-    # stage, which has no dx, it keeps the backward through its layers in
-    # I instead of leaving all of it to W, so I and W are closer in cost
-    # (a two-layer first stage: one product in I, two in W). A value that
-    # the backward recomputes from a parameter and only W needs (a cast,
-    # a weight norm) is thereby made in I and carried to W: exact, at the
-    # cost of carry memory.
-    live = slice_for(dp_out + dx_out)
-    params_read = set(p_vars)
-    chain = [
-        v
-        for idx in sorted(live)
-        if any(not _is_lit(u) and u in params_read for u in jaxpr.eqns[idx].invars)
-        for v in jaxpr.eqns[idx].outvars
-    ]
-    i_eqns = slice_for(dx_out + chain)
-    w_eqns = slice_for(dp_out, stop=frozenset(i_eqns))
-    # The carry: values the W piece reads that the I piece made or received.
-    i_made = {v for idx in i_eqns for v in jaxpr.eqns[idx].outvars}
-    carry, seen = [], set()
-    w_reads = [u for idx in sorted(w_eqns) for u in jaxpr.eqns[idx].invars] + dp_out
-    for u in w_reads:
-        if _is_lit(u) or u in seen:
-            continue
-        if u in i_made or u in set(g_vars):
-            carry.append(u)
-            seen.add(u)
+    carry = division.carry
     carry_avals = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in carry)
 
     def sub(invars_, outvars_, eqn_ids, name):
@@ -455,10 +795,11 @@ def _split_backward(forward: _Forward, params, x, inputs) -> _Backward:
         return _piece(jaxpr.constvars, invars_, outvars_, eqns, closed.consts, name)
 
     base = p_vars + in_vars + res_vars
+    i_run = _equations_run([jaxpr.eqns[i] for i in division.i_eqns])
     return _Backward(
         carry_avals=carry_avals,
-        i_fn=sub(base + g_vars, dx_out + carry, i_eqns, "I"),
-        w_fn=sub(base + carry, dp_out, w_eqns, "W"),
+        i_fn=sub(base + g_vars, dx_out + carry, division.i_eqns, "I"),
+        w_fn=sub(base + carry, dp_out, division.w_eqns, "W"),
         num_dx=len(dx_out),
-        i_flops_share=len(i_eqns) / max(1, len(jaxpr.eqns)),
+        i_flops_share=i_run / max(1, _equations_run(jaxpr.eqns)),
     )

@@ -73,12 +73,37 @@ def _head_stage(params, x, inputs):
     return -jnp.mean(picked)
 
 
-def small_model(num_stages: int, seed: int = 0):
+SCANNED_BLOCKS = 2  # blocks a stage runs in one lax.scan with scan_layers
+
+
+def _scanned_blocks(params, x):
+    """`SCANNED_BLOCKS` residual blocks in one `lax.scan`, weights stacked as xs."""
+    import jax
+
+    def body(h, block):
+        return _block_stage(block, h, None), None
+
+    return jax.lax.scan(body, x, params)[0]
+
+
+def _scanned_embed_stage(params, x, inputs):
+    return _scanned_blocks(params["blocks"], _embed_stage(params["embed"], x, inputs))
+
+
+def _scanned_block_stage(params, x, inputs):
+    del inputs
+    return _scanned_blocks(params, x)
+
+
+def small_model(num_stages: int, seed: int = 0, scan_layers: bool = False):
     """The checker's model: ``(stage_fns, params_list, make_batch)``.
 
     Stage 0 embeds tokens, the last stage applies a head and returns the mean
     cross-entropy, the ones between are residual tanh blocks. With one stage,
-    that stage does all three.
+    that stage does all three. With `scan_layers`, each middle stage runs
+    `SCANNED_BLOCKS` blocks in one `jax.lax.scan` (weights stacked on a
+    leading axis), and so does the first stage after its embedding (so the
+    scan is also tried in a stage without an input gradient).
     """
     import jax
     import jax.numpy as jnp
@@ -112,13 +137,26 @@ def small_model(num_stages: int, seed: int = 0):
             "head": normal((WIDTH, VOCAB), WIDTH**-0.5),
         }
 
+    def blocks():
+        return jax.tree.map(lambda *a: jnp.stack(a), *(block() for _ in range(SCANNED_BLOCKS)))
+
     if num_stages == 1:
 
         def whole(params, x, inputs):
             h = _embed_stage(params["embed"], None, inputs)
+            if scan_layers:
+                h = _scanned_blocks(params["blocks"], h)
             return _head_stage(params["head"], h, inputs)
 
-        stages, params = [whole], [{"embed": embed(), "head": head()}]
+        params = {"embed": embed(), "head": head()}
+        if scan_layers:
+            params["blocks"] = blocks()
+        stages, params = [whole], [params]
+    elif scan_layers:
+        stages = [_scanned_embed_stage] + [_scanned_block_stage] * (num_stages - 2)
+        stages += [_head_stage]
+        params = [{"embed": embed(), "blocks": blocks()}]
+        params += [blocks() for _ in range(num_stages - 2)] + [head()]
     else:
         stages = [_embed_stage] + [_block_stage] * (num_stages - 2) + [_head_stage]
         params = [embed()] + [block() for _ in range(num_stages - 2)] + [head()]
@@ -210,6 +248,7 @@ def check_schedule(
     rtol: float = 1e-5,
     seed: int = 0,
     tick_layout: str = "auto",
+    scan_layers: bool = False,
     **options,
 ) -> CheckResult:
     """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
@@ -224,6 +263,7 @@ def check_schedule(
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       seed: for the model's weights and the batch.
       tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
+      scan_layers: run the model's blocks in `jax.lax.scan` (see `small_model`).
       **options: passed to the schedule function.
 
     Returns:
@@ -238,7 +278,7 @@ def check_schedule(
 
     from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
 
-    stages, params, make_batch = small_model(S, seed)
+    stages, params, make_batch = small_model(S, seed, scan_layers)
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     mesh = make_mesh(R, data, devices[: R * data])

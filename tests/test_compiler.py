@@ -336,3 +336,17 @@ def test_packed_shapes_compile_like_packed_arrays():
     from_arrays = step.lower(packed, batch).compile().memory_analysis()
     assert from_shapes.temp_size_in_bytes == from_arrays.temp_size_in_bytes
     assert from_shapes.argument_size_in_bytes == from_arrays.argument_size_in_bytes
+
+
+def test_an_all_idle_program_runs_nothing():
+    # The benchmarks time it to measure the program's control alone.
+    stages, params, make_batch = testing.small_model(4)
+    schedule = jpipe.get_schedule("1f1b", 4, 4)
+    pipe = Pipeline(stages, schedule, make_mesh(4), all_idle=True)
+    packed = pipe.pack(params)
+    idle = pipe.plan.table(idle=True)
+    stage_columns = [jpipe.Plan.COLUMNS.index(c) for c in ("f_stage", "i_stage", "w_stage")]
+    assert not idle[:, :, stage_columns].any() and pipe.plan.table()[:, :, stage_columns].any()
+    loss, grads = pipe.value_and_grad(packed, jax.device_put(make_batch(8), pipe.batch_sharding))
+    assert float(loss) == 0.0
+    assert all(not np.asarray(g).any() for g in grads.values())

@@ -3,7 +3,9 @@
 A random valid schedule comes from a random placement of stages on ranks, a
 random choice of B or I+W for every backward, and a random order of all
 actions that respects the dependencies (so no rank can deadlock). Every one
-must give the unpipelined loss and gradients. A corrupted one (an action
+must give the unpipelined loss and gradients, with the checker's model
+unrolled or with its blocks in `lax.scan` (whose backward is split into an
+I-scan and a W-scan). A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
 """
@@ -53,13 +55,13 @@ slow = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 
 
 @slow
-@given(sizes, st.sampled_from(["unit", "packed"]))
-def test_random_valid_schedules_are_exact(size, layout):
+@given(sizes, st.sampled_from(["unit", "packed"]), st.booleans())
+def test_random_valid_schedules_are_exact(size, layout, scan_layers):
     seed, ranks, stages, microbatches = size
     schedule = random_schedule(seed, ranks, stages, microbatches)
     jpipe.validate(schedule)
-    result = testing.check_schedule(schedule, tick_layout=layout)
-    assert result.passed, (schedule, layout, result)
+    result = testing.check_schedule(schedule, tick_layout=layout, scan_layers=scan_layers)
+    assert result.passed, (schedule, layout, scan_layers, result)
 
 
 def corrupt(schedule: jpipe.Schedule, seed: int) -> jpipe.Schedule:

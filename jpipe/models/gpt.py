@@ -13,7 +13,10 @@ module builds that list for a GPT (pre-norm, learned positions, untied head):
 
 Every boundary between stages carries ``x_BxLxD`` in ``GPTConfig.dtype``. With a
 single stage, that stage does all of the above. ``inputs`` is the microbatch:
-``{"tokens": int32[B, L], "targets": int32[B, L]}``.
+``{"tokens": int32[B, L], "targets": int32[B, L]}``, and optionally
+``"weights": float[B, L]`` (0 on padding): the last stage then returns a
+`jpipe.WeightedLoss` (the weighted sum of token losses and the sum of the
+weights), so the pipeline's loss is the weighted mean over the whole batch.
 
 A stage's parameters are a dict with ``"embed"`` (first stage only), ``"blocks"``
 (a tuple, one entry per block, absent when the stage has none) and ``"head"``
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jpipe._stage import WeightedLoss
 from jpipe.models.staged import StagedModel, split_flax_model
 
 Params = Any  # a pytree of arrays
@@ -62,6 +66,9 @@ class GPTConfig:
       d_ff: hidden width of each block's MLP.
       dtype: compute and activation dtype, ``"float32"``, ``"bfloat16"`` or
         ``"float16"``. Parameters and the loss are always float32.
+      scan_layers: run each stage's blocks in one ``nn.scan`` (its
+        ``"blocks"`` are then stacked over its blocks); the same weights and
+        the same model as the default, unrolled blocks.
     """
 
     vocab_size: int
@@ -71,6 +78,7 @@ class GPTConfig:
     d_model: int
     d_ff: int
     dtype: str = "float32"
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
@@ -81,6 +89,10 @@ class GPTConfig:
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by num_heads={self.num_heads}"
+            )
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(
+                f"GPTConfig.scan_layers must be True or False, got {self.scan_layers!r}"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -164,6 +176,9 @@ class _Head(nn.Module):
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(
             logits_BxLxV.astype(jnp.float32), targets_BxL
         )
+        if "weights" in inputs:  # per-token weights, e.g. 0 on padding
+            weights_BxL = inputs["weights"].astype(jnp.float32)
+            return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
         return losses_BxL.mean()
 
 
@@ -189,6 +204,7 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
         _Head(config),
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,
+        scan_layers=config.scan_layers,
         # Length 1: the parameter shapes do not depend on L.
         example_inputs={
             "tokens": jnp.zeros((1, 1), jnp.int32),
@@ -202,8 +218,16 @@ def weight_decay_mask(params: Params) -> Params:
 
     Matrices and embeddings (two or more dimensions) decay; LayerNorm scales
     and biases (one dimension) do not. Works on arrays and on
-    `jax.ShapeDtypeStruct`s, for one stage's tree or a list of them.
+    `jax.ShapeDtypeStruct`s, for one stage's tree or a list of them. Stacked
+    blocks (``scan_layers``) are judged per block, without the stacking axis.
     """
+    if type(params) in (list, tuple):
+        return type(params)(weight_decay_mask(p) for p in params)
+    if isinstance(params, dict) and isinstance(params.get("blocks"), dict):
+        return {
+            k: jax.tree.map(lambda leaf, n=int(k == "blocks"): len(leaf.shape) - n >= 2, v)
+            for k, v in params.items()
+        }
     return jax.tree.map(lambda leaf: len(leaf.shape) >= 2, params)
 
 

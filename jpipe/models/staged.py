@@ -19,6 +19,15 @@ where `inputs` is one microbatch's slice of the batch. A stage's parameters
 are a dict with ``"embed"`` (first stage only), ``"blocks"`` (a tuple, one
 entry per block, absent when the stage has none) and ``"head"`` (last stage
 only); the first or last stage may hold no block.
+
+Scanned layers (``scan_layers=True``): a stage runs its blocks in one
+``nn.scan``, the way large JAX models are written (one traced block, whatever
+the depth), and its ``"blocks"`` is then one tree whose leaves are the
+stage's blocks stacked on a leading axis. The weights are the same as
+unrolled (block `i` still draws from its own key), and `merge_stage_params`
+unstacks them, so both give the same merged tree. The compiler splits a
+scanned stage's backward into I and W as exactly as an unrolled one
+(`docs/design.md`).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import functools
 import numbers
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -48,12 +57,15 @@ class StagedModel(NamedTuple):
       loss: ``loss(params_list, batch) -> float scalar``, the unpipelined
         reference: every stage in sequence on the whole batch.
       layers_per_stage: blocks held by each stage.
+      scan_layers: whether each stage runs its blocks in one ``nn.scan``, its
+        ``"blocks"`` then being one tree of arrays stacked over its blocks.
     """
 
     stages: tuple[StageFn, ...]
     init: Callable[[Any], list]
     loss: Callable[[list, Any], jax.Array]
     layers_per_stage: tuple[int, ...]
+    scan_layers: bool = False
 
 
 def split_layers(
@@ -166,13 +178,17 @@ def as_key(rng) -> jax.Array:
     return rng
 
 
-def split_stage_params(full: dict, layers_per_stage: Sequence[int]) -> list[dict]:
+def split_stage_params(
+    full: dict, layers_per_stage: Sequence[int], scan_layers: bool = False
+) -> list[dict]:
     """Cuts the whole model's parameters into per-stage trees.
 
     Args:
       full: ``{"embed": ..., "blocks": (block_0, ...), "head": ...}``, as
         returned by `merge_stage_params`.
       layers_per_stage: blocks per stage, summing to the number of blocks.
+      scan_layers: stack each stage's blocks into one tree (for stages that
+        run them in ``nn.scan``) instead of keeping a tuple.
 
     Returns:
       One parameter tree per stage, in the layout the stage functions take.
@@ -184,7 +200,8 @@ def split_stage_params(full: dict, layers_per_stage: Sequence[int]) -> list[dict
         if s == 0:
             params["embed"] = full["embed"]
         if count:
-            params["blocks"] = tuple(full["blocks"][start : start + count])
+            blocks = tuple(full["blocks"][start : start + count])
+            params["blocks"] = _stack(blocks) if scan_layers else blocks
         if s == len(counts) - 1:
             params["head"] = full["head"]
         params_list.append(params)
@@ -200,7 +217,11 @@ def merge_stage_params(params_list: Sequence[dict]) -> dict:
     """
     blocks = []
     for params in params_list:
-        blocks.extend(params.get("blocks", ()))
+        stage_blocks = params.get("blocks", ())
+        if isinstance(stage_blocks, Mapping):  # stacked: a stage with scan_layers
+            count = len(jax.tree.leaves(stage_blocks)[0])
+            stage_blocks = [jax.tree.map(lambda a, i=i: a[i], stage_blocks) for i in range(count)]
+        blocks.extend(stage_blocks)
     return {
         "embed": params_list[0]["embed"],
         "blocks": tuple(blocks),
@@ -208,12 +229,35 @@ def merge_stage_params(params_list: Sequence[dict]) -> dict:
     }
 
 
-def _stage(params, x, inputs, *, embed, block, head, first: bool, last: bool):
+def _stack(blocks: Sequence) -> dict:
+    return jax.tree.map(lambda *leaves: jax.numpy.stack(leaves), *blocks)
+
+
+class _Layer(nn.Module):
+    """One block as a scan body: ``(x, None) -> (block(x), None)``."""
+
+    block: nn.Module
+
+    @nn.compact
+    def __call__(self, x, _):
+        return self.block(x), None
+
+
+def _scanned(block: nn.Module, count: int) -> nn.Module:
+    """`count` blocks in one ``nn.scan``; its parameters are ``{"block": stacked}``."""
+    scan = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=count)
+    return scan(block=block.clone())
+
+
+def _stage(params, x, inputs, *, embed, block, head, first: bool, last: bool, scanned=None):
     """One stage: the embedding if first, its blocks, the head if last."""
     if first:
         x = embed.apply({"params": params["embed"]}, inputs)
-    for block_params in params.get("blocks", ()):
-        x = block.apply({"params": block_params}, x)
+    if scanned is not None and "blocks" in params:
+        x, _ = scanned.apply({"params": {"block": params["blocks"]}}, x, None)
+    else:
+        for block_params in params.get("blocks", ()):
+            x = block.apply({"params": block_params}, x)
     if last:
         return head.apply({"params": params["head"]}, x, inputs)
     return x
@@ -228,6 +272,7 @@ def split_flax_model(
     layers_per_stage: str | Sequence[int] | None,
     example_inputs: Any,
     num_stages: int | None = None,
+    scan_layers: bool = False,
 ) -> StagedModel:
     """Cuts ``head(block^num_layers(embed(inputs)), inputs)`` into stages.
 
@@ -239,6 +284,8 @@ def split_flax_model(
       example_inputs: one microbatch's inputs, to initialise with (arrays or
         anything `init` accepts; only shapes matter).
       num_stages: the number of stages, needed only for a balanced split.
+      scan_layers: run each stage's blocks in one ``nn.scan`` over its
+        blocks' parameters stacked on a leading axis (see the module docstring).
 
     Returns:
       A `StagedModel`.
@@ -259,7 +306,13 @@ def split_flax_model(
     stages = []
     for s in range(S):
         stage = functools.partial(
-            _stage, embed=embed, block=block, head=head, first=s == 0, last=s == S - 1
+            _stage,
+            embed=embed,
+            block=block,
+            head=head,
+            first=s == 0,
+            last=s == S - 1,
+            scanned=_scanned(block, counts[s]) if scan_layers and counts[s] else None,
         )
         stage.__name__ = f"stage_{s}"  # for error messages and profiles
         stages.append(stage)
@@ -282,6 +335,8 @@ def split_flax_model(
         }
 
     def init(rng) -> list:
-        return split_stage_params(init_full(as_key(rng)), counts)
+        return split_stage_params(init_full(as_key(rng)), counts, scan_layers)
 
-    return StagedModel(stages, init, functools.partial(run_stages, stages), counts)
+    return StagedModel(
+        stages, init, functools.partial(run_stages, stages), counts, bool(scan_layers)
+    )
