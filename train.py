@@ -8,6 +8,14 @@ Restarting with the same --workdir resumes from its newest checkpoint. On a
 CPU-only machine as many CPU devices are faked as the mesh needs
 (--cpu_devices or --config.cpu_devices overrides); never when a GPU or TPU is present.
 See jpipe/train/ for what happens and configs/*.py for every field.
+
+Several processes (hosts): give each --coordinator_address, --num_processes
+and --process_id (or the JAX_* environment variables, or run under SLURM,
+Open MPI or Kubernetes, which JAX detects), or on one machine:
+
+  python -m jpipe.launch -n 2 --cpu_devices 2 -- train.py --workdir=DIR
+
+See docs/multihost.md.
 """
 
 import os
@@ -16,6 +24,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jpipe import _distributed as distributed
 from jpipe import train as trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,7 +36,18 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard logs go here."
 )
 _CPU_DEVICES = flags.DEFINE_integer(
-    "cpu_devices", None, "CPU devices to fake on a CPU-only host (sets config.cpu_devices)."
+    "cpu_devices",
+    None,
+    "CPU devices to fake per process on a CPU-only host (sets config.cpu_devices).",
+)
+# Several processes: JAX's own names (jax.distributed.initialize); see docs/multihost.md.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, for a multi-process run."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 to N - 1.")
+_LOCAL_DEVICE_IDS = flags.DEFINE_string(
+    "local_device_ids", None, "Comma-separated accelerator ids this process uses."
 )
 
 
@@ -36,6 +56,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs each save at INFO; -v 0 shows that
+    try:  # joins the other processes, if any, before any JAX work
+        distributed.initialize(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value
+        )
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     config = _CONFIG.value
     if _CPU_DEVICES.value is not None:
         config.cpu_devices = _CPU_DEVICES.value
@@ -43,7 +69,7 @@ def main(argv):
     try:
         trainer.train(config, _WORKDIR.value)
     except (trainer.ConfigError, trainer.DivergedError) as e:
-        sys.exit(f"error: {e}")
+        distributed.exit_now(f"error: {e}")  # in a multi-process run: at once, naming the process
 
 
 if __name__ == "__main__":

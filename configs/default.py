@@ -40,7 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict()
     config.mesh.pipe = 4  # ranks on the pipeline axis
     config.mesh.data = 2  # data-parallel replicas
-    config.cpu_devices = 0  # fake CPU devices on a CPU-only host; 0 = as many as the mesh needs
+    config.mesh.pipe_hosts = 0  # hosts (processes) the pipe axis spans; 0 = the default order
+    config.mesh.data_hosts = 0  # hosts the data axis spans (docs/multihost.md says which)
+    config.cpu_devices = 0  # fake CPU devices per process on a CPU-only host; 0 = as the mesh needs
 
     # Run length and reporting.
     config.steps = 300  # optimizer steps

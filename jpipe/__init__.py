@@ -11,6 +11,8 @@ microbatch size, L sequence length, D model width.
 """
 
 from jpipe._devices import describe_devices, use_cpu_devices
+from jpipe._distributed import initialize as initialize_distributed
+from jpipe._launch import launch as launch_local
 from jpipe._partition import partition as partition_layers
 from jpipe._pipeline import (
     Pipeline,
@@ -54,6 +56,8 @@ __all__ = [
     "describe_devices",
     "evaluate_plan",
     "get_schedule",
+    "initialize_distributed",
+    "launch_local",
     "load_sailor_profile",
     "make_mesh",
     "make_plan",

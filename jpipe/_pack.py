@@ -127,8 +127,13 @@ class ParamLayout:
         return out
 
     def unpack_host(self, packed: dict) -> list:
-        """The inverse of `pack_host`, from device or host arrays, as numpy pytrees."""
-        host = {name: np.asarray(jax.device_get(v)) for name, v in packed.items()}
+        """The inverse of `pack_host`, from device or host arrays, as numpy pytrees.
+
+        Arrays spread over several processes are gathered with
+        `multihost_utils.process_allgather`, a collective: in a multi-process
+        run every process must call this together, and each gets every stage.
+        """
+        host = {name: _to_host(v) for name, v in packed.items()}
         return [
             jax.tree.unflatten(
                 self.trees[s],
@@ -141,10 +146,60 @@ class ParamLayout:
         return {name: NamedSharding(mesh, P(pipe_axis)) for name in self.buckets}
 
     def pack(self, params_list, mesh, pipe_axis: str) -> dict:
-        """Packs and places each row on its rank: ``{bucket: Array [R, *shape]}``."""
-        host = self.pack_host(params_list)
+        """Packs and places each row on its rank: ``{bucket: Array [R, *shape]}``.
+
+        Rows are built on demand for the shards this process holds, so in a
+        multi-process run a host copies only its own ranks' parameters to
+        numpy (each stage's parameters need to be readable only where its rank is).
+        """
+        self._check_structure(params_list)
         shardings = self.sharding(mesh, pipe_axis)
+        contents: dict = {}  # (bucket, rank) -> (stage, leaf index)
+        for s, entries in enumerate(self.leaves):
+            for k, (name, _, _) in enumerate(entries):
+                contents[(name, self.stage_to_rank[s])] = (s, k)
+        flat = [jax.tree.leaves(p) for p in params_list]
+        R = self.num_ranks
+
+        def rows(name, idx):
+            (size,), dt = self.buckets[name]
+            ranks = range(R)[idx[0]]
+            out = np.zeros((len(ranks), size), dt)
+            for i, r in enumerate(ranks):
+                if (name, r) in contents:
+                    s, k = contents[(name, r)]
+                    out[i] = np.asarray(flat[s][k]).reshape(-1)
+            return out[(slice(None),) + tuple(idx[1:])]
+
         return {
-            name: jax.make_array_from_callback(v.shape, shardings[name], lambda idx, v=v: v[idx])
-            for name, v in host.items()
+            name: jax.make_array_from_callback(
+                (R,) + shape, shardings[name], lambda idx, name=name: rows(name, idx)
+            )
+            for name, (shape, _) in self.buckets.items()
         }
+
+    def _check_structure(self, params_list) -> None:
+        if len(params_list) != len(self.trees):
+            raise ValueError(
+                f"got {len(params_list)} stages' parameters, expected {len(self.trees)}"
+            )
+        for s, p in enumerate(params_list):
+            flat, tree = jax.tree.flatten(p)
+            if tree != self.trees[s]:
+                raise ValueError(
+                    f"stage {s}'s parameters changed structure: {tree} vs {self.trees[s]}"
+                )
+            for leaf, (_, shape, _) in zip(flat, self.leaves[s]):
+                if tuple(leaf.shape) != shape:
+                    raise ValueError(
+                        f"stage {s}: a parameter has shape {tuple(leaf.shape)}, expected {shape}"
+                    )
+
+
+def _to_host(value) -> np.ndarray:
+    """A numpy copy of `value`, gathering from other processes where it spans them."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(jax.device_get(value))

@@ -14,6 +14,7 @@ the batch is sharded over a ``data`` axis every microbatch is too.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,18 +31,96 @@ from jpipe._stage import WeightedLoss
 from jpipe._validate import analyze
 
 
-def make_mesh(pipe: int, data: int = 1, devices=None) -> Mesh:
-    """A ``(pipe, data)`` mesh of the first ``pipe * data`` devices, axis types Auto."""
-    devices = list(devices if devices is not None else jax.devices())
-    if pipe * data > len(devices):
-        raise ValueError(
-            f"a mesh of pipe={pipe} x data={data} needs {pipe * data} devices, "
-            f"but only {len(devices)} are present"
-        )
+def make_mesh(
+    pipe: int,
+    data: int = 1,
+    devices=None,
+    *,
+    across_hosts: dict[str, int] | None = None,
+) -> Mesh:
+    """A ``(pipe, data)`` mesh, axis types Auto, that knows which devices share a host.
+
+    A host here is a process (`jax.Device.process_index`): run one process
+    per machine and the two coincide.
+
+    Args:
+      pipe, data: the sizes of the two axes.
+      devices: the devices to use (default `jax.devices()`). Without
+        `across_hosts` the first ``pipe * data`` of them fill the grid row by
+        row, in the order given (by default sorted by ``(process_index, id)``,
+        so a process's devices are neighbours and ``pipe`` is the axis that
+        crosses hosts first).
+      across_hosts: how many hosts each axis spans, e.g. ``{"pipe": 2}``;
+        axes not named stay within a host. Like
+        `jax.experimental.mesh_utils.create_hybrid_device_mesh`, each axis of
+        size ``n = across * within`` takes ``across`` hosts and ``within``
+        devices on each, with a host's devices at consecutive indices. The
+        product of the across sizes must equal the number of hosts among
+        `devices`, and every host must hold the same number of them. Pipe
+        across hosts sends one activation per microbatch between neighbours;
+        data across hosts all-reduces every gradient each step (see
+        docs/multihost.md).
+
+    Raises:
+      ValueError: sizes the devices do not fit, naming what is there.
+    """
     import numpy as np
 
-    grid = np.array(devices[: pipe * data]).reshape(pipe, data)
-    return Mesh(grid, ("pipe", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
+    if pipe < 1 or data < 1:
+        raise ValueError(f"mesh sizes must be at least 1, got pipe={pipe}, data={data}")
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
+    shape, names = (pipe, data), ("pipe", "data")
+    if across_hosts is None:
+        if pipe * data > len(devices):
+            raise ValueError(
+                f"a mesh of pipe={pipe} x data={data} needs {pipe * data} devices, "
+                f"but only {len(devices)} are present"
+            )
+        grid = np.array(devices[: pipe * data]).reshape(shape)
+    else:
+        grid = _host_grid(devices, dict(zip(names, shape)), across_hosts)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _host_grid(devices, sizes: dict[str, int], across_hosts: dict[str, int]):
+    """Devices in an array of shape `sizes`, each axis across ``across_hosts[axis]`` hosts."""
+    import numpy as np
+
+    unknown = set(across_hosts) - set(sizes)
+    if unknown:
+        raise ValueError(
+            f"across_hosts names {sorted(unknown)}, which are not mesh axes {tuple(sizes)}"
+        )
+    hosts: dict[int, list] = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        hosts.setdefault(d.process_index, []).append(d)
+    per_host = {p: len(ds) for p, ds in hosts.items()}
+    if len(set(per_host.values())) != 1:
+        raise ValueError(f"hosts hold different numbers of the devices: {per_host}")
+    across, within = [], []
+    for axis, size in sizes.items():
+        a = across_hosts.get(axis, 1)
+        if a < 1 or size % a:
+            raise ValueError(
+                f"the {axis!r} axis of size {size} cannot span {a} hosts "
+                f"(the number of hosts must divide it)"
+            )
+        across.append(a)
+        within.append(size // a)
+    n_hosts, n_local = len(hosts), next(iter(per_host.values()))
+    if math.prod(across) != n_hosts or math.prod(within) != n_local:
+        raise ValueError(
+            f"across_hosts={across_hosts} puts {dict(zip(sizes, across))} hosts x "
+            f"{dict(zip(sizes, within))} devices per host on the axes, but there are "
+            f"{n_hosts} hosts with {n_local} devices each"
+        )
+    flat = np.array([d for p in sorted(hosts) for d in hosts[p]])
+    n = len(sizes)
+    grid = flat.reshape(tuple(across) + tuple(within))  # hosts major, as in the hybrid mesh
+    order = [k for i in range(n) for k in (i, n + i)]  # (across_0, within_0, across_1, ...)
+    return grid.transpose(order).reshape(tuple(sizes.values()))
 
 
 def _auto(mesh: Mesh) -> Mesh:

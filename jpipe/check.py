@@ -4,6 +4,9 @@ Usage::
 
     python -m jpipe.check SPEC --ranks R --microbatches M [--chunks V] [--data D] [--json]
 
+Under ``python -m jpipe.launch -n N --cpu_devices K`` the mesh spans the N
+processes (N x K devices) and each process checks the result.
+
 SPEC is a registered schedule name, a PyTorch ``.csv`` file (its ranks and
 microbatches come from the file), or ``path/to/file.py:function``. The tool
 fakes as many CPU devices as the mesh needs, runs the schedule on jpipe's
@@ -75,7 +78,10 @@ def main(argv=None) -> int:
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError:
             pass
+        from jpipe._distributed import initialize
         from jpipe.testing import check_schedule, ensure_cpu_devices
+
+        initialize()  # joins the other processes when jpipe.launch (or a cluster) started several
 
         ensure_cpu_devices(schedule.num_ranks * args.data)
         result = check_schedule(schedule, data=args.data, rtol=args.rtol, tick_layout=args.layout)

@@ -27,6 +27,17 @@ from jpipe._validate import analyze
 
 def ensure_cpu_devices(count: int) -> None:
     """Makes sure JAX has at least `count` devices, faking CPU ones if it can."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        # Several processes: each has the devices it was started with; the count is global.
+        have = len(jax.devices("cpu"))
+        if have < count:
+            raise RuntimeError(
+                f"this check needs {count} CPU devices but the {jax.process_count()} processes "
+                f"have {have} together: start them with more (jpipe.launch --cpu_devices)"
+            )
+        return
     use_cpu_devices(count, required=True)
 
 
@@ -269,13 +280,14 @@ def check_schedule(
 
     stages, params, make_batch = small_model(S, seed, scan_layers)
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
-    mesh = make_mesh(R, data, jax.devices("cpu")[: R * data])
+    devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+    mesh = make_mesh(R, data, devices[: R * data])
     pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout)
     packed = pipe.pack(params)
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
     loss, grads = compiled(packed, placed)
-    with jax.default_device(jax.devices("cpu")[0]):  # full float32 matmuls
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
         ref_loss, ref_grads = reference_value_and_grad(stages, params, batch, 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
     memory = compiled.memory_analysis()

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import ml_collections
 
 import jpipe
+from jpipe._distributed import num_processes
 from jpipe.models import gpt
 from jpipe.train import data as data_lib
 
@@ -57,14 +58,41 @@ def _check_type(field: str, value, kind: type, accepted: str):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh: ``pipe`` ranks times ``data`` replicas."""
+    """The device mesh: ``pipe`` ranks times ``data`` replicas.
+
+    ``pipe_hosts`` and ``data_hosts`` say across how many hosts (processes)
+    each axis spans, the rest of it staying within a host (see
+    `jpipe.make_mesh` and docs/multihost.md); 0 for both leaves the default
+    order, which puts ``pipe`` across hosts first.
+    """
 
     pipe: int = 1
     data: int = 1
+    pipe_hosts: int = 0
+    data_hosts: int = 0
 
     def __post_init__(self):
         _check_int("mesh.pipe", self.pipe, 1)
         _check_int("mesh.data", self.data, 1)
+        _check_int("mesh.pipe_hosts", self.pipe_hosts, 0)
+        _check_int("mesh.data_hosts", self.data_hosts, 0)
+        for axis, size, hosts in (
+            ("pipe", self.pipe, self.pipe_hosts),
+            ("data", self.data, self.data_hosts),
+        ):
+            if hosts and size % hosts:
+                raise config_error(
+                    f"mesh.{axis}_hosts",
+                    hosts,
+                    f"must divide mesh.{axis}={size} (each host holds an equal part of the axis)",
+                )
+
+    @property
+    def across_hosts(self) -> dict[str, int] | None:
+        """`jpipe.make_mesh`'s ``across_hosts``, or None for the default order."""
+        if not (self.pipe_hosts or self.data_hosts):
+            return None
+        return {"pipe": self.pipe_hosts or 1, "data": self.data_hosts or 1}
 
     @property
     def size(self) -> int:
@@ -261,9 +289,11 @@ def _schedule_choices() -> str:
 def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     """Fakes enough CPU devices for the config's mesh, before JAX starts its backends.
 
-    Call it first thing, before any JAX computation: it asks for
-    ``config.cpu_devices`` CPU devices or, when that is 0, ``mesh.pipe *
-    mesh.data`` (the plan file's mesh when ``config.plan`` names one) (see `jpipe.use_cpu_devices`).
+    Call it first thing, before any JAX computation (after
+    `jpipe.initialize_distributed` in a multi-process run): it asks for
+    ``config.cpu_devices`` CPU devices in this process or, when that is 0,
+    ``mesh.pipe * mesh.data`` (the plan file's mesh when ``config.plan``
+    names one) divided among the processes (see `jpipe.use_cpu_devices`).
 
     Returns:
       The CPU device count set, or None when JAX had already started (the
@@ -275,7 +305,9 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
         if get("plan", ""):  # the plan file's mesh is the one the run will use
             settings = jpipe.read_plan_file(get("plan"))
             mesh = {"pipe": settings.pipe, "data": settings.data}
-        n = int(get("cpu_devices", 0) or 0) or int(mesh["pipe"]) * int(mesh["data"])
+        n = int(get("cpu_devices", 0) or 0) or -(
+            -int(mesh["pipe"]) * int(mesh["data"]) // num_processes()
+        )
     except (TypeError, KeyError, ValueError):
         return None  # `train` reports the bad field properly
     if n < 1:

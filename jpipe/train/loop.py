@@ -23,6 +23,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
@@ -120,6 +122,38 @@ def evaluate(pipeline: jpipe.Pipeline, params: dict, eval_data, batches: int) ->
     return float(total) / batches
 
 
+def make_workdir(workdir: str) -> str:
+    """Creates the work directory on process 0; every process returns once it exists.
+
+    In a multi-process run the others wait (a collective) for process 0's
+    answer, so nobody opens the checkpoint manager before the directory is
+    there, and all of them fail alike when it cannot be made; each then
+    checks that it sees the directory (the hosts must share a filesystem).
+
+    Raises:
+      ConfigError: naming ``--workdir``, when the directory cannot be made or seen.
+    """
+    workdir = os.path.abspath(workdir)
+    problem = ""
+    if jax.process_index() == 0:
+        try:
+            os.makedirs(workdir, exist_ok=True)
+        except OSError as e:
+            problem = e.strerror or str(e)
+    if jax.process_count() > 1:
+        code = np.frombuffer(problem.encode()[:200].ljust(200), np.uint8)
+        code = multihost_utils.broadcast_one_to_all(code)  # also the barrier
+        problem = bytes(np.asarray(code)).decode(errors="replace").strip()
+    if problem:
+        raise ConfigError(f"--workdir={workdir}: cannot create the directory ({problem})")
+    if not os.path.isdir(workdir):
+        raise ConfigError(
+            f"--workdir={workdir}: process {jax.process_index()} does not see the directory "
+            "process 0 created; every host must see the same --workdir (a shared filesystem)"
+        )
+    return workdir
+
+
 def train(
     config: ml_collections.ConfigDict | Mapping | TrainConfig,
     workdir: str,
@@ -145,9 +179,7 @@ def train(
     wall_start = time.perf_counter()
     prepared = prepare(config)
     lead = jax.process_index() == 0
-    workdir = os.path.abspath(workdir)
-    if lead:
-        os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(workdir)
     checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"))
     try:
         return _run(prepared, workdir, checkpoints, lead, progress, wall_start)
@@ -199,9 +231,10 @@ def _run(
 
     # -- what a person sees before the first step --
     sim = jpipe.simulate(schedule)
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(
-        f"devices: {jpipe.describe_devices(list(mesh.devices.flat))}; mesh pipe={c.mesh.pipe} x "
-        f"data={c.mesh.data}"
+        f"devices: {jpipe.describe_devices(list(mesh.devices.flat))}{processes}; "
+        f"mesh pipe={c.mesh.pipe} x data={c.mesh.data}"
     )
     say(
         f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "

@@ -46,7 +46,8 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
 
     Args:
       config: a ConfigDict such as ``configs/default.py``'s, or a `TrainConfig`.
-      devices: the devices to build the mesh from; default `jax.devices()`.
+      devices: the devices to build the mesh from; default `jax.devices()`,
+        ordered by ``(process_index, id)``.
 
     Raises:
       ConfigError: naming the field, its value and what would be accepted.
@@ -54,7 +55,9 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
     c = config if isinstance(config, TrainConfig) else TrainConfig.from_config(config)
     R, M, V = c.mesh.pipe, c.num_microbatches, c.chunks
 
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:  # a process's devices side by side (see jpipe.make_mesh)
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
     if c.mesh.size > len(devices):
         cpu_hint = (
             f"; on a CPU-only host set cpu_devices >= {c.mesh.size} (train.py does this "
@@ -129,5 +132,16 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
     except ValueError as e:
         raise ConfigError(f"config.data: {e}") from None
 
-    mesh = jpipe.make_mesh(R, c.mesh.data, devices)
+    if c.mesh.across_hosts is not None:
+        try:
+            mesh = jpipe.make_mesh(R, c.mesh.data, devices, across_hosts=c.mesh.across_hosts)
+        except ValueError as e:
+            raise config_error(
+                "mesh.pipe_hosts" if c.mesh.pipe_hosts else "mesh.data_hosts",
+                c.mesh.pipe_hosts or c.mesh.data_hosts,
+                f"{e} (mesh.pipe={R}, mesh.data={c.mesh.data}, pipe_hosts={c.mesh.pipe_hosts}, "
+                f"data_hosts={c.mesh.data_hosts})",
+            ) from None
+    else:
+        mesh = jpipe.make_mesh(R, c.mesh.data, devices)
     return Prepared(c, schedule, layers, mesh, train_data, eval_data)

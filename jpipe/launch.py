@@ -1,0 +1,60 @@
+"""Run one program as N processes on this machine, as a multi-host job would.
+
+Usage::
+
+    python -m jpipe.launch -n 2 [--cpu_devices 2] [--one_thread] -- train.py ARGS
+    python -m jpipe.launch -n 2 --cpu_devices 2 -- -m jpipe.check 1f1b --ranks 4 -m 8
+
+Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which train.py and the checker
+pass to `jax.distributed.initialize`. Output lines are prefixed with the
+process index; the exit status is the first non-zero one, and when a process
+fails the others are stopped. See `jpipe._launch` and docs/multihost.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jpipe._launch import launch
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, command = argv[:cut], argv[cut + 1 :]
+    else:
+        own, command = argv, []
+    parser = argparse.ArgumentParser(
+        prog="python -m jpipe.launch",
+        description=__doc__.split("\n")[0],
+        usage="python -m jpipe.launch -n N [--cpu_devices K] [--one_thread] -- PROGRAM ARGS",
+    )
+    parser.add_argument("-n", "--num_processes", type=int, required=True, help="processes (N)")
+    parser.add_argument(
+        "--cpu_devices", type=int, default=None, help="fake K CPU devices in each process"
+    )
+    parser.add_argument("--one_thread", action="store_true", help="one XLA CPU thread per process")
+    parser.add_argument(
+        "--grace", type=float, default=3.0, help="seconds a stopped process has before SIGKILL"
+    )
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("give the program after --, e.g. -- train.py --workdir=runs/x")
+    try:
+        return launch(
+            command,
+            args.num_processes,
+            cpu_devices=args.cpu_devices,
+            one_thread=args.one_thread,
+            grace_seconds=args.grace,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
