@@ -13,7 +13,7 @@ import pytest
 import jpipe
 from jpipe import models, testing
 
-CONFIG = models.GPTConfig(vocab_size=40, seq_len=8, num_layers=6, num_heads=2, d_model=16, d_ff=32)
+CONFIG = models.GPTConfig(vocab_size=40, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
 RTOL = 1e-5  # float32; as the compiler tests (see jpipe.testing.CheckResult)
 
 
@@ -42,12 +42,7 @@ def full_batch_masked_mean(model, params, batch):
 
 @pytest.mark.parametrize(
     "name,ranks,microbatches,chunks,data",
-    [
-        ("1f1b", 4, 4, 1, 1),
-        ("zb_h1", 2, 4, 1, 1),
-        ("interleaved_1f1b", 2, 4, 2, 1),
-        ("1f1b", 2, 4, 1, 2),
-    ],
+    [("1f1b", 2, 4, 1, 2), ("zb_h1", 4, 4, 1, 1), ("interleaved_1f1b", 2, 4, 2, 1)],
 )
 def test_masked_mean_matches_the_whole_batch(name, ranks, microbatches, chunks, data):
     schedule = jpipe.get_schedule(name, ranks, microbatches, chunks if chunks > 1 else None)
@@ -56,22 +51,21 @@ def test_masked_mean_matches_the_whole_batch(name, ranks, microbatches, chunks, 
     params = sharp(model.init(0))
     batch = masked_batch(4 * microbatches)
     pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(ranks, data))
-    loss, grads = pipe.value_and_grad(pipe.pack(params), jax.device_put(batch, pipe.batch_sharding))
+    packed, placed = pipe.pack(params), jax.device_put(batch, pipe.batch_sharding)
+    loss, grads = pipe.value_and_grad(packed, placed)
     want = jax.value_and_grad(lambda p: full_batch_masked_mean(model, p, batch))(params)
     _, rel = testing.compare((loss, pipe.unpack(grads)), want)
     assert rel <= RTOL, rel
-    # The reference of the checker agrees (sum of totals over sum of weights).
-    ref = jpipe.reference_value_and_grad(model.stages, params, batch, microbatches)
-    _, rel = testing.compare(ref, want)
-    assert rel <= RTOL, rel
-    # And the forward-only loss too.
-    forward = pipe.loss(pipe.pack(params), jax.device_put(batch, pipe.batch_sharding))
-    np.testing.assert_allclose(forward, want[0], rtol=RTOL)
+    if name == "1f1b":  # once: the forward-only loss and the checker's reference agree too
+        np.testing.assert_allclose(pipe.loss(packed, placed), want[0], rtol=RTOL)
+        ref = jpipe.reference_value_and_grad(model.stages, params, batch, microbatches)
+        _, rel = testing.compare(ref, want)
+        assert rel <= RTOL, rel
 
 
 def test_the_masks_make_a_mean_of_means_wrong():
     # Guards the test above: with these masks the naive answer is far off.
-    model = models.make_stages(CONFIG, (3, 3))
+    model = models.make_stages(CONFIG, (2, 2))
     params = sharp(model.init(0))
     batch = masked_batch(16)
     whole = full_batch_masked_mean(model, params, batch)
