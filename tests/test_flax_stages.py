@@ -79,3 +79,29 @@ def test_uneven_split_runs_exactly_and_matches_other_splits():
 def test_bad_layer_counts(counts, message):
     with pytest.raises(ValueError, match=message):
         _model(counts)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_init_of_some_stages_makes_only_those(scan_layers):
+    # What each process of a multi-process run does: its own stages, with the
+    # very values the whole init gives them; the others only as shapes.
+    config = jpipe.models.GPTConfig(
+        vocab_size=64,
+        seq_len=8,
+        num_layers=6,
+        num_heads=2,
+        d_model=16,
+        d_ff=32,
+        scan_layers=scan_layers,
+    )
+    model = jpipe.models.make_stages(config, (1, 2, 2, 1))
+    full = model.init(0)
+    for keep in ({1, 3}, {0}, {2}):
+        part = model.init(0, stages=keep)
+        for s in range(4):
+            assert jax.tree.structure(part[s]) == jax.tree.structure(full[s])
+            if s in keep:
+                for a, b in zip(jax.tree.leaves(part[s]), jax.tree.leaves(full[s])):
+                    np.testing.assert_array_equal(a, b)
+            else:
+                assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(part[s]))

@@ -52,7 +52,10 @@ class StagedModel(NamedTuple):
     Attributes:
       stages: one pure, jittable function ``stage(params, x, inputs) -> y`` per
         stage, in pipeline order.
-      init: ``init(rng) -> list`` of per-stage parameter pytrees; `rng` is a
+      init: ``init(rng, stages=None) -> list`` of per-stage parameter pytrees
+        (with `stages`, only those stages' parameters are computed, the others
+        come back as `jax.ShapeDtypeStruct`s: each process of a multi-process
+        run makes only its own stages); `rng` is a
         JAX key or an int seed.
       loss: ``loss(params_list, batch) -> float scalar``, the unpipelined
         reference: every stage in sequence on the whole batch.
@@ -334,8 +337,50 @@ def split_flax_model(
             "head": head.init(head_key, x, example_inputs)["params"],
         }
 
-    def init(rng) -> list:
-        return split_stage_params(init_full(as_key(rng)), counts, scan_layers)
+    @functools.partial(jax.jit, static_argnums=1)
+    def init_parts(key, wanted: tuple) -> dict:
+        # Only the parts `wanted` names, with the keys `init_full` gives them,
+        # so the values are the same and nothing else is computed.
+        keep_embed, block_ids, keep_head = wanted
+        embed_key, blocks_key, head_key = (jax.random.fold_in(key, i) for i in range(3))
+        embed_shapes = jax.eval_shape(lambda k: embed.init(k, example_inputs)["params"], key)
+        x = jax.eval_shape(lambda p: embed.apply({"params": p}, example_inputs), embed_shapes)
+        x = jax.numpy.zeros(x.shape, x.dtype)
+        return {
+            "embed": embed.init(embed_key, example_inputs)["params"] if keep_embed else None,
+            "blocks": {
+                i: block.init(jax.random.fold_in(blocks_key, i), x)["params"] for i in block_ids
+            },
+            "head": head.init(head_key, x, example_inputs)["params"] if keep_head else None,
+        }
+
+    starts = [sum(counts[:s]) for s in range(S)]
+
+    def init(rng, stages=None) -> list:
+        key = as_key(rng)
+        if stages is None:
+            return split_stage_params(init_full(key), counts, scan_layers)
+        keep = set(stages)
+        shapes = jax.eval_shape(
+            lambda k: split_stage_params(init_full(k), counts, scan_layers), key
+        )
+        block_ids = tuple(i for s in sorted(keep) for i in range(starts[s], starts[s] + counts[s]))
+        parts = init_parts(key, (0 in keep, block_ids, S - 1 in keep))
+        params_list = []
+        for s in range(S):
+            if s not in keep:
+                params_list.append(shapes[s])
+                continue
+            params = {}
+            if s == 0:
+                params["embed"] = parts["embed"]
+            if counts[s]:
+                blocks = tuple(parts["blocks"][i] for i in range(starts[s], starts[s] + counts[s]))
+                params["blocks"] = _stack(blocks) if scan_layers else blocks
+            if s == S - 1:
+                params["head"] = parts["head"]
+            params_list.append(params)
+        return params_list
 
     return StagedModel(
         stages, init, functools.partial(run_stages, stages), counts, bool(scan_layers)

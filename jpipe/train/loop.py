@@ -209,7 +209,15 @@ def _run(
     model = gpt.make_stages(c.model, prepared.layers_per_stage)
     pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
 
-    params_list = model.init(c.seed)
+    # Each process makes only the stages its devices hold (the others are
+    # shapes, which packing never reads), so no host holds the whole model.
+    here = jax.process_index()
+    local = {
+        s
+        for s, r in enumerate(schedule.stage_to_rank)
+        if any(d.process_index == here for d in mesh.devices[r].flat)
+    }
+    params_list = model.init(c.seed, None if jax.process_count() == 1 else local)
     params = pipeline.pack(params_list)
     optimizer = optimizer_lib.make_optimizer(
         c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
