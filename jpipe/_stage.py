@@ -209,8 +209,8 @@ def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *args: _eval_inline(closed.jaxpr, closed.consts, args))(*avals)
 
 
-def _piece(constvars, invars, outvars, eqns, consts, name: str):
-    """A callable that runs `eqns` of a traced jaxpr as one piece."""
+def _sub_jaxpr(constvars, consts, invars, outvars, eqns, name: str) -> ClosedJaxpr:
+    """Some equations of a traced jaxpr as a jaxpr of their own, named for errors."""
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
     info = DebugInfo(
         "jpipe",
@@ -218,8 +218,12 @@ def _piece(constvars, invars, outvars, eqns, consts, name: str):
         tuple(f"in{i}" for i in range(len(invars))),
         tuple(f"out{i}" for i in range(len(outvars))),
     )
-    jaxpr = Jaxpr(constvars, invars, outvars, eqns, effects, debug_info=info)
-    return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))
+    return ClosedJaxpr(Jaxpr(constvars, invars, outvars, eqns, effects, debug_info=info), consts)
+
+
+def _piece(constvars, invars, outvars, eqns, consts, name: str):
+    """A callable that runs `eqns` of a traced jaxpr as one piece."""
+    return jaxpr_as_fun(_sub_jaxpr(constvars, consts, invars, outvars, eqns, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,15 +512,7 @@ class _ScanPlan(NamedTuple):
 
 
 def _closed(body: ClosedJaxpr, invars, outvars, eqns, name: str) -> ClosedJaxpr:
-    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    info = DebugInfo(
-        "jpipe",
-        name,
-        tuple(f"in{i}" for i in range(len(invars))),
-        tuple(f"out{i}" for i in range(len(outvars))),
-    )
-    jaxpr = Jaxpr(body.jaxpr.constvars, invars, outvars, eqns, effects, debug_info=info)
-    return ClosedJaxpr(jaxpr, body.consts)
+    return _sub_jaxpr(body.jaxpr.constvars, body.consts, invars, outvars, eqns, name)
 
 
 def _plan_scan(eqn, need: set, param_operands: set) -> _ScanPlan | None:
