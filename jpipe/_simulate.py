@@ -39,6 +39,48 @@ Number = float | int
 PerStage = Number | Sequence[Number]
 
 
+def _check_values(obj, names: tuple[str, ...], word: str, allow_none: bool = False) -> None:
+    """Lists become tuples; every value must be finite and non-negative (or None, if allowed)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(obj, name, value)
+        for v in value if isinstance(value, tuple) else (value,):
+            if (v is not None or not allow_none) and (
+                not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            ):
+                raise ValueError(f"{word} {name} must be a finite non-negative number, got {v!r}")
+
+
+def _parse_items(text: str, keys: tuple[str, ...], word: str, unit: str) -> dict[str, float]:
+    """``"K=V,K=V"`` into ``{K: float(V)}``, refusing unknown keys and non-numbers."""
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in keys:
+            raise ValueError(
+                f"cannot read {word} {item!r}: expected KEY=VALUE with KEY one of {', '.join(keys)}"
+            )
+        try:
+            kwargs[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{word} {key} must be {unit}, got {value!r}") from None
+    return kwargs
+
+
+def _per_stage(word: str, name: str, value, num_stages: int) -> tuple[float, ...]:
+    """One value per stage, from one value for all or a tuple of exactly `num_stages`."""
+    if isinstance(value, tuple):
+        if len(value) != num_stages:
+            raise ValueError(
+                f"{word} {name} has {len(value)} values but the schedule has {num_stages} stages"
+            )
+        return tuple(float(v) for v in value)
+    return (float(value),) * num_stages
+
+
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """Time each kind of action takes, one value for all stages or one per stage.
@@ -56,48 +98,18 @@ class Costs:
     comm: PerStage = 0
 
     def __post_init__(self):
-        for name in ("F", "I", "W", "B", "comm"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-                value = getattr(self, name)
-            values = value if isinstance(value, tuple) else (value,)
-            for v in values:
-                if v is not None and (
-                    not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-                ):
-                    raise ValueError(f"cost {name} must be a finite non-negative number, got {v!r}")
+        _check_values(self, ("F", "I", "W", "B", "comm"), "cost", allow_none=True)
 
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Reads ``"F=1,I=1,W=1,B=2,comm=0"``; every key is optional."""
-        kwargs = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in ("F", "I", "W", "B", "comm"):
-                raise ValueError(
-                    f"cannot read cost {item!r}: expected KEY=VALUE with KEY one of "
-                    "F, I, W, B, comm"
-                )
-            try:
-                kwargs[key] = float(value)
-            except ValueError:
-                raise ValueError(f"cost {key} must be a number, got {value!r}") from None
-        return cls(**kwargs)
+        return cls(**_parse_items(text, ("F", "I", "W", "B", "comm"), "cost", "a number"))
 
     def table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
         """Per-stage costs, `{kind: (cost of stage 0, cost of stage 1, ...)}`."""
 
         def per_stage(name, value):
-            if isinstance(value, tuple):
-                if len(value) != num_stages:
-                    raise ValueError(
-                        f"cost {name} has {len(value)} values but the schedule has "
-                        f"{num_stages} stages"
-                    )
-                return tuple(float(v) for v in value)
-            return (float(value),) * num_stages
+            return _per_stage("cost", name, value, num_stages)
 
         f = per_stage("F", self.F)
         i = per_stage("I", self.I)
@@ -133,48 +145,20 @@ class Sizes:
     params: PerStage = 0
 
     def __post_init__(self):
-        for name in ("activation", "carry", "params"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-                value = getattr(self, name)
-            for v in value if isinstance(value, tuple) else (value,):
-                if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"size {name} must be a finite non-negative number, got {v!r}")
+        _check_values(self, ("activation", "carry", "params"), "size")
 
     @classmethod
     def parse(cls, text: str) -> Sizes:
         """Reads ``"activation=1e6,carry=5e5,params=4e8"``; every key is optional."""
-        kwargs = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in ("activation", "carry", "params"):
-                raise ValueError(
-                    f"cannot read size {item!r}: expected KEY=VALUE with KEY one of "
-                    "activation, carry, params"
-                )
-            try:
-                kwargs[key] = float(value)
-            except ValueError:
-                raise ValueError(f"size {key} must be a number of bytes, got {value!r}") from None
-        return cls(**kwargs)
+        keys = ("activation", "carry", "params")
+        return cls(**_parse_items(text, keys, "size", "a number of bytes"))
 
     def table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
         """Per-stage sizes, `{name: (bytes of stage 0, ...)}`."""
-        out = {}
-        for name in ("activation", "carry", "params"):
-            value = getattr(self, name)
-            if isinstance(value, tuple):
-                if len(value) != num_stages:
-                    raise ValueError(
-                        f"size {name} has {len(value)} values but the schedule has "
-                        f"{num_stages} stages"
-                    )
-                out[name] = tuple(float(v) for v in value)
-            else:
-                out[name] = (float(value),) * num_stages
-        return out
+        return {
+            name: _per_stage("size", name, getattr(self, name), num_stages)
+            for name in ("activation", "carry", "params")
+        }
 
 
 def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float, ...]:
