@@ -2,52 +2,64 @@
 
 The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
 ``data`` axis, if there is one; any other axis stays under the compiler),
-around a `lax.scan` over ticks. The scan reads one row of the plan's table
-per tick; on each rank the row says which pieces to run and which buffer
-slots they read and write.
+around a `lax.scan` over ticks. The scan reads one row of the program's table
+per tick; on each rank the row says which pieces to run and where in the
+buffers they read and write.
 
-Each kind of piece runs inside its own two-way `lax.cond` (this tick runs an
-F, or not; an I, or not; a W, or not; in that order, so a packed tick can run
-all three) around a `lax.switch` over the stages, so only the chosen pieces'
-work runs and idle ranks compute nothing. Each cond holds the single in-place
-write to its buffer: the F writes its residual slot, the I its carry slot,
-the W adds to the gradient accumulator (on a rank with several stages, W is
-one cond per stage instead, each adding to its own stage's buckets). (Passing
-every buffer through one many-branch switch made XLA copy them all every
-tick.) After the conds every rank takes part in the same collectives, one
-`ppermute` per channel of the plan (a shift between sender and receiver, for
-F outputs, I outputs or either), outside any branch. What arrives, and the
-outputs handed over on the same rank, are written to the slots the table
-names at the start of the next tick, before anything reads; a write the table
-sends to the spare slot is skipped.
+**Control.** A tick runs one `lax.switch` per kind of piece, in the order F,
+I, W (so a packed tick can run all three): branch 0 runs nothing, the others
+run one stage *class* each. That is three conditionals per tick and no other
+branching: the io writes are plain selects. Stages whose pieces trace to the
+same program, with the same shapes and the same parameter buckets (the blocks
+of a transformer, one per rank), form one class and share one branch: the
+rank's own rows of the buckets are the stage's parameters, whichever stage it
+is, so the program holds each distinct stage once however deep the pipeline.
 
-Buffers, all with a fixed number of slots that does not grow with the
-microbatches (see `jpipe._plan`):
+Each switch carries the one buffer its kind writes, and each branch makes its
+single in-place write into it: the F writes its residuals, the I its carry,
+the W adds to the gradient accumulator (to its own stage's buckets only; the
+others pass through). Branch 0 passes the buffer through unchanged, so XLA
+updates it in place. After the switches every rank takes part in the same
+collectives, one `ppermute` per channel of the plan, outside any branch. What
+arrives, and the outputs handed over on the same rank, are written to the io
+slots the table names at the start of the next tick, before anything reads.
 
-- ``io``: activations and gradients waiting for their consumer;
-- ``res``: residuals from each F kept for its backward;
-- ``carry``: what each I keeps for its W;
+**Buffers**, none of which grows with the microbatches (see `jpipe._plan`):
+
+- ``io``: activations and gradients waiting for their consumer, one slot per
+  value, as wide as the widest activation;
+- ``res``: residuals from each F kept for its backward, and ``carry``: what
+  each I keeps for its W. These are sized in bytes, not slots: each rank's
+  values are placed at row offsets by `jpipe._plan.pack_lifetimes` at their
+  own stage's size, one buffer of rows of `ROW` elements per dtype, and every
+  device allocates the largest rank's extent (in SPMD every device runs the
+  same program), not the busiest rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
-Values in the slots are flat vectors, one per dtype (`jpipe._stage.FlatLayout`).
+Values in the buffers are flat, one vector per dtype (`jpipe._stage.FlatLayout`).
 Parameters arrive packed in buckets (`jpipe._pack`): a rank's row of a bucket
 is one of its own stages' arrays, which the stage's branch reshapes in place.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe._pack import ParamLayout
-from jpipe._plan import COLUMNS, Plan
-from jpipe._stage import StageKernels, WeightedLoss, loss_seed, merge_widths
+from jpipe._plan import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
+from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
+
+ROW = 128
+"""Elements per row of the residual and carry buffers: values are placed at
+row offsets, so offsets stay small integers whatever the model's size, and a
+value wastes less than a row per dtype."""
 
 
 class Program(NamedTuple):
@@ -57,14 +69,17 @@ class Program(NamedTuple):
       run: ``run(packed_params, batch_mb) -> (loss, packed_grads)``, pure and
         unjitted; `batch_mb` is the batch cut by `split_microbatches`.
       kernels: the stages' F, I and W pieces it runs.
+      classes: the class of each stage: stages of one class share one branch.
+      table: the integer table ``[ticks, ranks, columns]`` the program scans.
+      arena_rows: ``{"res": {dtype: rows}, "carry": {...}}``, the buffers'
+        sizes in rows of `ROW` elements.
     """
 
     run: Callable
     kernels: tuple[StageKernels, ...]
-
-
-def _zeros(widths: dict) -> dict:
-    return {dt: jnp.zeros((n,), dt) for dt, n in widths.items()}
+    classes: tuple[int, ...] = ()
+    table: np.ndarray | None = None
+    arena_rows: dict | None = None
 
 
 def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[StageKernels]:
@@ -76,6 +91,155 @@ def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[Sta
         kernels.append(k)
         x = k.y
     return kernels
+
+
+def _signature(k: StageKernels) -> tuple:
+    """What two stages must share to run as one branch: their pieces' programs and shapes."""
+
+    def program(fn, *args):
+        closed = jax.make_jaxpr(fn)(*args)
+        consts = tuple(
+            (np.asarray(c).shape, str(np.asarray(c).dtype), np.asarray(c).tobytes())
+            for c in closed.consts
+        )
+        return str(closed.jaxpr), consts
+
+    res = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in k.res_avals]
+    carry = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in k.carry_avals]
+    g = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(k.y)]
+    return (
+        program(k.forward, k.params, k.x, k.inputs),
+        program(k.input_grad, k.params, k.inputs, res, g),
+        program(k.weight_grad, k.params, k.inputs, res, carry),
+        jax.tree.structure(k.x),
+        jax.tree.structure(k.y),
+    )
+
+
+def stage_classes(kernels, layout: ParamLayout) -> tuple[int, ...]:
+    """Groups stages that can share one branch; returns each stage's class, numbered from 0.
+
+    Two stages share a class when their F, I and W trace to the same programs
+    (same equations, shapes and constants), they read the same parameter
+    buckets, and they are both first, both last, or both neither (the first
+    reads no activation; the last starts the backward from the loss).
+    """
+    S = len(kernels)
+    keys: dict = {}
+    out = []
+    for s, k in enumerate(kernels):
+        key = (s == 0, s == S - 1, layout.trees[s], layout.leaves[s], _signature(k))
+        out.append(keys.setdefault(key, len(keys)))
+    return tuple(out)
+
+
+def _rows(n: int) -> int:
+    return -(-n // ROW)
+
+
+class _Arena:
+    """A byte-sized buffer: one ``[rows, ROW]`` array per dtype, and each value's row offsets.
+
+    Writes go through one `dynamic_update_slice` per dtype outside any branch,
+    as wide as the widest stage's value (`width`): a branch returns its value
+    followed by what the buffer already holds after it (`merge`), so a
+    narrower value leaves its neighbours as they were. (Passing the buffer
+    through a switch of more than two branches made XLA copy it whole every
+    time a branch wrote to it.) The buffer has room past the last value for
+    that widest write.
+    """
+
+    def __init__(self, plan: Plan, name: str, layouts: list[FlatLayout], keep: bool = True):
+        self.layouts = layouts
+        self.dtypes = sorted({dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]})
+        self.width = {dt: max(_rows(lay.sizes.get(dt, 0)) for lay in layouts) for dt in self.dtypes}
+        self.rows: dict = {}
+        self.offset: dict = {}  # key -> {dtype: row}
+        for dt in self.dtypes:
+            rows = self.width[dt]
+            for ivs in plan.lifetimes.get(name, ()) if keep else ():
+                extent, offsets = pack_lifetimes(
+                    ivs, lambda key, dt=dt: _rows(layouts[key[0]].sizes.get(dt, 0))
+                )
+                rows = max(rows, extent, *(off + self.width[dt] for off in offsets.values()))
+                for key, off in offsets.items():
+                    self.offset.setdefault(key, {})[dt] = off
+            self.rows[dt] = rows
+
+    def zeros(self) -> dict:
+        return {dt: jnp.zeros((n, ROW), dt) for dt, n in self.rows.items()}
+
+    def unchanged(self, buf: dict, offsets: dict) -> dict:
+        """What a write at `offsets` must put back to change nothing."""
+        return {
+            dt: lax.dynamic_slice(buf[dt], (offsets[dt], 0), (n, ROW))
+            for dt, n in self.width.items()
+        }
+
+    def merge(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
+        """The write of `leaves` at `offsets`: the value, then the buffer's own rows after it."""
+        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items()}
+        packed = layout.pack(leaves, widths)
+        out = {}
+        for dt, width in self.width.items():
+            own = packed[dt].reshape(-1, ROW) if widths.get(dt) else None
+            n = 0 if own is None else own.shape[0]
+            if n == width:
+                out[dt] = own
+                continue
+            rest = lax.dynamic_slice(buf[dt], (offsets[dt] + n, 0), (width - n, ROW))
+            out[dt] = rest if own is None else jnp.concatenate([own, rest])
+        return out
+
+    def write(self, buf: dict, values: dict, offsets: dict) -> dict:
+        return {
+            dt: lax.dynamic_update_slice(b, values[dt], (offsets[dt], 0)) for dt, b in buf.items()
+        }
+
+    def load(self, buf: dict, layout: FlatLayout, offsets: dict) -> list:
+        flat = {
+            dt: lax.dynamic_slice(buf[dt], (offsets[dt], 0), (_rows(n), ROW)).reshape(-1)
+            for dt, n in layout.sizes.items()
+            if n
+        }
+        return layout.unpack(flat)
+
+
+def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tuple[np.ndarray, dict]:
+    """The plan's table with each piece's branch and buffer row offsets added.
+
+    Returns the ``int32`` table and ``{column name: index}``. Beside
+    `Plan.COLUMNS` and the channels' io slots, for each kind ``k`` in
+    ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class) and, for each
+    buffer the piece reads or writes and each of its dtypes, the value's row
+    offset (``k_res:dtype``, ``k_carry:dtype``).
+    """
+    base = plan.table(idle=idle).astype(np.int32)
+    T, R, _ = base.shape
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    extra: list[np.ndarray] = []
+    names = {}
+
+    def add(name, values):
+        names[name] = base.shape[2] + len(extra)
+        extra.append(values)
+
+    lookup = np.array((0,) + tuple(1 + c for c in classes), np.int32)
+    for kind in STAGE_COLUMNS:
+        add(kind.replace("stage", "branch"), lookup[base[:, :, col[kind]]])
+    for arena, kinds in (("res", "fiw"), ("carry", "iw")):
+        a = arenas[arena]
+        for k in kinds:
+            stage = base[:, :, col[f"{k}_stage"]] - 1
+            mb = base[:, :, col[f"{k}_microbatch"]]
+            for dt in a.dtypes:
+                values = np.zeros((T, R), np.int32)
+                for t, r in zip(*np.nonzero(stage >= 0)):
+                    values[t, r] = a.offset.get((int(stage[t, r]), int(mb[t, r])), {}).get(dt, 0)
+                add(f"{k}_{arena}:{dt}", values)
+    table = np.concatenate([base] + [v[:, :, None] for v in extra], axis=2) if extra else base
+    names.update({name: i for i, name in enumerate(COLUMNS)})
+    return table, names
 
 
 def build_step(
@@ -118,7 +282,6 @@ def build_step(
     M = plan.schedule.num_microbatches
     R = plan.num_ranks
 
-    # Trace every stage's kernels, feeding each stage the previous one's output shape.
     if kernels is None:
         kernels = trace_kernels(stage_fns, layout, microbatch_inputs)
     last = kernels[-1]
@@ -145,59 +308,72 @@ def build_step(
                     "between stages must be floating point so gradients can flow back"
                 )
 
+    classes = stage_classes(kernels, layout)
+    members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
-    res_widths = merge_widths(*(k.res_layout for k in kernels))
-    carry_widths = merge_widths(*(k.carry_layout for k in kernels))
+    num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
+    # A forward-only program keeps nothing for a backward.
+    res = _Arena(plan, "res", [k.res_layout for k in kernels], keep=not forward_only)
+    carry = _Arena(plan, "carry", [k.carry_layout for k in kernels], keep=not forward_only)
+    if forward_only:
+        res.dtypes, res.width, res.rows = [], {}, {}
     buckets = layout.buckets
-
-    def stage_params(s, local):
-        return layout.stage_params(s, local)
-
-    def read(arena, slot):
-        return {dt: lax.dynamic_index_in_dim(buf, slot, 0, False) for dt, buf in arena.items()}
-
-    def write(arena, slot, values):
-        return {
-            dt: lax.dynamic_update_index_in_dim(buf, values[dt], slot, 0)
-            for dt, buf in arena.items()
-        }
-
-    def write_if_used(io, slot, values):
-        """An io write, skipped when the table sends it to the spare slot."""
-        return lax.cond(slot != plan.num_io, lambda io: write(io, slot, values), lambda io: io, io)
-
-    # Each kind of piece runs inside its own two-way `cond` (this tick's piece
-    # is of that kind, or not), and inside it a `switch` over the stages. The
-    # cond holds the only write to its buffer (the residual slot, the carry
-    # slot, the gradient accumulator), a single in-place update that XLA keeps
-    # in place; passing all buffers through one many-branch switch made XLA
-    # copy them every tick. Ticks that do not run a kind touch nothing of it.
+    table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
 
     def zero_send():
-        return _zeros(io_widths)
+        return {dt: jnp.zeros((n,), dt) for dt, n in io_widths.items()}
 
-    def make_f(s):
+    def read_io(io, slot):
+        slot = jnp.minimum(slot, num_io - 1)
+        return {dt: lax.dynamic_index_in_dim(buf, slot, 0, False) for dt, buf in io.items()}
+
+    def write_io(io, slot, values):
+        """Writes `values` to io `slot`; slot ``plan.num_io`` means none (a select, no branch)."""
+        used = slot < plan.num_io
+        slot = jnp.minimum(slot, num_io - 1)
+        out = {}
+        for dt, buf in io.items():
+            old = lax.dynamic_index_in_dim(buf, slot, 0, False)
+            new = jnp.where(used, values[dt], old)
+            out[dt] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
+        return out
+
+    def offsets(row, name, arena):
+        return {dt: row[col[f"{name}:{dt}"]] for dt in arena.dtypes}
+
+    def inputs_of(batch_mb, mb):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
+
+    # Branch c of each switch runs the pieces of class c (any member stands
+    # for all: they trace to the same program and read the same buckets).
+
+    def make_f(c):
+        s = members[c][0]
         k = kernels[s]
 
-        def run(flat, inputs, io_val):
+        def run(flat, batch_mb, io, res_buf, row):
             x = None
             if s > 0:
                 prev = kernels[s - 1]
-                x = jax.tree.unflatten(prev.y_tree, prev.y_layout.unpack(io_val))
-            y, residuals = k.forward(stage_params(s, flat), x, inputs)
-            res_new = k.res_layout.pack(residuals, res_widths)
+                x = jax.tree.unflatten(
+                    prev.y_tree, prev.y_layout.unpack(read_io(io, row[col["f_in"]]))
+                )
+            inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
+            y, residuals = k.forward(layout.stage_params(s, flat), x, inputs)
+            kept = res.merge(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return zero_send(), res_new, loss_piece.astype(loss_dtype)
-            return k.y_layout.pack(y, io_widths), res_new, loss_zero
+                return kept, zero_send(), loss_piece.astype(loss_dtype)
+            return kept, k.y_layout.pack(y, io_widths), loss_zero
 
         return run
 
-    def make_i(s):
+    def make_i(c):
+        s = members[c][0]
         k = kernels[s]
 
-        def run(flat, inputs, io_val, res_val):
-            residuals = k.res_layout.unpack(res_val)
+        def run(flat, batch_mb, io, res_buf, carry_buf, row):
+            residuals = res.load(res_buf, k.res_layout, offsets(row, "i_res", res))
             if s == S - 1 and weighted:
                 # d(total) = 1 and d(weight) = 0: the step divides by the summed
                 # weights once, at the end (the weight must not depend on the
@@ -206,48 +382,60 @@ def build_step(
             elif s == S - 1:
                 g = loss_seed(M, loss_dtype)
             else:
-                g = k.y_layout.unpack(io_val)
-            dx, kept = k.input_grad(stage_params(s, flat), inputs, residuals, g)
+                g = k.y_layout.unpack(read_io(io, row[col["i_in"]]))
+            inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
+            dx, kept = k.input_grad(layout.stage_params(s, flat), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
-            return send, k.carry_layout.pack(kept, carry_widths)
+            kept = carry.merge(carry_buf, k.carry_layout, kept, offsets(row, "i_carry", carry))
+            return kept, send
 
         return run
 
-    def make_w(s):
+    def make_w(c):
+        s = members[c][0]
         k = kernels[s]
         names = layout.stage_buckets(s)
 
-        def run(flat, inputs, res_val, carry_val):
-            residuals = k.res_layout.unpack(res_val)
-            kept = k.carry_layout.unpack(carry_val)
-            grads = k.weight_grad(stage_params(s, flat), inputs, residuals, kept)
-            dp = {name: g.reshape(-1) for name, g in zip(names, grads)}
-            return {b: dp[b] if b in dp else jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()}
+        def run(flat, batch_mb, res_buf, carry_buf, row):
+            residuals = res.load(res_buf, k.res_layout, offsets(row, "w_res", res))
+            kept = carry.load(carry_buf, k.carry_layout, offsets(row, "w_carry", carry))
+            inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
+            dp = dict(
+                zip(names, k.weight_grad(layout.stage_params(s, flat), inputs, residuals, kept))
+            )
+            return {
+                b: dp[b].reshape(-1) if b in dp else jnp.zeros(sh, dt)
+                for b, (sh, dt) in buckets.items()
+            }
 
         return run
 
-    # With one stage per rank every W adds to all of the rank's buckets and a
-    # switch over the stages is the cheaper program; with several, the switch
-    # would add zeros to the other stages' buckets, and one cond per stage
-    # was 8 to 16% faster on the benchmark shapes (docs/compiler-measurements.md).
-    several_stages_per_rank = len(set(plan.stage_to_rank)) < S
-    f_branches = [make_f(s) for s in range(S)]
-    i_branches = [make_i(s) for s in range(S)]
-    w_branches = [make_w(s) for s in range(S)]
+    def f_idle(flat, batch_mb, io, res_buf, row):
+        return res.unchanged(res_buf, offsets(row, "f_res", res)), zero_send(), loss_zero
 
-    col = {name: i for i, name in enumerate(COLUMNS)}
+    def i_idle(flat, batch_mb, io, res_buf, carry_buf, row):
+        return carry.unchanged(carry_buf, offsets(row, "i_carry", carry)), zero_send()
+
+    def w_idle(*_):
+        return {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()}
+
+    classes_range = range(len(members))
+    f_branches = [f_idle] + [make_f(c) for c in classes_range]
+    i_branches = [i_idle] + [make_i(c) for c in classes_range]
+    w_branches = [w_idle] + [make_w(c) for c in classes_range]
+
     channels = plan.channels
     num_writes = 2 + len(channels)  # F's and I's local hand-overs, then arrivals
 
     def per_rank(packed, batch_mb, tab):
         flat = {b: v[0] for b, v in packed.items()}
         tab = tab[:, 0]
-        carry0 = (
+        state0 = (
             {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
             loss_zero,
-            {dt: jnp.zeros((plan.num_io + 1, n), dt) for dt, n in io_widths.items()},
-            {dt: jnp.zeros((plan.num_res + 1, n), dt) for dt, n in res_widths.items()},
-            {dt: jnp.zeros((plan.num_carry + 1, n), dt) for dt, n in carry_widths.items()},
+            {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
+            res.zeros(),
+            carry.zeros(),
             # The io writes of the tick before: (slot, value) for the local
             # hand-overs of F and I outputs and for each channel's arrival.
             (
@@ -257,7 +445,7 @@ def build_step(
         )
 
         def tick(state, row):
-            grads, loss, io, res, carry, (write_slots, write_values) = state
+            grads, loss, io, res_buf, carry_buf, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
             # The previous tick's io writes land first, before this tick reads
             # anything. (Writing them at the end of their own tick, as the
@@ -265,77 +453,25 @@ def build_step(
             # each write after every read of the same tick, and it copied the
             # whole io buffer three times a tick to be safe.)
             for k in range(num_writes):
-                io = write_if_used(io, write_slots[k], write_values[k])
+                io = write_io(io, write_slots[k], write_values[k])
 
-            def inputs_of(kind):  # read inside the pieces only: idle ticks read nothing
-                mb = row[col[f"{kind}_microbatch"]]
-                return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
-
-            # Column `{kind}_stage` is 0 when no piece of that kind runs, else 1 + stage.
-            runs_f, f_stage = row[col["f_stage"]] > 0, row[col["f_stage"]] - 1
-            runs_i, i_stage = row[col["i_stage"]] > 0, row[col["i_stage"]] - 1
-            runs_w, w_stage = row[col["w_stage"]] > 0, row[col["w_stage"]] - 1
-
-            def forward(res):
-                send, res_new, loss_piece = lax.switch(
-                    f_stage, f_branches, flat, inputs_of("f"), read(io, row[col["f_in"]])
-                )
-                return write(res, row[col["f_res"]], res_new), send, loss_piece
-
-            res, send_f, loss_piece = lax.cond(
-                runs_f, forward, lambda r: (r, zero_send(), loss_zero), res
+            # Each switch reads the buffers and returns what to write; the
+            # writes are outside (see `_Arena`), in the order F, I, W.
+            kept, send_f, loss_piece = lax.switch(
+                row[col["f_branch"]], f_branches, flat, batch_mb, io, res_buf, row
             )
-
-            def input_grad(carry):
-                send, carry_new = lax.switch(
-                    i_stage,
-                    i_branches,
-                    flat,
-                    inputs_of("i"),
-                    read(io, row[col["i_in"]]),
-                    read(res, row[col["i_res"]]),
-                )
-                return write(carry, row[col["i_carry"]], carry_new), send
-
+            res_buf = res.write(res_buf, kept, offsets(row, "f_res", res))
             if forward_only:
                 send_i = zero_send()
             else:
-                carry, send_i = lax.cond(runs_i, input_grad, lambda c: (c, zero_send()), carry)
-
-            def add_weight_grad(s, grads):
-                dp = w_branches[s](
-                    flat,
-                    inputs_of("w"),
-                    read(res, row[col["w_res"]]),
-                    read(carry, row[col["w_carry"]]),
+                kept, send_i = lax.switch(
+                    row[col["i_branch"]], i_branches, flat, batch_mb, io, res_buf, carry_buf, row
                 )
-                mine = set(layout.stage_buckets(s))
-                return {b: g + dp[b] if b in mine else g for b, g in grads.items()}
-
-            def weight_grad(grads):
+                carry_buf = carry.write(carry_buf, kept, offsets(row, "i_carry", carry))
                 dp = lax.switch(
-                    w_stage,
-                    w_branches,
-                    flat,
-                    inputs_of("w"),
-                    read(res, row[col["w_res"]]),
-                    read(carry, row[col["w_carry"]]),
+                    row[col["w_branch"]], w_branches, flat, batch_mb, res_buf, carry_buf, row
                 )
-                return {b: g + dp[b] for b, g in grads.items()}
-
-            if not forward_only and several_stages_per_rank:
-                # One cond per stage, each adding to its own stage's buckets
-                # only (a switch must give every branch the same outputs, so
-                # it would add zeros to the rank's other stages' buckets).
-                for s in range(S):
-                    grads = lax.cond(
-                        runs_w & (w_stage == s),
-                        functools.partial(add_weight_grad, s),
-                        lambda g: g,
-                        grads,
-                    )
-            elif not forward_only:
-                grads = lax.cond(runs_w, weight_grad, lambda g: g, grads)
+                grads = {b: g + dp[b] for b, g in grads.items()}
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
             values = [send_f, send_i]
@@ -343,6 +479,7 @@ def build_step(
             # shared channel (unit layout: a rank sends at most one value a
             # tick) carries whichever of the F and I outputs this rank made.
             if any(kind is None for kind, _ in channels):
+                runs_f = row[col["f_stage"]] > 0
                 either = {dt: jnp.where(runs_f, send_f[dt], send_i[dt]) for dt in send_f}
             sends = {"F": send_f, "I": send_i}
             for i, (kind, d) in enumerate(channels):
@@ -352,9 +489,9 @@ def build_step(
                 slots.append(row[len(COLUMNS) + i])
                 values.append(arrived)
             pending = (jnp.stack(slots), values)
-            return (grads, loss, io, res, carry, pending), None
+            return (grads, loss, io, res_buf, carry_buf, pending), None
 
-        (grads, loss, *_), _ = lax.scan(tick, carry0, tab)
+        (grads, loss, *_), _ = lax.scan(tick, state0, tab)
         if weighted:
             # The weighted mean over every microbatch of every data shard,
             # divided once: sum(totals) / sum(weights), and the gradients of
@@ -384,9 +521,14 @@ def build_step(
         # so the check buys nothing here.
         check_vma=False,
     )
-    tab = plan.table(idle=idle)
+    narrow = next(
+        (t for t in (np.int8, np.int16) if table.size == 0 or table.max() <= np.iinfo(t).max),
+        np.int32,
+    )
+    table = table.astype(narrow)
 
     def run(packed, batch_mb):
-        return program(packed, batch_mb, jnp.asarray(tab))
+        return program(packed, batch_mb, jnp.asarray(table))
 
-    return Program(run, tuple(kernels))
+    arena_rows = {"res": dict(res.rows), "carry": dict(carry.rows)}
+    return Program(run, tuple(kernels), classes, table, arena_rows)

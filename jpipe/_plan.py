@@ -81,6 +81,24 @@ class Piece(NamedTuple):
     microbatch: int
 
 
+class Transfers(NamedTuple):
+    """What a plan's transfers between ranks carry, over one step.
+
+    Attributes:
+      sent: values (activations and gradients) sent from one rank to another.
+      exposed: those whose consumer runs in the very next tick: nothing can
+        overlap such a transfer, so its latency adds to the step.
+      collectives: the collectives the program runs, one per channel per tick.
+      idle: those on which no rank sends: in one SPMD program every rank joins
+        every channel's collective every tick, so these move zeros.
+    """
+
+    sent: int
+    exposed: int
+    collectives: int
+    idle: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A schedule laid out in lock-step ticks, with buffer slots.
@@ -104,6 +122,9 @@ class Plan:
       slot: ``slot[("io", piece)]`` is the io slot that the value consumed by
         `piece` waits in; ``slot[("res", key)]`` the residual slot of a
         `(stage, microbatch)`; ``slot[("carry", key)]`` its I-to-W carry slot.
+      lifetimes: ``lifetimes[arena][rank]``, for ``"res"`` and ``"carry"``:
+        the ``(start, end, key)`` position intervals of each value that rank
+        keeps, for sizing the arena in bytes (`pack_lifetimes`).
     """
 
     schedule: Schedule
@@ -115,6 +136,7 @@ class Plan:
     num_res: int
     num_carry: int
     slot: dict = dataclasses.field(compare=False, hash=False, repr=False)
+    lifetimes: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     COLUMNS: ClassVar[tuple[str, ...]]  # the table's named columns, set below
 
@@ -151,6 +173,25 @@ class Plan:
             out = out.copy()
             out[:, :, [COLUMNS.index(c) for c in STAGE_COLUMNS]] = 0
         return out
+
+    def transfers(self) -> Transfers:
+        """What the program's transfers between ranks carry (see `Transfers`)."""
+        owner = self.stage_to_rank
+        S = self.schedule.num_stages
+        when = {piece: t for t, _, piece in self.pieces()}
+        sent = exposed = 0
+        busy = set()  # (tick, channel index) that some rank sends on
+        index = {c: i for i, c in enumerate(self.channels)}
+        for (kind, s, m), t in when.items():
+            nxt = s + 1 if kind == "F" else s - 1
+            if kind == "W" or not 0 <= nxt < S or owner[nxt] == owner[s]:
+                continue
+            sent += 1
+            exposed += when[(kind, nxt, m)] == t + 1
+            shift = (owner[nxt] - owner[s]) % self.num_ranks
+            busy.add((t, index.get((None, shift), index.get((kind, shift)))))
+        total = self.num_ticks * len(self.channels)
+        return Transfers(sent, exposed, total, total - len(busy))
 
     def predicted_time(self, costs: Costs | None = None) -> float:
         """Time of the lock-step program on devices that run independently.
@@ -281,7 +322,9 @@ def _colour(intervals):
 
 
 def _slots(ticks, owner, R: int):
-    """Colours every value's lifetime: ``(slot, (num_io, num_res, num_carry), channels)``.
+    """Colours every value's lifetime: ``(slot, counts, channels, lifetimes)``.
+
+    `counts` is ``(num_io, num_res, num_carry)``.
 
     Works for any tick table: a forward's residuals live until its ``W``
     piece when there is one (a forward-only plan keeps none).
@@ -320,7 +363,36 @@ def _slots(ticks, owner, R: int):
             slot.update({(arena, k): v for k, v in assign.items()})
         counts.append(most)
     order = sorted(channels, key=lambda c: (c[0] or "", c[1]))
-    return slot, tuple(counts), tuple(order)
+    lifetimes = {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in ("res", "carry")}
+    return slot, tuple(counts), tuple(order), lifetimes
+
+
+def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
+    """Places values that live over intervals in one buffer: ``(extent, {key: offset})``.
+
+    `lifetimes` are ``(start, end, key)`` intervals (as in `Plan.lifetimes`)
+    and ``size_of(key)`` each value's size. First fit, in order of start: a
+    value takes the lowest offset where it overlaps no value still live.
+    Where all values have one size (a rank that holds one stage) this is the
+    interval colouring of the slots, so the extent is the peak of live
+    values times their size, which no placement can beat; with several sizes
+    it is at least the peak of live bytes, and first fit stays close to it.
+    """
+    live: list[tuple[int, int, int]] = []  # (offset, size, end)
+    extent, out = 0, {}
+    for start, end, key in sorted(lifetimes, key=lambda iv: (iv[0], iv[1])):
+        live = [v for v in live if v[2] >= start]
+        size = size_of(key)
+        offset = 0
+        for off, n, _ in sorted(live):
+            if off - offset >= size:
+                break
+            offset = max(offset, off + n)
+        out[key] = offset
+        if size:
+            live.append((offset, size, end))
+            extent = max(extent, offset + size)
+    return extent, out
 
 
 def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = False) -> Plan:
@@ -347,8 +419,10 @@ def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = 
         layout, ticks = ("packed", packed) if better else ("unit", unit)
     else:
         ticks = _packed_ticks(schedule) if layout == "packed" else _unit_ticks(schedule)
-    slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
-    return Plan(schedule, layout, ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
+    slot, (num_io, num_res, num_carry), channels, lifetimes = _slots(ticks, owner, R)
+    return Plan(
+        schedule, layout, ticks, tuple(owner), channels, num_io, num_res, num_carry, slot, lifetimes
+    )
 
 
 def make_forward_plan(schedule: Schedule) -> Plan:
@@ -361,10 +435,12 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     owner = analyze(schedule).stage_to_rank
     R = schedule.num_ranks
     ticks = _packed_ticks(schedule, kinds=("F",))
-    slot, (num_io, num_res, num_carry), channels = _slots(ticks, owner, R)
+    slot, (num_io, num_res, num_carry), channels, lifetimes = _slots(ticks, owner, R)
     for piece in (p for row in ticks for pieces in row for p in pieces):
         slot[("res", piece[1:])] = num_res  # the spare slot: nothing is kept
-    return Plan(schedule, "unit", ticks, tuple(owner), channels, num_io, num_res, num_carry, slot)
+    return Plan(
+        schedule, "unit", ticks, tuple(owner), channels, num_io, num_res, num_carry, slot, lifetimes
+    )
 
 
 # Columns of the per-tick table that drives the program: for each kind of

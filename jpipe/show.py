@@ -19,7 +19,10 @@ given by ``--cost``; ``B`` defaults to ``I + W``). The output is a text chart,
 one row per rank (see `text_chart`), then the makespan, the bubble fraction,
 and the busy time and peak live activations of each rank; with ``--bytes``
 (per-stage residual, I-to-W carry and parameter bytes) also each rank's peak
-bytes. ``--json`` prints
+bytes. Last comes the shape of the program the compiler would build
+(`jpipe.make_plan`): its lock-step ticks, and its transfers between ranks,
+how many are read in the very next tick (so nothing can hide them) and how
+many collectives carry nothing (`jpipe.Plan.transfers`). ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
 Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
 https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
@@ -38,6 +41,7 @@ import json
 import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
+from jpipe._plan import make_plan
 from jpipe._registry import get_schedule
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
 
@@ -124,6 +128,16 @@ def _figures(sim: Simulation) -> str:
     return "\n".join(lines)
 
 
+def _program_figures(plan) -> dict:
+    """The lock-step program's shape (`jpipe.make_plan`): its ticks and transfers."""
+    return {
+        "tick_layout": plan.layout,
+        "ticks": plan.num_ticks,
+        "channels": len(plan.channels),
+        **plan.transfers()._asdict(),
+    }
+
+
 _MAX_CHART_ACTIONS = 20_000  # a terminal chart of more is slow and unreadable
 
 
@@ -141,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = None if args.bytes is None else Sizes.parse(args.bytes)
         schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
         sim = simulate(schedule, costs, sizes)  # validates first
+        program = _program_figures(make_plan(schedule))
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.json:
-        print(json.dumps({**sim.summary(), "costs": dataclasses.asdict(costs)}))
+        print(json.dumps({**sim.summary(), "costs": dataclasses.asdict(costs), "program": program}))
     else:
         actions = sum(len(sim.schedule.actions(r)) for r in range(sim.schedule.num_ranks))
         if actions <= _MAX_CHART_ACTIONS:
@@ -169,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
+        print(
+            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+            f"{program['channels']} channel(s); {program['sent']} transfers between ranks, "
+            f"{program['exposed']} read the very next tick; {program['collectives']} "
+            f"collectives, {program['idle']} with nothing to send"
+        )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)

@@ -1,0 +1,152 @@
+"""What the compiled program is made of: its control, its copies of each stage, its buffers.
+
+These read the compiled HLO of a training step (fake CPU devices, compiled
+from shapes, nothing run) and the buffers the lowering sizes; exactness is
+tested elsewhere (test_compiler.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jpipe
+from jpipe import testing
+from jpipe._lower import ROW
+from jpipe._plan import pack_lifetimes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compiled_step(name, ranks, microbatches, chunks=1, rows=2):
+    """The compiled training step of the checker's model, and its pipeline."""
+    schedule = jpipe.get_schedule(name, ranks, microbatches, chunks if chunks > 1 else None)
+    stages, params, make_batch = testing.small_model(schedule.num_stages)
+    mesh = jpipe.make_mesh(ranks, 1, jax.devices()[:ranks])
+    pipe = jpipe.Pipeline(stages, schedule, mesh)
+    packed = pipe.packed_shapes(params)
+    batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pipe.batch_sharding),
+        make_batch(rows * microbatches),
+    )
+    return jax.jit(pipe.step_fn(batch)).lower(packed, batch).compile(), pipe, batch
+
+
+@pytest.mark.parametrize(
+    "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
+)
+def test_a_step_has_at_most_three_conditionals(name, chunks):
+    # One switch per kind of piece (F, I, W) in the tick loop, and nothing
+    # else branches: no conditional per io write or per stage.
+    compiled, _, _ = compiled_step(name, 4, 8, chunks)
+    hlo = compiled.as_text()
+    assert hlo.count(" while(") == 1
+    assert hlo.count(" conditional(") <= 3, name
+
+
+def test_stages_of_one_structure_share_one_branch():
+    # The checker's model: an embedding stage, alike blocks, a head.
+    _, pipe, batch = compiled_step("1f1b", 4, 4)
+    program = pipe._build(batch)[1]
+    assert program.classes == (0, 1, 1, 2)
+    _, pipe, batch = compiled_step("interleaved_1f1b", 2, 4, chunks=2)
+    # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3: the two blocks read
+    # different buckets, so they are not one class.
+    assert pipe._build(batch)[1].classes == (0, 1, 2, 3)
+
+
+_COUNT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 16)
+    sys.path.insert(0, {tests!r})
+    from test_program_shape import compiled_step
+    out = {{}}
+    for ranks in (4, 16):
+        hlo = compiled_step("1f1b", ranks, ranks)[0].as_text()
+        out[ranks] = {{"dots": hlo.count(" dot("), "conditionals": hlo.count(" conditional(")}}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_deeper_pipelines_do_not_grow_the_program():
+    # 16 ranks of alike blocks compile to the same pieces as 4: the program
+    # holds each distinct stage once (in a fresh process with 16 devices).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    script = _COUNT_SCRIPT.format(tests=str(ROOT / "tests"))
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    four, sixteen = counts["4"], counts["16"]
+    assert four["dots"] > 0
+    assert sixteen["dots"] <= 1.5 * four["dots"], counts
+    assert sixteen["conditionals"] <= 3, counts
+
+
+def test_residual_buffer_is_the_largest_ranks_need():
+    # One stage per rank: each rank keeps its peak of live residuals at its
+    # own stage's size, and the buffer is the largest rank's, plus room for a
+    # write as wide as the widest stage's residuals past the last value.
+    _, pipe, batch = compiled_step("1f1b", 4, 8)
+    program = pipe._build(batch)[1]
+    peaks = jpipe.simulate(pipe.schedule).peak_activations
+    for dt, rows in program.arena_rows["res"].items():
+        own = [-(-k.res_layout.sizes.get(dt, 0) // ROW) for k in program.kernels]
+        widest = max(own)
+        need = max(
+            peaks[r] * own[s] + (widest - own[s]) * (peaks[r] > 0)
+            for r, s in enumerate(pipe.schedule.stage_to_rank)
+        )
+        assert rows == max(need, widest), dt
+        # The buffer of the slots before: the busiest rank's count, plus a
+        # spare, times the widest stage.
+        assert rows < (max(peaks) + 1) * widest
+
+
+intervals = st.lists(
+    st.tuples(st.integers(0, 30), st.integers(0, 10), st.integers(0, 5)), max_size=25
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(intervals)
+def test_packed_values_never_overlap_while_both_live(ivs):
+    lifetimes = [(start, start + length, i) for i, (start, length, _) in enumerate(ivs)]
+    size = {i: s for i, (_, _, s) in enumerate(ivs)}
+    extent, offset = pack_lifetimes(lifetimes, size.__getitem__)
+    for a, (sa, ea, _) in enumerate(lifetimes):
+        assert offset[a] + size[a] <= extent
+        for b, (sb, eb, _) in enumerate(lifetimes[:a]):
+            if sa <= eb and sb <= ea and size[a] and size[b]:  # live together
+                assert offset[a] + size[a] <= offset[b] or offset[b] + size[b] <= offset[a]
+    # No placement needs less than the peak of live sizes.
+    peak = max(
+        (sum(size[i] for i, (s, e, _) in enumerate(lifetimes) if s <= t <= e) for t in range(41)),
+        default=0,
+    )
+    assert extent >= peak
+    if len(set(size.values())) == 1:  # one size: the colouring, which is optimal
+        assert extent == peak
+
+
+def test_show_reports_the_programs_transfers(capsys):
+    from jpipe import show
+
+    assert show.main(["1f1b", "--ranks", "4", "--microbatches", "8", "--json"]) == 0
+    program = json.loads(capsys.readouterr().out)["program"]
+    plan = jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 8))
+    assert program["sent"] == 2 * 3 * 8  # every boundary, forward and back, each microbatch
+    assert program["collectives"] == plan.num_ticks * len(plan.channels)
+    assert 0 < program["exposed"] <= program["sent"]
+    assert 0 < program["idle"] < program["collectives"]
