@@ -12,8 +12,11 @@ per-device `memory_analysis()` read. Beside it, what the schedule needs:
   compiler's own pieces size it: the simulator's peak bytes (`jpipe.simulate`
   with `jpipe.Sizes`: each stage's residual and I-to-W carry bytes from its
   `jpipe.StageKernels`, live as the rank's list runs, plus the gradient
-  accumulator of its stages), plus one activation in and one out for the
-  piece that runs.
+  accumulator of its stages), plus the working memory of the rank's largest
+  piece: each of its stages' F, I and W compiled alone on one device, the
+  piece's temp and output bytes and one activation in (`piece_working_bytes`).
+  (``need_2act_bytes`` keeps the earlier, smaller estimate of the working
+  memory: one activation in and one out.)
 - ``param_bytes``: parameter bytes per device as packed (each bucket's row
   for every rank), and ``own_param_bytes``: the largest rank's own.
 
@@ -31,6 +34,7 @@ import numpy as np
 
 import jpipe
 from jpipe import models
+from jpipe._lower import stage_classes
 from jpipe.models import gpt
 
 GPT2_SMALL = gpt.GPTConfig(
@@ -50,14 +54,52 @@ def _bytes(avals) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
 
-def live_need(schedule: jpipe.Schedule, kernels, grad_bytes: list[int]) -> list[int]:
+def piece_working_bytes(kernels, classes=None) -> list[int]:
+    """Per stage, the working memory of its largest piece, compiled alone on one device.
+
+    A piece's working memory is what it allocates beyond the values the
+    schedule already counts (parameters, residuals, carries): its compiled
+    temp bytes, its outputs (new residuals or carries, the activation or
+    gradient it sends, a weight gradient) and the activation it reads.
+    Stages of one class (`jpipe._lower.stage_classes`: the same programs on
+    the same shapes) are compiled once.
+    """
+
+    def shapes(avals):
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+    classes = classes or tuple(range(len(kernels)))
+    done: dict = {}
+    for k, c in zip(kernels, classes):
+        if c in done:
+            continue
+        res, carry = shapes(k.res_avals), shapes(k.carry_avals)
+        y = shapes(jax.tree.leaves(k.y))
+        act = _bytes(y) + (_bytes(jax.tree.leaves(k.x)) if k.has_x else 0)
+        pieces = (
+            (k.forward, (k.params, k.x, k.inputs)),
+            (k.input_grad, (k.params, k.inputs, res, y)),
+            (k.weight_grad, (k.params, k.inputs, res, carry)),
+        )
+        most = 0
+        for fn, args in pieces:
+            memory = jax.jit(fn).lower(*args).compile().memory_analysis()
+            most = max(most, memory.temp_size_in_bytes + memory.output_size_in_bytes)
+        done[c] = most + act
+    return [done[c] for c in classes]
+
+
+def live_need(
+    schedule: jpipe.Schedule, kernels, grad_bytes: list[int], working: list[int] | None = None
+) -> list[int]:
     """Each rank's need: the simulator's peak bytes plus its largest piece's working set.
 
     `jpipe.simulate` with `jpipe.Sizes` from the compiled pieces: a stage's
     residuals (`StageKernels.res_avals`) live from its F to its W, its carry
     (`carry_avals`) from its I to its W, and its gradient accumulator
     (`grad_bytes`, as big as its parameters) all step. The working set of a
-    piece is taken as one activation in and one out.
+    piece is `working` per stage (`piece_working_bytes`), or, without it,
+    one activation in and one out.
     """
     sizes = jpipe.Sizes(
         activation=[_bytes(k.res_avals) for k in kernels],
@@ -65,9 +107,10 @@ def live_need(schedule: jpipe.Schedule, kernels, grad_bytes: list[int]) -> list[
         params=grad_bytes,
     )
     peaks = jpipe.simulate(schedule, sizes=sizes).peak_bytes
-    act = [_bytes(jax.tree.leaves(k.y)) for k in kernels]
+    if working is None:
+        working = [2 * _bytes(jax.tree.leaves(k.y)) for k in kernels]
     return [
-        int(peaks[r]) + max((2 * act[s] for s in schedule.stages_of(r)), default=0)
+        int(peaks[r]) + max((working[s] for s in schedule.stages_of(r)), default=0)
         for r in range(schedule.num_ranks)
     ]
 
@@ -97,7 +140,10 @@ def row(
     param_bytes = sum(
         math.prod(sh) * np.dtype(dt).itemsize for sh, dt in pipe.layout.buckets.values()
     )
-    need = live_need(schedule, pipe.stage_kernels(batch), stage_bytes)
+    kernels = pipe.stage_kernels(batch)
+    working = piece_working_bytes(kernels, stage_classes(kernels, pipe.layout))
+    need = live_need(schedule, kernels, stage_bytes, working)
+    need_2act = live_need(schedule, kernels, stage_bytes)
     return {
         "schedule": name,
         "chunks": chunks,
@@ -107,6 +153,7 @@ def row(
         "argument_bytes": int(memory.argument_size_in_bytes),
         "need_bytes": max(need),
         "need_per_rank": need,
+        "need_2act_bytes": max(need_2act),
         "param_bytes": param_bytes,
         "own_param_bytes": max(own),
     }
