@@ -4,8 +4,10 @@
 model whose stages differ (an embedding first, plain blocks in the middle, a
 head and a cross-entropy loss last), and compares the loss and every gradient
 with `jax.value_and_grad` of the same model without a pipeline, on the whole
-batch. It also reports the compile time and the compiled step's per-device
-memory from `memory_analysis()`.
+batch. Its stages can pass each other pytrees with bfloat16 and float16
+leaves instead of one float32 array (`ACTIVATIONS`). It also reports the
+compile time and the compiled step's per-device memory from
+`memory_analysis()`.
 
 Fake devices: JAX fixes the device count when its backend starts. If it has
 not started yet, `check_schedule` asks for as many CPU devices as it needs;
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from jpipe._devices import use_cpu_devices
 from jpipe._registry import get_schedule
@@ -95,7 +98,56 @@ def _scanned_block_stage(params, x, inputs):
     return _scanned_blocks(params, x)
 
 
-def small_model(num_stages: int, seed: int = 0, scan_layers: bool = False):
+# What one stage may pass to the next (B rows, L = SEQ, D = WIDTH):
+ACTIVATIONS = (
+    "array",  # float32 [B, L, D]
+    "dict",  # {"h": float32 [B, L, D], "g": bfloat16 [B, L, D]}, added up by the next stage
+    "tuple",  # (bfloat16 [B, L, D], float32 [B, D], float16 [B] that the next stage ignores)
+)
+
+
+def _send(h, kind: str):
+    """The activation `h` (float32 [B, L, D]) as `kind` (see `ACTIVATIONS`)."""
+    import jax.numpy as jnp
+
+    if kind == "dict":
+        return {"h": h, "g": jnp.tanh(h).astype(jnp.bfloat16)}
+    if kind == "tuple":
+        return (h.astype(jnp.bfloat16), jnp.mean(h, axis=1), h[:, 0, 0].astype(jnp.float16))
+    return h
+
+
+def _receive(x, kind: str):
+    """The inverse of `_send`, up to its casts: float32 [B, L, D] again."""
+    import jax.numpy as jnp
+
+    if kind == "dict":
+        return x["h"] + 0.5 * x["g"].astype(jnp.float32)
+    if kind == "tuple":
+        low, mean, _ = x  # the float16 leaf's gradient is zero
+        return low.astype(jnp.float32) + mean[:, None, :]
+    return x
+
+
+def _with_activations(stage, kind_in: str | None, kind_out: str | None):
+    """`stage` receiving a `kind_in` activation and sending a `kind_out` one (None: none)."""
+    if kind_in in (None, "array") and kind_out in (None, "array"):
+        return stage
+
+    def wrapped(params, x, inputs):
+        y = stage(params, None if kind_in is None else _receive(x, kind_in), inputs)
+        return y if kind_out is None else _send(y, kind_out)
+
+    wrapped.__name__ = f"{stage.__name__}_{kind_in or ''}_{kind_out or ''}"
+    return wrapped
+
+
+def small_model(
+    num_stages: int,
+    seed: int = 0,
+    scan_layers: bool = False,
+    activations: str | Sequence[str] = "array",
+):
     """The checker's model: ``(stage_fns, params_list, make_batch)``.
 
     Stage 0 embeds tokens, the last stage applies a head and returns the mean
@@ -104,12 +156,30 @@ def small_model(num_stages: int, seed: int = 0, scan_layers: bool = False):
     `SCANNED_BLOCKS` blocks in one `jax.lax.scan` (weights stacked on a
     leading axis), and so does the first stage after its embedding (so the
     scan is also tried in a stage without an input gradient).
+
+    `activations` is what each stage passes to the next: one of `ACTIVATIONS`
+    for every boundary, or a sequence of ``num_stages - 1`` of them, one per
+    boundary. The pytree kinds carry lower-precision leaves, so the model's
+    loss depends on their casts; the unpipelined reference (`jpipe.run_stages`
+    on the same functions) makes the same casts, so a pipeline must still
+    match it to float32 precision.
     """
     import jax
     import jax.numpy as jnp
 
     if num_stages < 1:
         raise ValueError(f"the model needs at least one stage, got {num_stages}")
+    one = isinstance(activations, str)
+    kinds = (activations,) * (num_stages - 1) if one else tuple(activations)
+    if (
+        (one and activations not in ACTIVATIONS)
+        or len(kinds) != num_stages - 1
+        or any(k not in ACTIVATIONS for k in kinds)
+    ):
+        raise ValueError(
+            f"activations must be one of {ACTIVATIONS} or {num_stages - 1} of them (one per "
+            f"boundary between {num_stages} stages), got {activations!r}"
+        )
     keys = iter(jax.random.split(jax.random.key(seed), 8 * num_stages + 8))
 
     def normal(shape, scale):
@@ -160,6 +230,9 @@ def small_model(num_stages: int, seed: int = 0, scan_layers: bool = False):
     else:
         stages = [_embed_stage] + [_block_stage] * (num_stages - 2) + [_head_stage]
         params = [embed()] + [block() for _ in range(num_stages - 2)] + [head()]
+
+    boundaries = [None, *kinds, None]
+    stages = [_with_activations(f, *boundaries[s : s + 2]) for s, f in enumerate(stages)]
 
     def make_batch(rows: int, seed: int = 1):
         k1, k2 = jax.random.split(jax.random.key(seed))
@@ -249,6 +322,7 @@ def check_schedule(
     seed: int = 0,
     tick_layout: str = "auto",
     scan_layers: bool = False,
+    activations: str | Sequence[str] = "array",
     **options,
 ) -> CheckResult:
     """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
@@ -264,6 +338,8 @@ def check_schedule(
       seed: for the model's weights and the batch.
       tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
       scan_layers: run the model's blocks in `jax.lax.scan` (see `small_model`).
+      activations: what each stage passes to the next: one of `ACTIVATIONS`,
+        or one per boundary between stages (see `small_model`).
       **options: passed to the schedule function.
 
     Returns:
@@ -278,7 +354,7 @@ def check_schedule(
 
     from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
 
-    stages, params, make_batch = small_model(S, seed, scan_layers)
+    stages, params, make_batch = small_model(S, seed, scan_layers, activations)
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     mesh = make_mesh(R, data, devices[: R * data])
