@@ -26,6 +26,7 @@ is 16 stages, more than 12 blocks can fill (a middle stage must hold one).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -154,25 +155,32 @@ def row(
         "need_bytes": max(need),
         "need_per_rank": need,
         "need_2act_bytes": max(need_2act),
+        "remat_logits": config.remat_logits,
         "param_bytes": param_bytes,
         "own_param_bytes": max(own),
     }
 
 
 def run(args, log=print) -> list[dict]:
+    """Every row: 4 and 8 devices (quick: 4), M = 16 and 64 (quick: 16), then the
+    same at M = 16 with the head's logits recomputed (`GPTConfig.remat_logits`)."""
     out = []
     counts = (4,) if args.quick else (4, 8)
-    for D in counts:
-        for name, chunks in SCHEDULES:
-            if D * chunks > GPT2_SMALL.num_layers + 2:
-                continue
-            for M in (16,) if args.quick else (16, 64):
-                rec = row(D, name, chunks, M)
-                gib = 2**30
-                log(
-                    f"  {D} devices, {name}, M={M}: temp {rec['temp_bytes'] / gib:.2f} GiB, "
-                    f"need {rec['need_bytes'] / gib:.2f} GiB, params {rec['param_bytes'] / gib:.3f}"
-                    f" GiB (own {rec['own_param_bytes'] / gib:.3f})"
-                )
-                out.append(rec)
+    remat = dataclasses.replace(GPT2_SMALL, remat_logits=True)
+    for config, Ms in ((GPT2_SMALL, (16,) if args.quick else (16, 64)), (remat, (16,))):
+        for D in counts:
+            for name, chunks in SCHEDULES:
+                if D * chunks > config.num_layers + 2:
+                    continue
+                for M in Ms:
+                    rec = row(D, name, chunks, M, config)
+                    gib = 2**30
+                    log(
+                        f"  {D} devices, {name}, M={M}, remat_logits={config.remat_logits}: "
+                        f"temp {rec['temp_bytes'] / gib:.2f} GiB, need "
+                        f"{rec['need_bytes'] / gib:.2f} GiB, params "
+                        f"{rec['param_bytes'] / gib:.3f} GiB "
+                        f"(own {rec['own_param_bytes'] / gib:.3f})"
+                    )
+                    out.append(rec)
     return out

@@ -312,15 +312,18 @@ def memory_markdown(rows: list[dict]) -> str:
     """The memory suite's table: compiled bytes per device against the schedule's need."""
     gib = 2**30
     lines = [
-        "| devices | schedule | M | temp GiB | arguments GiB | need GiB (largest rank) "
-        "| temp / need | params GiB per device | largest rank's own | params / own |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| devices | schedule | M | logits | temp GiB | arguments GiB "
+        "| need GiB (largest rank) | temp / need | temp / need (2 activations) "
+        "| params GiB per device | largest rank's own | params / own |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['devices']} | {r['schedule']} | {r['microbatches']} "
+            f"| {'recomputed' if r.get('remat_logits') else 'kept'} "
             f"| {r['temp_bytes'] / gib:.2f} | {r['argument_bytes'] / gib:.2f} "
             f"| {r['need_bytes'] / gib:.2f} | {r['temp_bytes'] / r['need_bytes']:.2f}x "
+            f"| {r['temp_bytes'] / r['need_2act_bytes']:.2f}x "
             f"| {r['param_bytes'] / gib:.3f} | {r['own_param_bytes'] / gib:.3f} "
             f"| {r['param_bytes'] / r['own_param_bytes']:.2f}x |"
         )

@@ -6,23 +6,29 @@ around a `lax.scan` over ticks. The scan reads one row of the program's table
 per tick; on each rank the row says which pieces to run and where in the
 buffers they read and write.
 
-**Control.** A tick runs one `lax.switch` per kind of piece, in the order F,
-I, W (so a packed tick can run all three): branch 0 runs nothing, the others
-run one stage *class* each. That is three conditionals per tick and no other
-branching: the io writes are plain selects. Stages whose pieces trace to the
-same program, with the same shapes and the same parameter buckets (the blocks
-of a transformer, one per rank), form one class and share one branch: the
-rank's own rows of the buckets are the stage's parameters, whichever stage it
-is, so the program holds each distinct stage once however deep the pipeline.
+**Control.** A tick runs, for each kind of piece in the order F, I, W (so a
+packed tick can run all three), one two-way `lax.cond` (does this rank run a
+piece of that kind this tick?) around one `lax.switch` over the stage
+*classes*. That is six conditionals in the program however many stages,
+channels and io writes it has: the io writes are selects, not branches.
+Stages whose pieces trace to the same program, with the same shapes and the
+same parameter buckets (the blocks of a transformer, one per rank), form one
+class and share one branch: the rank's own rows of the buckets are the
+stage's parameters, whichever stage it is, so the program holds each
+distinct stage once however deep the pipeline (`stage_classes`).
 
-Each switch carries the one buffer its kind writes, and each branch makes its
-single in-place write into it: the F writes its residuals, the I its carry,
-the W adds to the gradient accumulator (to its own stage's buckets only; the
-others pass through). Branch 0 passes the buffer through unchanged, so XLA
-updates it in place. After the switches every rank takes part in the same
-collectives, one `ppermute` per channel of the plan, outside any branch. What
-arrives, and the outputs handed over on the same rank, are written to the io
-slots the table names at the start of the next tick, before anything reads.
+The switch reads the buffers and returns what to write; the `cond` around it
+makes the one in-place write into the buffer of its kind: the F's residuals,
+the I's carry, the W's gradients added to the accumulator. (A switch of more
+than two branches that writes a buffer it is passed makes XLA copy the whole
+buffer in every branch that writes; a two-way `cond` does not. Without the
+`cond`, with the write after the switch, an idle tick must write back what
+the buffer holds, which made the benchmark GPT's all-idle step several
+times slower: `docs/compiler-measurements.md`.) After the
+conds every rank takes part in the same collectives, one `ppermute` per
+channel of the plan, outside any branch. What arrives, and the outputs
+handed over on the same rank, are written to the io slots the table names at
+the start of the next tick, before anything reads.
 
 **Buffers**, none of which grows with the microbatches (see `jpipe._plan`):
 
@@ -140,13 +146,11 @@ def _rows(n: int) -> int:
 class _Arena:
     """A byte-sized buffer: one ``[rows, ROW]`` array per dtype, and each value's row offsets.
 
-    Writes go through one `dynamic_update_slice` per dtype outside any branch,
-    as wide as the widest stage's value (`width`): a branch returns its value
-    followed by what the buffer already holds after it (`merge`), so a
-    narrower value leaves its neighbours as they were. (Passing the buffer
-    through a switch of more than two branches made XLA copy it whole every
-    time a branch wrote to it.) The buffer has room past the last value for
-    that widest write.
+    A write is one `dynamic_update_slice` per dtype, outside the switch over
+    the stage classes, as wide as the widest stage's value (`width`): a
+    branch returns its value followed by what the buffer already holds after
+    it (`merge`), so a narrower value leaves its neighbours as they were. The
+    buffer has room past the last value for that widest write.
     """
 
     def __init__(self, plan: Plan, name: str, layouts: list[FlatLayout], keep: bool = True):
@@ -168,13 +172,6 @@ class _Arena:
 
     def zeros(self) -> dict:
         return {dt: jnp.zeros((n, ROW), dt) for dt, n in self.rows.items()}
-
-    def unchanged(self, buf: dict, offsets: dict) -> dict:
-        """What a write at `offsets` must put back to change nothing."""
-        return {
-            dt: lax.dynamic_slice(buf[dt], (offsets[dt], 0), (n, ROW))
-            for dt, n in self.width.items()
-        }
 
     def merge(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
         """The write of `leaves` at `offsets`: the value, then the buffer's own rows after it."""
@@ -410,19 +407,10 @@ def build_step(
 
         return run
 
-    def f_idle(flat, batch_mb, io, res_buf, row):
-        return res.unchanged(res_buf, offsets(row, "f_res", res)), zero_send(), loss_zero
-
-    def i_idle(flat, batch_mb, io, res_buf, carry_buf, row):
-        return carry.unchanged(carry_buf, offsets(row, "i_carry", carry)), zero_send()
-
-    def w_idle(*_):
-        return {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()}
-
     classes_range = range(len(members))
-    f_branches = [f_idle] + [make_f(c) for c in classes_range]
-    i_branches = [i_idle] + [make_i(c) for c in classes_range]
-    w_branches = [w_idle] + [make_w(c) for c in classes_range]
+    f_branches = [make_f(c) for c in classes_range]
+    i_branches = [make_i(c) for c in classes_range]
+    w_branches = [make_w(c) for c in classes_range]
 
     channels = plan.channels
     num_writes = 2 + len(channels)  # F's and I's local hand-overs, then arrivals
@@ -455,23 +443,39 @@ def build_step(
             for k in range(num_writes):
                 io = write_io(io, write_slots[k], write_values[k])
 
-            # Each switch reads the buffers and returns what to write; the
-            # writes are outside (see `_Arena`), in the order F, I, W.
-            kept, send_f, loss_piece = lax.switch(
-                row[col["f_branch"]], f_branches, flat, batch_mb, io, res_buf, row
+            # Column `{kind}_branch` is 0 when no piece of that kind runs here,
+            # else 1 + the stage's class. Each kind's `cond` holds the one
+            # write to its buffer; the `switch` inside returns what to write.
+            f_class, i_class, w_class = (row[col[f"{k}_branch"]] - 1 for k in "fiw")
+
+            def forward(res_buf):
+                kept, send, loss_piece = lax.switch(
+                    f_class, f_branches, flat, batch_mb, io, res_buf, row
+                )
+                return res.write(res_buf, kept, offsets(row, "f_res", res)), send, loss_piece
+
+            res_buf, send_f, loss_piece = lax.cond(
+                f_class >= 0, forward, lambda r: (r, zero_send(), loss_zero), res_buf
             )
-            res_buf = res.write(res_buf, kept, offsets(row, "f_res", res))
             if forward_only:
                 send_i = zero_send()
             else:
-                kept, send_i = lax.switch(
-                    row[col["i_branch"]], i_branches, flat, batch_mb, io, res_buf, carry_buf, row
+
+                def input_grad(carry_buf):
+                    kept, send = lax.switch(
+                        i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
+                    )
+                    return carry.write(carry_buf, kept, offsets(row, "i_carry", carry)), send
+
+                carry_buf, send_i = lax.cond(
+                    i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
                 )
-                carry_buf = carry.write(carry_buf, kept, offsets(row, "i_carry", carry))
-                dp = lax.switch(
-                    row[col["w_branch"]], w_branches, flat, batch_mb, res_buf, carry_buf, row
-                )
-                grads = {b: g + dp[b] for b, g in grads.items()}
+
+                def weight_grad(grads):
+                    dp = lax.switch(w_class, w_branches, flat, batch_mb, res_buf, carry_buf, row)
+                    return {b: g + dp[b] for b, g in grads.items()}
+
+                grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
             values = [send_f, send_i]

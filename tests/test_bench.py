@@ -154,3 +154,9 @@ def test_memory_suite_row_on_a_small_gpt():
     # 1F1B's first rank holds the most residuals; ZB-H1 adds carries on top.
     assert one["need_per_rank"][0] > one["need_per_rank"][2]
     assert zb["need_bytes"] >= one["need_bytes"]
+    # A piece's compiled working memory holds at least its new residuals.
+    assert one["need_bytes"] > one["need_2act_bytes"]
+    from bench import report
+
+    table = report.memory_markdown([one, zb]).splitlines()
+    assert len(table) == 4 and "| 4 | zb_h1 | 8 | kept |" in table[3]

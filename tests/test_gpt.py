@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jpipe
-from jpipe import models
+from jpipe import models, testing
 
 CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
 SPLITS = ["1,2,1", None, (4,), (0, 2, 2), (2, 2, 0), "0,4"]
@@ -184,3 +184,33 @@ def test_configs_describe_a_valid_model(name):
     assert sum(counts) == model_config.num_layers
     assert config.batch_size % (config.mesh.data * config.num_microbatches) == 0
     assert 0 < config.data.eval_fraction < 1
+
+
+def test_remat_logits_keeps_no_logits_and_trains_the_same():
+    # The head recomputes its logits in the backward: its residuals lose every
+    # [B, L, V] array, and loss and gradients are those of the plain head,
+    # pipelined (ZB-H1 splits the head's backward into I and W) or not.
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, vocab_size=256)
+    plain = models.make_stages(config, "1,1,1,1")
+    remat = models.make_stages(dataclasses.replace(config, remat_logits=True), "1,1,1,1")
+    params = plain.init(jax.random.key(0))
+    batch = models.gpt.example_batch(config, 8)
+    mesh = jpipe.make_mesh(4, 1)
+    kernels = {}
+    for name, model in (("plain", plain), ("remat", remat)):
+        pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("zb_h1", 4, 4), mesh)
+        loss, grads = pipe.value_and_grad(pipe.pack(params), batch)
+        with jax.default_device(jax.devices("cpu")[0]):
+            want = jpipe.reference_value_and_grad(plain.stages, params, batch)
+        _, rel = testing.compare((loss, pipe.unpack(grads)), want)
+        assert rel <= 1e-5, (name, rel)
+        kernels[name] = pipe.stage_kernels(batch)[-1]
+    V = config.vocab_size
+    assert any(a.shape[-1] == V and a.ndim == 3 for a in kernels["plain"].res_avals)
+    assert not any(a.shape[-1] == V and a.ndim == 3 for a in kernels["remat"].res_avals)
+    size = {n: sum(a.size * a.dtype.itemsize for a in k.res_avals) for n, k in kernels.items()}
+    rows = batch["tokens"].shape[0] // 4  # per microbatch
+    # At least one float32 [B, L, V] array fewer (the head stage also holds a block).
+    assert size["plain"] - size["remat"] >= rows * config.seq_len * V * 4, size
