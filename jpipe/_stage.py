@@ -455,7 +455,7 @@ def _activation_derived(jaxpr, act_in: Sequence[bool], data_in: Sequence[bool]):
             d_out = [_has(v, inner_data) for v in body[0].outvars]
         elif eqn.primitive.name == "scan":
             a_out, d_out = _scan_derived(eqn, a_in, d_in)
-        elif eqn.primitive.name in _PRODUCTS or jaxprs_in_params(eqn.params):
+        elif eqn.primitive.name in _PRODUCTS or list(jaxprs_in_params(eqn.params)):
             a_out, d_out = [any(a_in) or any(d_in)] * n, [False] * n
         else:
             a_out, d_out = [any(a_in)] * n, [any(d_in)] * n
