@@ -246,6 +246,8 @@ class StageKernels:
         activation (None for a stage that takes none) and one microbatch's inputs.
       y, y_tree: shape structs of the output, and its tree structure.
       res_avals, carry_avals: the residuals F keeps and the values I hands W.
+      rebuilt_avals: the residuals that depend only on parameters and
+        inputs, which I and W make again instead of F keeping them.
       y_layout, res_layout, carry_layout: where each of those lives in one
         flat vector per dtype.
       i_flops_share: the share of the backward's equations that I runs.
@@ -259,6 +261,7 @@ class StageKernels:
     y_tree: Any
     res_avals: tuple
     carry_avals: tuple
+    rebuilt_avals: tuple
     y_layout: FlatLayout
     res_layout: FlatLayout
     carry_layout: FlatLayout
@@ -291,6 +294,7 @@ class StageKernels:
             y_tree=forward.y_tree,
             res_avals=res_avals,
             carry_avals=backward.carry_avals,
+            rebuilt_avals=tuple(forward.residuals[j] for j in forward.rebuilt),
             y_layout=FlatLayout.of(jax.tree.leaves(forward.y)),
             res_layout=FlatLayout.of(res_avals),
             carry_layout=FlatLayout.of(backward.carry_avals),
