@@ -72,6 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Run each stage's blocks in one nn.scan (stacked per-stage block weights; the
     # same model and initial weights as unrolled, one traced block per stage).
     config.model.scan_layers = False
+    # Dropout rate on the embeddings and each block's attention and MLP outputs (GPT-2's
+    # places); 0 = none. Each row's masks come from (seed, step, row), so a resumed run
+    # or another mesh draws the same ones; evaluation runs without dropout.
+    config.model.dropout = 0.0
 
     # Optimizer: AdamW, linear warm-up then cosine decay, global-norm clipping.
     config.optimizer = ml_collections.ConfigDict()
