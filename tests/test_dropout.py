@@ -151,3 +151,19 @@ def test_dropout_rate_is_checked():
     ):
         jaxpr = str(jax.make_jaxpr(model.stages[0])(params[0], None, inputs))
         assert ("random_bits" in jaxpr) == draws
+
+
+def test_the_backward_keeps_only_boolean_masks():
+    # What a microbatch's F keeps for its backward grows by one byte per
+    # element and dropout site (the mask), not by a float array as well.
+    batch = keyed_batch(8)
+    kept = []
+    for rate in (0.0, RATE):
+        model = models.make_stages(models.GPTConfig(**{**CONFIG.__dict__, "dropout": rate}), (1, 1))
+        pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 2, 2), jpipe.make_mesh(2))
+        pipe.packed_shapes(jax.eval_shape(lambda m=model: m.init(0)))  # sets the layout
+        kept.append([k.res_layout.sizes for k in pipe.stage_kernels(batch)])
+    elements = 4 * CONFIG.seq_len * CONFIG.d_model  # one site, one microbatch of 4 rows
+    for plain, dropping, sites in zip(*kept, (3, 2)):  # embedding + 2 in the block; 2
+        assert dropping["float32"] == plain["float32"]
+        assert dropping["bool"] - plain["bool"] == sites * elements

@@ -239,8 +239,28 @@ def row_dropout(x_NxX: jax.Array, keys_NxK: jax.Array | None, rate: float) -> ja
         return x_NxX
     typed = jax.random.wrap_key_data(keys_NxK)
     keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x_NxX.shape[1:]))(typed)
-    scale = jnp.asarray(1.0 / (1.0 - rate), x_NxX.dtype)
-    return jnp.where(keep, x_NxX * scale, jnp.zeros((), x_NxX.dtype))
+    return _masked(1.0 / (1.0 - rate), x_NxX, keep)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _masked(scale: float, x, keep):
+    """``x * scale`` where `keep`, else 0.
+
+    Its own backward so that the backward keeps only the boolean mask, a byte
+    per element: `jnp.where`'s kept a float array of zeros besides.
+    """
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _masked_fwd(scale, x, keep):
+    return _masked(scale, x, keep), keep
+
+
+def _masked_bwd(scale, keep, g):
+    return _masked(scale, g, keep), None
+
+
+_masked.defvjp(_masked_fwd, _masked_bwd)
 
 
 def split_stage_params(
