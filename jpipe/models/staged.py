@@ -357,9 +357,15 @@ def _stage(
     ``keys=`` the row keys with its global identity folded in.
     """
     row = inputs.get(keys) if keys is not None else None
-    extra = {} if keys is None else {"keys": None if row is None else fold_row_keys(row, 0)}
+
+    def keys_of(identity: int) -> dict:
+        """The ``keys=`` argument of the module with this identity (none without `keys`)."""
+        if keys is None:
+            return {}
+        return {"keys": None if row is None else fold_row_keys(row, identity)}
+
     if first:
-        x = embed.apply({"params": params["embed"]}, inputs, **extra)
+        x = embed.apply({"params": params["embed"]}, inputs, **keys_of(0))
     if scanned is not None and "blocks" in params:
         count = len(jax.tree.leaves(params["blocks"])[0])
         ids = jnp.arange(first_block, first_block + count) + 1
@@ -367,13 +373,9 @@ def _stage(
         x, _ = scanned.apply({"params": {"block": params["blocks"]}}, x, layer_keys)
     else:
         for i, block_params in enumerate(params.get("blocks", ())):
-            if keys is not None:
-                extra = {"keys": None if row is None else fold_row_keys(row, first_block + i + 1)}
-            x = block.apply({"params": block_params}, x, **extra)
+            x = block.apply({"params": block_params}, x, **keys_of(first_block + i + 1))
     if last:
-        if keys is not None:
-            extra = {"keys": None if row is None else fold_row_keys(row, num_layers + 1)}
-        return head.apply({"params": params["head"]}, x, inputs, **extra)
+        return head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
     return x
 
 
