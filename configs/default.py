@@ -76,6 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
     # real vocabulary they are most of what a microbatch keeps (GPT-2 small: 3.2 GiB
     # of the head's residuals per 4 x 1,024 tokens), for one more head matmul.
     config.model.remat_logits = False
+    # Dropout rate on the embeddings and each block's attention and MLP outputs (GPT-2's
+    # places); 0 = none. Each row's masks come from (seed, step, row), so a resumed run
+    # or another mesh draws the same ones; evaluation runs without dropout.
+    config.model.dropout = 0.0
 
     # Optimizer: AdamW, linear warm-up then cosine decay, global-norm clipping.
     config.optimizer = ml_collections.ConfigDict()

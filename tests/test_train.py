@@ -168,6 +168,39 @@ def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     assert _untimed(read_metrics(workdir)) == _untimed(read_metrics(reference[1]))
 
 
+def test_resumed_run_with_dropout_equals_an_unbroken_one(reference, tmp_path):
+    # The step draws each row's dropout masks from (seed, step, row), all
+    # restored from the checkpoint: a resumed run draws what an unbroken one did.
+    def config():
+        return tiny_config(steps=4, eval_every=0, checkpoint_every=2, **{"model.dropout": 0.1})
+
+    unbroken = trainer.train(config(), str(tmp_path / "unbroken"), progress=False)
+    workdir = tmp_path / "resumed"
+    original = device_batch
+
+    def load(batches, step, sharding):
+        if step == 2 and batches.name == "train":  # the batch of the 3rd step
+            raise _Killed
+        return original(batches, step, sharding)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_loop, "device_batch", load)
+        with pytest.raises(_Killed):
+            trainer.train(config(), str(workdir), progress=False)
+    resumed = trainer.train(config(), str(workdir), progress=False)
+    assert resumed.start_step == 2
+    assert resumed.losses == {s: unbroken.losses[s] for s in (3, 4)}
+    assert resumed.eval_losses == {4: unbroken.eval_losses[4]}
+    # Dropout was on: the first step's loss and gradient norm (the same weights
+    # and batch as the reference run's, before any update) are not those
+    # without dropout, by far more than the pipe=4 vs pipe=1 tolerance.
+    first = read_metrics(tmp_path / "unbroken")[1]
+    without = read_metrics(reference[1])[1]
+    assert first["step"] == without["step"] == 1
+    assert abs(first["loss"] - without["loss"]) > 10 * RTOL * without["loss"]
+    assert abs(first["grad_norm"] - without["grad_norm"]) > 1000 * RTOL * without["grad_norm"]
+
+
 def _untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_s")} for r in records]
 

@@ -18,6 +18,15 @@ single stage, that stage does all of the above. ``inputs`` is the microbatch:
 `jpipe.WeightedLoss` (the weighted sum of token losses and the sum of the
 weights), so the pipeline's loss is the weighted mean over the whole batch.
 
+Dropout (``GPTConfig.dropout > 0``) is GPT-2's on the embeddings and on each
+block's attention and MLP outputs before they join the residual stream (not
+on the attention probabilities: the attention stays one fused
+``dot_product_attention``). It draws from ``inputs["keys"]``, one key per row
+(`jpipe.models.row_keys`, ``uint32[B, 2]``), with the layer's and the site's
+numbers folded in, so each row's masks are the same whatever the split into
+stages, microbatches and data shards. A batch without ``"keys"`` runs without
+dropout (evaluation); with ``dropout=0`` the keys are ignored.
+
 A stage's parameters are a dict with ``"embed"`` (first stage only), ``"blocks"``
 (a tuple, one entry per block, absent when the stage has none) and ``"head"``
 (last stage only). Parameters are float32; ``GPTConfig.dtype`` is the compute
@@ -45,7 +54,7 @@ import numpy as np
 import optax
 
 from jpipe._stage import WeightedLoss
-from jpipe.models.staged import StagedModel, split_flax_model
+from jpipe.models.staged import StagedModel, fold_row_keys, row_dropout, split_flax_model
 
 Params = Any  # a pytree of arrays
 
@@ -75,6 +84,9 @@ class GPTConfig:
         else a microbatch keeps (GPT-2 small at 4 x 1,024 tokens: 3.2 GiB of
         the head's residuals, against 6 MiB with this), for one more head
         matmul per microbatch. The same loss and gradients.
+      dropout: the dropout rate, in [0, 1), applied where the batch carries
+        per-row ``"keys"`` (see the module docstring); 0 leaves the model
+        deterministic and as before.
     """
 
     vocab_size: int
@@ -86,6 +98,7 @@ class GPTConfig:
     dtype: str = "float32"
     scan_layers: bool = False
     remat_logits: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
@@ -102,6 +115,15 @@ class GPTConfig:
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}"
                 )
+        rate = self.dropout
+        if (
+            not isinstance(rate, numbers.Real)
+            or isinstance(rate, bool)
+            or not math.isfinite(rate)
+            or not 0 <= rate < 1
+        ):
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {rate!r}")
+        object.__setattr__(self, "dropout", float(rate))
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
@@ -127,7 +149,7 @@ class _Embed(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, inputs: dict) -> jax.Array:
+    def __call__(self, inputs: dict, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         tokens_BxL = inputs["tokens"]
         token_VxD = self.param(
@@ -138,16 +160,16 @@ class _Embed(nn.Module):
         )
         length = tokens_BxL.shape[1]
         x_BxLxD = jnp.take(token_VxD, tokens_BxL, axis=0) + position_LxD[:length]
-        return x_BxLxD.astype(c.dtype)
+        return row_dropout(x_BxLxD.astype(c.dtype), keys, c.dropout)
 
 
 class _Block(nn.Module):
-    """Pre-norm block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``."""
+    """Pre-norm block: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``."""
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         b, length, d = x_BxLxD.shape
@@ -160,13 +182,18 @@ class _Block(nn.Module):
         qkv_BxLx3xHxK = _dense(3 * d, "qkv", dtype)(y_BxLxD).reshape(b, length, 3, h, k)
         q, kk, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
         attn_BxLxHxK = jax.nn.dot_product_attention(q, kk, v, is_causal=True)
-        x_BxLxD = x_BxLxD + _dense(d, "attn_out", dtype, residual_std)(
-            attn_BxLxHxK.reshape(b, length, d)
-        )
+        y_BxLxD = _dense(d, "attn_out", dtype, residual_std)(attn_BxLxHxK.reshape(b, length, d))
+        x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
 
         y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD)
         y_BxLxF = nn.gelu(_dense(c.d_ff, "mlp_in", dtype)(y_BxLxD))
-        return x_BxLxD + _dense(d, "mlp_out", dtype, residual_std)(y_BxLxF)
+        y_BxLxD = _dense(d, "mlp_out", dtype, residual_std)(y_BxLxF)
+        return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
+
+
+def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
+    """A block's row keys for one of its dropout sites."""
+    return None if keys is None else fold_row_keys(keys, site)
 
 
 class _Head(nn.Module):
@@ -175,7 +202,8 @@ class _Head(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, inputs: dict) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, inputs: dict, keys=None) -> jax.Array:
+        del keys  # GPT-2 has no dropout after the last block
         c = self.config
         targets_BxL = inputs["targets"]
         dtype = jnp.dtype(c.dtype)
@@ -220,6 +248,7 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,
         scan_layers=config.scan_layers,
+        keys="keys" if config.dropout else None,
         # Length 1: the parameter shapes do not depend on L.
         example_inputs={
             "tokens": jnp.zeros((1, 1), jnp.int32),

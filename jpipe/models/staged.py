@@ -28,6 +28,19 @@ unrolled (block `i` still draws from its own key), and `merge_stage_params`
 unstacks them, so both give the same merged tree. The compiler splits a
 scanned stage's backward into I and W as exactly as an unrolled one
 (`docs/design.md`).
+
+Random numbers (dropout). A stage is a pure function of ``(params, x,
+inputs)``, so its randomness comes in with the batch: a leaf of raw key data,
+one key per row (`row_keys`: ``uint32[N, 2]`` for the default threefry keys,
+a pure function of the seed, the step and the row's index in the global
+batch). Cutting the batch into microbatches and over the ``data`` axis slices
+it like any other leaf, so every row draws the same numbers however the batch
+is split, pipelined or not. With ``split_flax_model(..., keys="keys")`` the
+three modules get a keyword argument ``keys``: the row keys with the module's
+own identity folded in (0 for the embedding, ``1 + i`` for block `i`, counted
+over the whole model, and ``1 + num_layers`` for the head), or None when the
+microbatch has no such leaf (evaluation: no dropout). `row_dropout` draws a
+per-row mask from them.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jpipe._pipeline import run_stages
 
@@ -181,6 +195,74 @@ def as_key(rng) -> jax.Array:
     return rng
 
 
+_ROW_KEYS_STREAM = 0x726F77  # folded into the seed first: apart from `init`'s keys
+
+
+def row_keys(seed, step, rows) -> jax.Array:
+    """One key per row of a step's global batch, as raw key data.
+
+    A pure function of ``(seed, step, row)``: a resumed run, a run with another
+    number of processes, microbatches or data shards gives each row the same
+    key. The seed's stream is apart from the one `StagedModel.init` draws the
+    weights from.
+
+    Args:
+      seed: an int (or traced int) seed, or a JAX key.
+      step: the training step (an int, or traced inside a jitted step).
+      rows: the number of rows N of the global batch (rows ``0..N-1``), or an
+        array of global row indices.
+
+    Returns:
+      ``jax.random.key_data`` of the keys: ``uint32[N, 2]`` for threefry keys.
+    """
+    base = jax.random.fold_in(as_key(seed), _ROW_KEYS_STREAM)
+    step_key = jax.random.fold_in(base, step)
+    index = jnp.arange(rows) if isinstance(rows, numbers.Integral) else jnp.asarray(rows)
+    return jax.random.key_data(jax.vmap(lambda r: jax.random.fold_in(step_key, r))(index))
+
+
+def fold_row_keys(keys_NxK: jax.Array, data) -> jax.Array:
+    """Every row's key with `data` (an int: a layer's or a site's number) folded in."""
+    typed = jax.random.wrap_key_data(keys_NxK)
+    folded = jax.vmap(jax.random.fold_in, in_axes=(0, None))(typed, data)
+    return jax.random.key_data(folded)
+
+
+def row_dropout(x_NxX: jax.Array, keys_NxK: jax.Array | None, rate: float) -> jax.Array:
+    """Dropout whose mask for row `n` is drawn from row `n`'s key alone.
+
+    Zeroes each element with probability `rate` and scales the rest by
+    ``1 / (1 - rate)``. With ``keys_NxK=None`` or ``rate=0`` it returns `x`
+    unchanged (evaluation).
+    """
+    if keys_NxK is None or rate == 0:
+        return x_NxX
+    typed = jax.random.wrap_key_data(keys_NxK)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x_NxX.shape[1:]))(typed)
+    return _masked(1.0 / (1.0 - rate), x_NxX, keep)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _masked(scale: float, x, keep):
+    """``x * scale`` where `keep`, else 0.
+
+    Its own backward so that the backward keeps only the boolean mask, a byte
+    per element: `jnp.where`'s kept a float array of zeros besides.
+    """
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _masked_fwd(scale, x, keep):
+    return _masked(scale, x, keep), keep
+
+
+def _masked_bwd(scale, keep, g):
+    return _masked(scale, g, keep), None
+
+
+_masked.defvjp(_masked_fwd, _masked_bwd)
+
+
 def split_stage_params(
     full: dict, layers_per_stage: Sequence[int], scan_layers: bool = False
 ) -> list[dict]:
@@ -237,13 +319,15 @@ def _stack(blocks: Sequence) -> dict:
 
 
 class _Layer(nn.Module):
-    """One block as a scan body: ``(x, None) -> (block(x), None)``."""
+    """One block as a scan body: ``(x, keys or None) -> (block(x), None)``."""
 
     block: nn.Module
 
     @nn.compact
-    def __call__(self, x, _):
-        return self.block(x), None
+    def __call__(self, x, keys):
+        if keys is None:
+            return self.block(x), None
+        return self.block(x, keys=keys), None
 
 
 def _scanned(block: nn.Module, count: int) -> nn.Module:
@@ -252,17 +336,46 @@ def _scanned(block: nn.Module, count: int) -> nn.Module:
     return scan(block=block.clone())
 
 
-def _stage(params, x, inputs, *, embed, block, head, first: bool, last: bool, scanned=None):
-    """One stage: the embedding if first, its blocks, the head if last."""
+def _stage(
+    params,
+    x,
+    inputs,
+    *,
+    embed,
+    block,
+    head,
+    first: bool,
+    last: bool,
+    scanned=None,
+    keys: str | None = None,
+    first_block: int = 0,
+    num_layers: int = 0,
+):
+    """One stage: the embedding if first, its blocks, the head if last.
+
+    With `keys` (the name of the inputs' row-key leaf), each module gets
+    ``keys=`` the row keys with its global identity folded in.
+    """
+    row = inputs.get(keys) if keys is not None else None
+
+    def keys_of(identity: int) -> dict:
+        """The ``keys=`` argument of the module with this identity (none without `keys`)."""
+        if keys is None:
+            return {}
+        return {"keys": None if row is None else fold_row_keys(row, identity)}
+
     if first:
-        x = embed.apply({"params": params["embed"]}, inputs)
+        x = embed.apply({"params": params["embed"]}, inputs, **keys_of(0))
     if scanned is not None and "blocks" in params:
-        x, _ = scanned.apply({"params": {"block": params["blocks"]}}, x, None)
+        count = len(jax.tree.leaves(params["blocks"])[0])
+        ids = jnp.arange(first_block, first_block + count) + 1
+        layer_keys = None if row is None else jax.vmap(lambda i: fold_row_keys(row, i))(ids)
+        x, _ = scanned.apply({"params": {"block": params["blocks"]}}, x, layer_keys)
     else:
-        for block_params in params.get("blocks", ()):
-            x = block.apply({"params": block_params}, x)
+        for i, block_params in enumerate(params.get("blocks", ())):
+            x = block.apply({"params": block_params}, x, **keys_of(first_block + i + 1))
     if last:
-        return head.apply({"params": params["head"]}, x, inputs)
+        return head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
     return x
 
 
@@ -276,6 +389,7 @@ def split_flax_model(
     example_inputs: Any,
     num_stages: int | None = None,
     scan_layers: bool = False,
+    keys: str | None = None,
 ) -> StagedModel:
     """Cuts ``head(block^num_layers(embed(inputs)), inputs)`` into stages.
 
@@ -289,6 +403,10 @@ def split_flax_model(
       num_stages: the number of stages, needed only for a balanced split.
       scan_layers: run each stage's blocks in one ``nn.scan`` over its
         blocks' parameters stacked on a leading axis (see the module docstring).
+      keys: for models that draw random numbers (dropout): the name of the
+        inputs' leaf of per-row keys (`row_keys`); the three modules then take
+        a ``keys`` keyword argument (see the module docstring). None: they
+        take none, and the model is deterministic.
 
     Returns:
       A `StagedModel`.
@@ -316,6 +434,9 @@ def split_flax_model(
             first=s == 0,
             last=s == S - 1,
             scanned=_scanned(block, counts[s]) if scan_layers and counts[s] else None,
+            keys=keys,
+            first_block=sum(counts[:s]),
+            num_layers=num_layers,
         )
         stage.__name__ = f"stage_{s}"  # for error messages and profiles
         stages.append(stage)

@@ -37,7 +37,7 @@ from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
 from jpipe.train.prepare import Prepared, prepare
 from jpipe.train.profile import print_profile, stage_profile
-from jpipe.train.step import TrainState, compile_train_step, state_shardings
+from jpipe.train.step import TrainState, compile_train_step, state_shardings, with_row_keys
 
 
 class DivergedError(FloatingPointError):
@@ -257,7 +257,9 @@ def _run(
 
     batch = device_batch(prepared.train_data, start, pipeline.batch_sharding)
     compile_start = time.perf_counter()
-    compiled = compile_train_step(pipeline, optimizer, lr, state, batch)
+    # A model with dropout: the step adds the batch's per-row keys from the seed.
+    keys_seed = c.seed if c.model.dropout else None
+    compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed)
     memory = compiled.memory_analysis()
     line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
     if memory is not None:
@@ -269,7 +271,11 @@ def _run(
     if c.profile:
         rows = c.batch_size // c.num_microbatches // c.mesh.data
         microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
-        times = print_profile(pipeline, compiled, state, batch, microbatch)
+        keyed = batch
+        if keys_seed is not None:  # time the pieces the step runs, dropout included
+            keyed = jax.eval_shape(lambda b: with_row_keys(b, keys_seed, 0), batch)
+            microbatch = jax.device_get(with_row_keys(microbatch, keys_seed, 0))
+        times = print_profile(pipeline, compiled, state, batch, microbatch, pieces_batch=keyed)
         if times is not None and lead:
             path = os.path.join(workdir, "profile.json")
             profile = stage_profile(pipeline, state.params, times, rows, prepared.layers_per_stage)

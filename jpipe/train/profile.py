@@ -105,15 +105,22 @@ def stage_profile(
     )
 
 
-def print_profile(pipeline, compiled, state, batch, microbatch, reps: int = 5) -> StageTimes | None:
+def print_profile(
+    pipeline, compiled, state, batch, microbatch, reps: int = 5, pieces_batch=None
+) -> StageTimes | None:
     """Prints measured stage times, the predicted step times and the measured one.
+
+    `batch` is what the compiled step takes; `pieces_batch` (default `batch`)
+    what its pieces were traced for, when the step adds to the batch (dropout
+    keys); `microbatch` is one microbatch of the latter.
 
     Returns the measured times, or None where it could not measure them.
     """
     if jax.process_count() > 1:
         say("profile: skipped, it runs every stage from one process (single-process runs only)")
         return None
-    times = measure_stages(pipeline, state.params, batch, microbatch, reps=reps)
+    pieces_batch = batch if pieces_batch is None else pieces_batch
+    times = measure_stages(pipeline, state.params, pieces_batch, microbatch, reps=reps)
     ms = lambda t: f"{t * 1e3:8.2f}"  # noqa: E731
     say(f"profile: time of one microbatch on one device, ms (median of {reps} runs)")
     say("  stage         F        I        W        B")

@@ -3,6 +3,13 @@
 `train_step` is a pure function of the state and a global batch; it is
 jitted once, in `compile_train_step`, with explicit shardings and the state
 donated.
+
+Dropout keys. When the model draws random numbers, the step adds the batch's
+per-row keys itself (`with_row_keys`: ``batch["keys"]``, from the config's
+seed, the state's step and each row's index in the global batch). They are
+computed inside the jitted step, each device making its own rows', so no host
+computes or sends them, and they depend on nothing a restart, the process
+count or the mesh changes: a resumed run draws what an unbroken one would.
 """
 
 from __future__ import annotations
@@ -18,6 +25,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpipe
+from jpipe import models
+
+ROW_KEYS = "keys"  # the batch leaf of per-row keys (jpipe.models.row_keys)
+
+
+def with_row_keys(batch: dict, seed: int, step, sharding=None) -> dict:
+    """`batch` with its per-row keys for `step`: ``batch["keys"]``, ``uint32[N, 2]``.
+
+    Args:
+      batch: the global batch, its leaves ``[N, ...]``.
+      seed: the run's seed (``config.seed``).
+      step: the optimizer step the batch is for (traced inside the step).
+      sharding: where to put the keys (the batch's sharding), inside a jit.
+    """
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    keys = models.row_keys(seed, step, rows)
+    if sharding is not None:
+        keys = jax.lax.with_sharding_constraint(keys, sharding)
+    return {**batch, ROW_KEYS: keys}
 
 
 class TrainState(NamedTuple):
@@ -41,6 +67,8 @@ def train_step(
     value_and_grad: Callable,
     optimizer: optax.GradientTransformation,
     lr: optax.Schedule,
+    row_keys_seed: int | None = None,
+    batch_sharding=None,
 ):
     """One optimizer step on one global batch; pure.
 
@@ -51,12 +79,17 @@ def train_step(
         pipeline's (`jpipe.Pipeline.step_fn`).
       optimizer: from `make_optimizer`.
       lr: the learning-rate schedule, only to report it.
+      row_keys_seed: for a model with dropout, the seed of the per-row keys
+        the step adds to the batch (`with_row_keys`); None adds none.
+      batch_sharding: where the keys go.
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: ``loss`` (mean
       over the batch, before the update), ``grad_norm`` (global, before
       clipping) and ``lr`` (the rate this update used).
     """
+    if row_keys_seed is not None:
+        batch = with_row_keys(batch, row_keys_seed, state.step, batch_sharding)
     loss, grads = value_and_grad(state.params, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -89,11 +122,23 @@ def state_shardings(state: TrainState, pipeline: jpipe.Pipeline) -> TrainState:
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def compile_train_step(pipeline, optimizer, lr, state, batch):
-    """Jits `train_step` (the only jit of a train step) and compiles it for these shapes."""
+def compile_train_step(pipeline, optimizer, lr, state, batch, row_keys_seed=None):
+    """Jits `train_step` (the only jit of a train step) and compiles it for these shapes.
+
+    With `row_keys_seed` (a model with dropout), the step adds the batch's
+    per-row keys from it (`with_row_keys`).
+    """
     shardings = state_shardings(state, pipeline)
+    keyed = batch
+    if row_keys_seed is not None:
+        keyed = jax.eval_shape(lambda b: with_row_keys(b, row_keys_seed, 0), batch)
     step = functools.partial(
-        train_step, value_and_grad=pipeline.step_fn(batch), optimizer=optimizer, lr=lr
+        train_step,
+        value_and_grad=pipeline.step_fn(keyed),
+        optimizer=optimizer,
+        lr=lr,
+        row_keys_seed=row_keys_seed,
+        batch_sharding=pipeline.batch_sharding,
     )
     jitted = jax.jit(
         step,
