@@ -153,17 +153,23 @@ def test_dropout_rate_is_checked():
         assert ("random_bits" in jaxpr) == draws
 
 
-def test_the_backward_keeps_only_boolean_masks():
-    # What a microbatch's F keeps for its backward grows by one byte per
-    # element and dropout site (the mask), not by a float array as well.
+def test_the_backward_stashes_no_mask():
+    # A mask depends only on the row's key, an input, so F does not stash it:
+    # I and W rebuild it from the key (`StageKernels.rebuilt_avals`), and the
+    # block stage keeps exactly what it keeps without dropout.
     batch = keyed_batch(8)
-    kept = []
+    kept, rebuilt = [], []
     for rate in (0.0, RATE):
         model = models.make_stages(models.GPTConfig(**{**CONFIG.__dict__, "dropout": rate}), (1, 1))
         pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 2, 2), jpipe.make_mesh(2))
         pipe.packed_shapes(jax.eval_shape(lambda m=model: m.init(0)))  # sets the layout
-        kept.append([k.res_layout.sizes for k in pipe.stage_kernels(batch)])
-    elements = 4 * CONFIG.seq_len * CONFIG.d_model  # one site, one microbatch of 4 rows
-    for plain, dropping, sites in zip(*kept, (3, 2)):  # embedding + 2 in the block; 2
-        assert dropping["float32"] == plain["float32"]
-        assert dropping["bool"] - plain["bool"] == sites * elements
+        kernels = pipe.stage_kernels(batch)
+        kept.append([k.res_layout.sizes for k in kernels])
+        rebuilt.append([[a for a in k.rebuilt_avals if a.dtype == bool] for k in kernels])
+    (plain_first, plain_block), (dropping_first, dropping_block) = kept
+    assert dropping_block == plain_block
+    assert dropping_first.get("bool", 0) == plain_first.get("bool", 0)
+    masks = (4, CONFIG.seq_len, CONFIG.d_model)  # one site, one microbatch of 4 rows
+    for plain, dropping, sites in zip(*rebuilt, (3, 2)):  # embedding + 2 in the block; 2
+        assert [a.shape for a in dropping if a.shape == masks] == [masks] * sites
+        assert not any(a.shape == masks for a in plain)
