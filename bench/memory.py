@@ -35,7 +35,6 @@ import numpy as np
 
 import jpipe
 from jpipe import models
-from jpipe._lower import stage_classes
 from jpipe.models import gpt
 
 GPT2_SMALL = gpt.GPTConfig(
@@ -62,8 +61,8 @@ def piece_working_bytes(kernels, classes=None) -> list[int]:
     schedule already counts (parameters, residuals, carries): its compiled
     temp bytes, its outputs (new residuals or carries, the activation or
     gradient it sends, a weight gradient) and the activation it reads.
-    Stages of one class (`jpipe._lower.stage_classes`: the same programs on
-    the same shapes) are compiled once.
+    Stages of one class (`jpipe.Program.classes`: the same programs on the
+    same shapes, sharing one branch of the step) are compiled once.
     """
 
     def shapes(avals):
@@ -142,7 +141,7 @@ def row(
         math.prod(sh) * np.dtype(dt).itemsize for sh, dt in pipe.layout.buckets.values()
     )
     kernels = pipe.stage_kernels(batch)
-    working = piece_working_bytes(kernels, stage_classes(kernels, pipe.layout))
+    working = piece_working_bytes(kernels, pipe.program(batch).classes)
     need = live_need(schedule, kernels, stage_bytes, working)
     need_2act = live_need(schedule, kernels, stage_bytes)
     return {

@@ -7,7 +7,7 @@ L = 32, D = 64, one block per stage, M = 2R) on R fake CPU devices from
 shapes alone, and prints per R: the conditionals and dots in the optimized
 HLO, the median compile seconds over `--reps` fresh compiles (tracing
 included), and the per-device temp bytes. Stages of one structure share one
-branch of the program (`jpipe._lower.stage_classes`), so the dots should not
+branch of the program (`jpipe.Program.classes`), so the dots should not
 grow with R. Prints one JSON object per line.
 """
 

@@ -13,6 +13,7 @@ microbatch size, L sequence length, D model width.
 from jpipe._devices import describe_devices, use_cpu_devices
 from jpipe._distributed import initialize as initialize_distributed
 from jpipe._launch import launch as launch_local
+from jpipe._lower import Program
 from jpipe._partition import partition as partition_layers
 from jpipe._pipeline import (
     Pipeline,
@@ -23,7 +24,7 @@ from jpipe._pipeline import (
     split_microbatches,
 )
 from jpipe._plan import LAYOUTS as TICK_LAYOUTS
-from jpipe._plan import Plan, make_plan
+from jpipe._plan import Plan, Transfers, make_plan, pack_lifetimes
 from jpipe._planner import ClusterPlan, DeviceGroup, read_plan_file
 from jpipe._planner import evaluate as evaluate_plan
 from jpipe._planner import plan as plan_cluster
@@ -45,12 +46,14 @@ __all__ = [
     "Overlap",
     "Pipeline",
     "Plan",
+    "Program",
     "Schedule",
     "ScheduleError",
     "Simulation",
     "Sizes",
     "StageKernels",
     "TICK_LAYOUTS",
+    "Transfers",
     "W",
     "WeightedLoss",
     "describe_devices",
@@ -62,6 +65,7 @@ __all__ = [
     "make_mesh",
     "make_plan",
     "microbatches",
+    "pack_lifetimes",
     "partition_layers",
     "plan_cluster",
     "read_plan_file",

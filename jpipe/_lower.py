@@ -91,6 +91,8 @@ class Program(NamedTuple):
     table: np.ndarray | None = None
     arena_rows: dict | None = None
 
+    ROW = ROW  # elements per row of the residual and carry buffers
+
 
 def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[StageKernels]:
     """Traces every stage's F, I and W, feeding each the previous one's output shape."""

@@ -407,6 +407,16 @@ class Pipeline:
         _, program = self._build(batch)
         return list(program.kernels)
 
+    def program(self, batch) -> Program:
+        """The lowered plan the step runs, for inspection (`jpipe.Program`).
+
+        Its `classes` say which stages share one branch of the program, its
+        `table` what every rank does each tick, and its `arena_rows` how big
+        the residual and carry buffers are (in rows of `Program.ROW` elements).
+        """
+        _, program = self._build(batch)
+        return program
+
     def lower(self, packed, batch):
         """The lowered (not yet compiled) step, for inspection."""
         jitted, _ = self._build(batch)

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jpipe
-from jpipe import testing
-from jpipe._lower import ROW
-from jpipe._plan import pack_lifetimes
+from jpipe import pack_lifetimes, testing
+
+ROW = jpipe.Program.ROW
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_a_step_has_few_conditionals_whatever_its_size(name, chunks):
     for ranks in (2, 4):
         compiled, pipe, batch = compiled_step(name, ranks, 8, chunks)
         hlo = compiled.as_text()
-        classes = len(set(pipe._build(batch)[1].classes))
+        classes = len(set(pipe.program(batch).classes))
         assert hlo.count(" while(") == 1
         want = 6 if chunks == 1 else 4 + classes
         assert hlo.count(" conditional(") == want, (name, ranks)
@@ -61,12 +61,12 @@ def test_a_step_has_few_conditionals_whatever_its_size(name, chunks):
 def test_stages_of_one_structure_share_one_branch():
     # The checker's model: an embedding stage, alike blocks, a head.
     _, pipe, batch = compiled_step("1f1b", 4, 4)
-    program = pipe._build(batch)[1]
+    program = pipe.program(batch)
     assert program.classes == (0, 1, 1, 2)
     _, pipe, batch = compiled_step("interleaved_1f1b", 2, 4, chunks=2)
     # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3: the two blocks read
     # different buckets, so they are not one class.
-    assert pipe._build(batch)[1].classes == (0, 1, 2, 3)
+    assert pipe.program(batch).classes == (0, 1, 2, 3)
 
 
 _COUNT_SCRIPT = textwrap.dedent(
@@ -106,7 +106,7 @@ def test_residual_buffer_is_the_largest_ranks_need():
     # own stage's size, and the buffer is the largest rank's, plus room for a
     # write as wide as the widest stage's residuals past the last value.
     _, pipe, batch = compiled_step("1f1b", 4, 8)
-    program = pipe._build(batch)[1]
+    program = pipe.program(batch)
     peaks = jpipe.simulate(pipe.schedule).peak_activations
     for dt, rows in program.arena_rows["res"].items():
         own = [-(-k.res_layout.sizes.get(dt, 0) // ROW) for k in program.kernels]
