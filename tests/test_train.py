@@ -121,18 +121,23 @@ class _Killed(Exception):
 def interrupted(tmp_path_factory):
     """The same run, killed while loading step 5's batch: the checkpoint of step 4 remains."""
     workdir = tmp_path_factory.mktemp("interrupted")
+    train_until_killed(tiny_config(), workdir, step=4)  # loading the 5th step's batch
+    return workdir
+
+
+def train_until_killed(config, workdir, step: int) -> None:
+    """Trains in `workdir` and kills the run while it loads the batch of (0-based) `step`."""
     original = device_batch
 
-    def load(batches, step, sharding):
-        if step == 4 and batches.name == "train":  # the batch of the 5th step
+    def load(batches, at, sharding):
+        if at == step and batches.name == "train":
             raise _Killed
-        return original(batches, step, sharding)
+        return original(batches, at, sharding)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_loop, "device_batch", load)
         with pytest.raises(_Killed):
-            trainer.train(tiny_config(), str(workdir), progress=False)
-    return workdir
+            trainer.train(config, str(workdir), progress=False)
 
 
 def test_pipelined_losses_match_unpipelined(reference, tmp_path):
@@ -176,17 +181,7 @@ def test_resumed_run_with_dropout_equals_an_unbroken_one(reference, tmp_path):
 
     unbroken = trainer.train(config(), str(tmp_path / "unbroken"), progress=False)
     workdir = tmp_path / "resumed"
-    original = device_batch
-
-    def load(batches, step, sharding):
-        if step == 2 and batches.name == "train":  # the batch of the 3rd step
-            raise _Killed
-        return original(batches, step, sharding)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_loop, "device_batch", load)
-        with pytest.raises(_Killed):
-            trainer.train(config(), str(workdir), progress=False)
+    train_until_killed(config(), workdir, step=2)  # loading the 3rd step's batch
     resumed = trainer.train(config(), str(workdir), progress=False)
     assert resumed.start_step == 2
     assert resumed.losses == {s: unbroken.losses[s] for s in (3, 4)}
