@@ -90,5 +90,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.b1 = 0.9  # Adam first-moment decay
     config.optimizer.b2 = 0.95  # Adam second-moment decay
     config.optimizer.grad_clip_norm = 1.0  # clip the norm taken over all stages' gradients
+    # ZeRO-1: split the optimizer state over mesh.data too (bytes per device / data),
+    # for one all-gather of the parameters over data a step.
+    config.optimizer.shard_over_data = False
 
     return config

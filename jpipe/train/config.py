@@ -115,7 +115,14 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+    """AdamW with linear warm-up, cosine decay and global-norm clipping.
+
+    With `shard_over_data`, the optimizer's state is split over the ``data``
+    axis as well as ``pipe`` (ZeRO stage 1): each data replica keeps and
+    updates its share of every bucket whose size the axis divides, and the
+    updated parameters are gathered back. Its bytes per device fall as
+    1 / data, for one all-gather of the parameters over ``data`` a step.
+    """
 
     learning_rate: float
     warmup_steps: int
@@ -124,6 +131,7 @@ class OptimizerConfig:
     b1: float
     b2: float
     grad_clip_norm: float
+    shard_over_data: bool = False
 
     def __post_init__(self):
         _check_float("optimizer.learning_rate", self.learning_rate, 0, math.inf, lo_open=True)
@@ -133,6 +141,10 @@ class OptimizerConfig:
         _check_float("optimizer.b1", self.b1, 0, 1, hi_open=True)
         _check_float("optimizer.b2", self.b2, 0, 1, hi_open=True)
         _check_float("optimizer.grad_clip_norm", self.grad_clip_norm, 0, math.inf)
+        if not isinstance(self.shard_over_data, bool):
+            raise ConfigError(
+                f"config.optimizer.shard_over_data={self.shard_over_data!r}: must be True or False"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,7 +225,8 @@ def _run(
     lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
     del params_list
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    state = jax.device_put(state, state_shardings(state, pipeline))
+    zero1 = c.optimizer.shard_over_data
+    state = jax.device_put(state, state_shardings(state, pipeline, zero1))
 
     if start is not None:
         buckets = checkpoints.metadata(start).get("buckets")
@@ -259,7 +260,7 @@ def _run(
     compile_start = time.perf_counter()
     # A model with dropout: the step adds the batch's per-row keys from the seed.
     keys_seed = c.seed if c.model.dropout else None
-    compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed)
+    compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed, zero1)
     memory = compiled.memory_analysis()
     line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
     if memory is not None:

@@ -101,12 +101,21 @@ def train_step(
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def state_shardings(state: TrainState, pipeline: jpipe.Pipeline) -> TrainState:
-    """Packed arrays (parameters, their optimizer state) over ``pipe``; the rest replicated."""
+def state_shardings(
+    state: TrainState, pipeline: jpipe.Pipeline, shard_over_data: bool = False
+) -> TrainState:
+    """Packed arrays (parameters, their optimizer state) over ``pipe``; the rest replicated.
+
+    With `shard_over_data`, the optimizer state's packed arrays are split over
+    the ``data`` axis too, where it divides their size (ZeRO stage 1).
+    """
     mesh = pipeline.mesh
     R = mesh.shape[pipeline.pipe_axis]
+    data = pipeline.data_axis
+    D = mesh.shape[data] if data else 1
     buckets = pipeline.layout.buckets
     over_pipe = NamedSharding(mesh, P(pipeline.pipe_axis))
+    over_pipe_and_data = NamedSharding(mesh, P(pipeline.pipe_axis, data))
     replicated = NamedSharding(mesh, P())
 
     def pick(path, leaf):
@@ -116,19 +125,25 @@ def state_shardings(state: TrainState, pipeline: jpipe.Pipeline) -> TrainState:
             and key.key in buckets
             and tuple(leaf.shape) == (R,) + tuple(buckets[key.key][0])
         ):
+            in_opt_state = getattr(path[0], "name", None) == "opt_state"
+            if shard_over_data and D > 1 and in_opt_state and leaf.shape[1] % D == 0:
+                return over_pipe_and_data
             return over_pipe
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
-def compile_train_step(pipeline, optimizer, lr, state, batch, row_keys_seed=None):
+def compile_train_step(
+    pipeline, optimizer, lr, state, batch, row_keys_seed=None, shard_over_data=False
+):
     """Jits `train_step` (the only jit of a train step) and compiles it for these shapes.
 
     With `row_keys_seed` (a model with dropout), the step adds the batch's
-    per-row keys from it (`with_row_keys`).
+    per-row keys from it (`with_row_keys`); `shard_over_data` splits the
+    optimizer state over ``data`` (`state_shardings`).
     """
-    shardings = state_shardings(state, pipeline)
+    shardings = state_shardings(state, pipeline, shard_over_data)
     keyed = batch
     if row_keys_seed is not None:
         keyed = jax.eval_shape(lambda b: with_row_keys(b, row_keys_seed, 0), batch)
