@@ -144,7 +144,9 @@ def test_an_exception_in_one_process_ends_the_run_naming_it():
 # -- train.py ------------------------------------------------------------------------
 
 # A GPT of 2 blocks of width 32 with dropout (its masks must not depend on the
-# process count or a restart); 20 steps of 8 sequences, checkpoints every 5.
+# process count or a restart) and its optimizer state split over data (ZeRO-1:
+# saved and restored across processes); 20 steps of 8 sequences, checkpoints
+# every 5.
 TINY = {
     "steps": 20,
     "checkpoint_every": 5,
@@ -160,6 +162,7 @@ TINY = {
     "model.d_ff": 64,
     "model.dropout": 0.1,
     "optimizer.warmup_steps": 2,
+    "optimizer.shard_over_data": True,
 }
 
 
