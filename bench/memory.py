@@ -14,7 +14,8 @@ per-device `memory_analysis()` read. Beside it, what the schedule needs:
   `jpipe.StageKernels`, live as the rank's list runs, plus the gradient
   accumulator of its stages), plus the working memory of the rank's largest
   piece: each of its stages' F, I and W compiled alone on one device, the
-  piece's temp and output bytes and one activation in (`piece_working_bytes`).
+  piece's temp and output bytes, and the stage's activation in and out
+  (`piece_working_bytes`).
   (``need_2act_bytes`` keeps the earlier, smaller estimate of the working
   memory: one activation in and one out.)
 - ``param_bytes``: parameter bytes per device as packed (each bucket's row
@@ -60,7 +61,8 @@ def piece_working_bytes(kernels, classes=None) -> list[int]:
     A piece's working memory is what it allocates beyond the values the
     schedule already counts (parameters, residuals, carries): its compiled
     temp bytes, its outputs (new residuals or carries, the activation or
-    gradient it sends, a weight gradient) and the activation it reads.
+    gradient it sends, a weight gradient), and the stage's activation in and
+    out (what it reads and what arrives for it; an upper bound).
     Stages of one class (`jpipe.Program.classes`: the same programs on the
     same shapes, sharing one branch of the step) are compiled once.
     """

@@ -160,14 +160,15 @@ class _Arena:
     """
 
     def __init__(self, plan: Plan, name: str, layouts: list[FlatLayout], keep: bool = True):
-        self.layouts = layouts
-        self.dtypes = sorted({dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]})
+        """Places `plan`'s values of arena `name`; with `keep` False the buffer is empty."""
+        used = {dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]} if keep else ()
+        self.dtypes = sorted(used)
         self.width = {dt: max(_rows(lay.sizes.get(dt, 0)) for lay in layouts) for dt in self.dtypes}
         self.rows: dict = {}
         self.offset: dict = {}  # key -> {dtype: row}
         for dt in self.dtypes:
             rows = self.width[dt]
-            for ivs in plan.lifetimes.get(name, ()) if keep else ():
+            for ivs in plan.lifetimes.get(name, ()):
                 extent, offsets = pack_lifetimes(
                     ivs, lambda key, dt=dt: _rows(layouts[key[0]].sizes.get(dt, 0))
                 )
@@ -221,7 +222,7 @@ def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tupl
     T, R, _ = base.shape
     col = {name: i for i, name in enumerate(COLUMNS)}
     extra: list[np.ndarray] = []
-    names = {}
+    names = dict(col)
 
     def add(name, values):
         names[name] = base.shape[2] + len(extra)
@@ -240,9 +241,7 @@ def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tupl
                 for t, r in zip(*np.nonzero(stage >= 0)):
                     values[t, r] = a.offset.get((int(stage[t, r]), int(mb[t, r])), {}).get(dt, 0)
                 add(f"{k}_{arena}:{dt}", values)
-    table = np.concatenate([base] + [v[:, :, None] for v in extra], axis=2) if extra else base
-    names.update({name: i for i, name in enumerate(COLUMNS)})
-    return table, names
+    return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
 
 
 def build_step(
@@ -318,8 +317,6 @@ def build_step(
     # A forward-only program keeps nothing for a backward.
     res = _Arena(plan, "res", [k.res_layout for k in kernels], keep=not forward_only)
     carry = _Arena(plan, "carry", [k.carry_layout for k in kernels], keep=not forward_only)
-    if forward_only:
-        res.dtypes, res.width, res.rows = [], {}, {}
     buckets = layout.buckets
     table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
 
