@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Pipeline.
     config.schedule = "1f1b"  # built-in name, a CSV file, or "path/to/file.py:function"
-    config.num_microbatches = 8  # M; must divide batch_size / mesh.data
+    config.num_microbatches = 8  # M; must divide batch_size / (mesh.data * mesh.fsdp)
     config.chunks = 0  # stages per rank V; 0 = the schedule's own (interleaved_1f1b, zbv: 2)
     config.tick_layout = "auto"  # "unit", "packed", or "auto": packed where no slower
     config.layers_per_stage = ""  # blocks per stage, e.g. "3,4,4,3"; "" = balanced
@@ -40,6 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict()
     config.mesh.pipe = 4  # ranks on the pipeline axis
     config.mesh.data = 2  # data-parallel replicas
+    config.mesh.fsdp = 1  # replicas that also split parameters and optimizer state (ZeRO-3)
+    config.mesh.tensor = 1  # devices splitting each block Megatron-style (heads, MLP width)
     config.mesh.pipe_hosts = 0  # hosts (processes) the pipe axis spans; 0 = the default order
     config.mesh.data_hosts = 0  # hosts the data axis spans (docs/multihost.md says which)
     config.cpu_devices = 0  # fake CPU devices per process on a CPU-only host; 0 = as the mesh needs

@@ -94,14 +94,32 @@ class Program(NamedTuple):
     ROW = ROW  # elements per row of the residual and carry buffers
 
 
-def trace_kernels(stage_fns, layout: ParamLayout, microbatch_inputs) -> list[StageKernels]:
-    """Traces every stage's F, I and W, feeding each the previous one's output shape."""
+def axis_env(axis_sizes: dict[str, int]):
+    """Binds mesh axis names while tracing, so stage functions may name them in collectives.
+
+    The program runs every piece inside a `jax.shard_map` manual over the
+    whole mesh; tracing the pieces on their own, outside it, needs the axis
+    names bound the same way (as ``jax.make_jaxpr(..., axis_env=)`` does).
+    """
+    from jax._src import core
+
+    return core.extend_axis_env_nd(list(axis_sizes.items()))
+
+
+def trace_kernels(
+    stage_fns, layout: ParamLayout, microbatch_inputs, axis_sizes: dict[str, int] | None = None
+) -> list[StageKernels]:
+    """Traces every stage's F, I and W, feeding each the previous one's output shape.
+
+    `axis_sizes`: the mesh axes a stage function may name (``tensor``).
+    """
     kernels: list[StageKernels] = []
     x = None
-    for s, fn in enumerate(stage_fns):
-        k = StageKernels.trace(fn, layout.stage_avals(s), x, microbatch_inputs)
-        kernels.append(k)
-        x = k.y
+    with axis_env(axis_sizes or {}):
+        for s, fn in enumerate(stage_fns):
+            k = StageKernels.trace(fn, layout.stage_avals(s), x, microbatch_inputs)
+            kernels.append(k)
+            x = k.y
     return kernels
 
 
@@ -284,8 +302,9 @@ def build_step(
     M = plan.schedule.num_microbatches
     R = plan.num_ranks
 
+    axis_sizes = dict(mesh.shape)
     if kernels is None:
-        kernels = trace_kernels(stage_fns, layout, microbatch_inputs)
+        kernels = trace_kernels(stage_fns, layout, microbatch_inputs, axis_sizes)
     last = kernels[-1]
     weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
     loss_leaves = jax.tree.leaves(last.y)
@@ -310,7 +329,8 @@ def build_step(
                     "between stages must be floating point so gradients can flow back"
                 )
 
-    classes = stage_classes(kernels, layout)
+    with axis_env(axis_sizes):
+        classes = stage_classes(kernels, layout)
     members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
@@ -344,6 +364,23 @@ def build_step(
     def inputs_of(batch_mb, mb):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
 
+    fsdp = layout.fsdp_axis
+
+    def gathered(flat, s):
+        """Stage `s`'s rows of the buckets, gathered over ``fsdp`` where it splits them."""
+        out = {}
+        for b in layout.stage_buckets(s):
+            d = layout.fsdp_dim(b)
+            out[b] = flat[b] if d is None else lax.all_gather(flat[b], fsdp, axis=d, tiled=True)
+        return out
+
+    def scattered(b, g):
+        """A weight gradient of bucket `b`, summed over ``fsdp`` and cut to this device's block."""
+        g = g.reshape(layout.gathered_shape(b))
+        d = layout.fsdp_dim(b)
+        return g if d is None else lax.psum_scatter(g, fsdp, scatter_dimension=d, tiled=True)
+
+    local_zeros = {b: (layout.local_shape(b), dt) for b, (_, dt) in buckets.items()}
     # Branch c of each switch runs the pieces of class c (any member stands
     # for all: they trace to the same program and read the same buckets).
 
@@ -359,7 +396,7 @@ def build_step(
                     prev.y_tree, prev.y_layout.unpack(read_io(io, row[col["f_in"]]))
                 )
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
-            y, residuals = k.forward(layout.stage_params(s, flat), x, inputs)
+            y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
             kept = res.merge(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
@@ -384,7 +421,7 @@ def build_step(
             else:
                 g = k.y_layout.unpack(read_io(io, row[col["i_in"]]))
             inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
-            dx, kept = k.input_grad(layout.stage_params(s, flat), inputs, residuals, g)
+            dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
             kept = carry.merge(carry_buf, k.carry_layout, kept, offsets(row, "i_carry", carry))
             return kept, send
@@ -400,12 +437,11 @@ def build_step(
             residuals = res.load(res_buf, k.res_layout, offsets(row, "w_res", res))
             kept = carry.load(carry_buf, k.carry_layout, offsets(row, "w_carry", carry))
             inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
-            dp = dict(
-                zip(names, k.weight_grad(layout.stage_params(s, flat), inputs, residuals, kept))
-            )
+            params = layout.stage_params(s, gathered(flat, s))
+            dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
             return {
-                b: dp[b].reshape(-1) if b in dp else jnp.zeros(sh, dt)
-                for b, (sh, dt) in buckets.items()
+                b: scattered(b, dp[b]) if b in dp else jnp.zeros(sh, dt)
+                for b, (sh, dt) in local_zeros.items()
             }
 
         return run
@@ -424,7 +460,7 @@ def build_step(
         flat = {b: v[0] for b, v in packed.items()}
         tab = tab[:, 0]
         state0 = (
-            {b: jnp.zeros(sh, dt) for b, (sh, dt) in buckets.items()},
+            {b: jnp.zeros(sh, dt) for b, (sh, dt) in local_zeros.items()},
             loss_zero,
             {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
             res.zeros(),
@@ -517,29 +553,48 @@ def build_step(
             return (grads, loss, io, res_buf, carry_buf, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, state0, tab)
+        if fsdp is not None:
+            # Summed over fsdp: the split buckets' by each reduce-scatter, the
+            # others' (arrays nothing divides) here, once.
+            grads = {
+                b: g if layout.fsdp_dim(b) is not None else lax.psum(g, fsdp)
+                for b, g in grads.items()
+            }
         if weighted:
             # The weighted mean over every microbatch of every data shard,
             # divided once: sum(totals) / sum(weights), and the gradients of
             # the totals (seeded with 1) by the same sum of weights.
-            axes = (pipe_axis,) + ((data_axis,) if data_axis is not None else ())
-            total, weight = lax.psum(loss[0], axes), lax.psum(loss[1], axes)
+            total, weight = lax.psum(loss[0], loss_axes), lax.psum(loss[1], loss_axes)
             loss = total / weight
             if data_axis is not None:
                 grads = {b: lax.psum(g, data_axis) for b, g in grads.items()}
             grads = {b: (g / weight).astype(g.dtype) for b, g in grads.items()}
             return loss, {b: g[None] for b, g in grads.items()}
         loss = lax.psum(loss, pipe_axis) / M
+        if batch_axes:
+            loss = lax.pmean(loss, batch_axes)
         if data_axis is not None:
-            loss = lax.pmean(loss, data_axis)
             grads = {b: lax.pmean(g, data_axis) for b, g in grads.items()}
+        if fsdp is not None:
+            grads = {b: (g / fsdp_size).astype(g.dtype) for b, g in grads.items()}
         return loss, {b: g[None] for b, g in grads.items()}
 
+    # Manual over every axis of the mesh: `pipe` and `data` as above, `fsdp`
+    # by the gathers and scatters around each piece, model axes (`tensor`) by
+    # the stage functions' own collectives. Left to the partitioner, an axis
+    # that splits the values kept in the flat buffers made XLA reshard them
+    # with collective-permutes inside the branches, which deadlock when pipe
+    # ranks take different branches.
+    batch_axes = tuple(a for a in (data_axis, fsdp) if a is not None)
+    loss_axes = (pipe_axis,) + batch_axes
+    fsdp_size = mesh.shape[fsdp] if fsdp is not None else 1
+    param_specs = {b: layout.spec(b, pipe_axis) for b in buckets}
     program = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(pipe_axis), P(data_axis), P(None, pipe_axis)),
-        out_specs=(P(), P(pipe_axis)),
-        axis_names={pipe_axis} | ({data_axis} if data_axis else set()),
+        in_specs=(param_specs, P(batch_axes or None), P(None, pipe_axis)),
+        out_specs=(P(), param_specs),
+        axis_names=set(mesh.axis_names),
         # The kernels are pre-traced jaxprs replayed with `jaxpr_as_fun`, which
         # does not insert the casts between values that vary over `pipe` and
         # values that do not; the program differentiates nothing across ranks,

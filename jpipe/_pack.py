@@ -17,6 +17,24 @@ whatever their shape (an embedding ``[V, D]`` on the first rank and a head
 R - 1 rows of padding. `ParamLayout.padding` reports the
 figures. Optimizer state built on the packed dict (`optax` works on it
 directly) has the same layout.
+
+Splits inside a stage: the mesh may have axes besides ``pipe`` and
+``data``. The program is manual over all of them (`jpipe._lower`), so each
+device holds, and each stage sees, its own block of an array:
+
+- A *model* axis (``tensor``): an array given a `PartitionSpec` over it
+  (`ParamLayout.of`'s `specs`) keeps its shape in bucket
+  ``(dtype, shape, spec, n)``, an array ``[R, *shape]`` sharded
+  ``P(pipe, *spec)``. The stage function gets the device's block (a
+  Megatron column-split ``[D, 3D]`` weight arrives as ``[D, 3D / T]``) and
+  writes the collectives itself (``lax.psum(y, "tensor")``), as
+  `jpipe.models.gpt` does.
+- The ``fsdp`` axis: every array is split over it too (ZeRO-3: parameters,
+  gradients and optimizer state): a flat bucket along its row, a shaped one
+  along its first dimension no other axis splits and the axis divides (an
+  array nothing divides stays whole). The program gathers a stage's arrays
+  just before each of its pieces runs and reduce-scatters the weight
+  gradients, so the stage sees whole (fsdp-gathered) arrays.
 """
 
 from __future__ import annotations
@@ -35,6 +53,36 @@ def _bucket_name(dtype: str, size: int, n: int) -> str:
     return f"{dtype}[{size}]#{n}"
 
 
+def _shaped_bucket_name(dtype: str, shape: tuple, spec: tuple, n: int) -> str:
+    dims = "x".join(str(d) for d in shape)
+    axes = ",".join("-".join(a) if isinstance(a, tuple) else str(a) for a in spec)
+    return f"{dtype}[{dims}]({axes})#{n}"
+
+
+def _axes_of(entry) -> tuple:
+    """The mesh axes one entry of a `PartitionSpec` names."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _with_fsdp(shape: tuple, spec: tuple, fsdp) -> tuple:
+    """`spec` with the ``fsdp`` axis on the first free dimension it divides, if any."""
+    if fsdp is None:
+        return spec
+    axis, size = fsdp
+    if any(axis in _axes_of(e) for e in spec):
+        return spec
+    for d, (n, e) in enumerate(zip(shape, spec)):
+        if e is None and n % size == 0:
+            return spec[:d] + (axis,) + spec[d + 1 :]
+    return spec
+
+
+def _is_spec_leaf(x) -> bool:
+    return x is None or isinstance(x, P)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
     """Which bucket holds each stage's parameter arrays.
@@ -44,7 +92,12 @@ class ParamLayout:
       leaves: per stage, one ``(bucket name, shape, dtype)`` per array.
       stage_to_rank: the rank of each stage.
       num_ranks: the ranks (a rank may hold no stage).
-      buckets: ``{name: ((size,), dtype)}`` for every bucket.
+      buckets: ``{name: (shape, dtype)}`` for every bucket (the shape of one
+        rank's row: ``(size,)`` for a flat bucket).
+      specs: ``{name: spec}``, how each bucket's row is split over the mesh
+        axes other than ``pipe`` (a tuple as long as its shape).
+      axis_sizes: the sizes of the mesh axes the specs may name.
+      fsdp_axis: the axis every array is split over as well, if any.
     """
 
     trees: tuple
@@ -52,18 +105,54 @@ class ParamLayout:
     stage_to_rank: tuple[int, ...]
     num_ranks: int
     buckets: dict = dataclasses.field(hash=False)
+    specs: dict = dataclasses.field(default_factory=dict, hash=False)
+    axis_sizes: dict = dataclasses.field(default_factory=dict, hash=False)
+    fsdp_axis: str | None = None
 
     @classmethod
-    def of(cls, params_list, stage_to_rank, num_ranks: int) -> ParamLayout:
-        """Lays out `params_list` (one pytree per stage) over `num_ranks` ranks."""
-        counts: dict = {}  # (rank, dtype, shape) -> arrays so far
-        trees, leaves, buckets = [], [], {}
+    def of(
+        cls,
+        params_list,
+        stage_to_rank,
+        num_ranks: int,
+        specs=None,
+        axis_sizes: dict[str, int] | None = None,
+        fsdp_axis: str | None = None,
+    ) -> ParamLayout:
+        """Lays out `params_list` (one pytree per stage) over `num_ranks` ranks.
+
+        Args:
+          params_list: one parameter pytree per stage (arrays or shape structs).
+          stage_to_rank: the rank of each stage.
+          num_ranks: the number of ranks.
+          specs: optional, one pytree per stage like its parameters with a
+            `PartitionSpec` (or None: not split) per array, over mesh axes
+            other than ``pipe`` and ``data``.
+          axis_sizes: the mesh's axis sizes, to check `specs` against.
+          fsdp_axis: a mesh axis to split every array over as well (ZeRO-3).
+        """
+        axis_sizes = dict(axis_sizes or {})
+        if fsdp_axis is not None and fsdp_axis not in axis_sizes:
+            fsdp_axis = None
+        fsdp = None
+        if fsdp_axis is not None and axis_sizes.get(fsdp_axis, 1) > 1:
+            fsdp = (fsdp_axis, axis_sizes[fsdp_axis])
+        if specs is None:
+            specs = [None] * len(params_list)
+        if len(specs) != len(params_list):
+            raise ValueError(
+                f"got partition specs for {len(specs)} stages and parameters for "
+                f"{len(params_list)}"
+            )
+        counts: dict = {}  # (rank, bucket key) -> arrays so far
+        trees, leaves, buckets, bucket_specs = [], [], {}, {}
         for s, p in enumerate(params_list):
             with_paths, tree = jax.tree_util.tree_flatten_with_path(p)
             trees.append(tree)
+            stage_specs = _stage_specs(s, specs[s], p, len(with_paths))
             r = stage_to_rank[s]
             entries = []
-            for path, leaf in with_paths:
+            for (path, leaf), spec in zip(with_paths, stage_specs):
                 dtype = getattr(leaf, "dtype", None)
                 if not hasattr(leaf, "shape") or not jnp.issubdtype(dtype, jnp.floating):
                     raise ValueError(
@@ -73,23 +162,82 @@ class ParamLayout:
                     )
                 shape, dtype = tuple(leaf.shape), str(np.dtype(leaf.dtype))
                 size = math.prod(shape)
-                n = counts.get((r, dtype, size), 0)
-                counts[(r, dtype, size)] = n + 1
-                name = _bucket_name(dtype, size, n)
-                buckets[name] = ((size,), dtype)
+                spec = _check_spec(s, path, shape, spec, axis_sizes, fsdp_axis)
+                if all(e is None for e in spec):
+                    key = (dtype, size)
+                    row, row_spec = (size,), _with_fsdp((size,), (None,), fsdp)
+                else:
+                    row_spec = _with_fsdp(shape, spec, fsdp)
+                    key = (dtype, shape, row_spec)
+                    row = shape
+                n = counts.get((r, key), 0)
+                counts[(r, key)] = n + 1
+                if len(key) == 2:
+                    name = _bucket_name(dtype, size, n)
+                else:
+                    name = _shaped_bucket_name(dtype, shape, row_spec, n)
+                buckets[name] = (row, dtype)
+                bucket_specs[name] = row_spec
                 entries.append((name, shape, dtype))
             leaves.append(tuple(entries))
-        return cls(tuple(trees), tuple(leaves), tuple(stage_to_rank), num_ranks, buckets)
-
-    def stage_avals(self, s: int):
-        return jax.tree.unflatten(
-            self.trees[s], [jax.ShapeDtypeStruct(sh, dt) for _, sh, dt in self.leaves[s]]
+        return cls(
+            tuple(trees),
+            tuple(leaves),
+            tuple(stage_to_rank),
+            num_ranks,
+            buckets,
+            bucket_specs,
+            axis_sizes,
+            fsdp_axis if fsdp is not None else None,
         )
 
-    def stage_params(self, s: int, local: dict):
-        """Stage `s`'s parameters from its rank's rows ``{bucket: [size]}``."""
+    def _divided(self, name: str, skip: str | None = None) -> tuple:
+        """Bucket `name`'s row as one device holds it, not counting axis `skip`."""
+        row = self.buckets[name][0]
+        spec = self.specs.get(name, (None,) * len(row))
+        return tuple(
+            n // math.prod(self.axis_sizes[a] for a in _axes_of(e) if a != skip)
+            for n, e in zip(row, spec)
+        )
+
+    def local_shape(self, name: str) -> tuple:
+        """Bucket `name`'s row as each device holds it (split over every axis of its spec)."""
+        return self._divided(name)
+
+    def gathered_shape(self, name: str) -> tuple:
+        """Bucket `name`'s row as a stage sees it: gathered over ``fsdp``, split over the rest."""
+        return self._divided(name, skip=self.fsdp_axis)
+
+    def fsdp_dim(self, name: str) -> int | None:
+        """The dimension of bucket `name`'s row that ``fsdp`` splits, if it does."""
+        if self.fsdp_axis is None:
+            return None
+        spec = self.specs.get(name, ())
+        return next((d for d, e in enumerate(spec) if self.fsdp_axis in _axes_of(e)), None)
+
+    def _compute_shape(self, name: str, shape: tuple) -> tuple:
+        if len(self.buckets[name][0]) == len(shape) and self.buckets[name][0] == shape:
+            return self.gathered_shape(name)
+        return shape  # a flat row: gathered, it is the whole array
+
+    def stage_avals(self, s: int):
+        """Stage `s`'s parameters as its function sees them (its block of each split array)."""
         return jax.tree.unflatten(
-            self.trees[s], [local[name].reshape(shape) for name, shape, _ in self.leaves[s]]
+            self.trees[s],
+            [
+                jax.ShapeDtypeStruct(self._compute_shape(name, sh), dt)
+                for name, sh, dt in self.leaves[s]
+            ],
+        )
+
+    def stage_params(self, s: int, rows: dict):
+        """Stage `s`'s parameters from its rank's rows ``{bucket: row}``, gathered over fsdp."""
+        return jax.tree.unflatten(
+            self.trees[s],
+            [
+                rows[name].reshape(self._compute_shape(name, shape))
+                for name, shape, _ in self.leaves[s]
+            ],
         )
 
     def stage_buckets(self, s: int) -> tuple[str, ...]:
@@ -123,7 +271,7 @@ class ParamLayout:
                     raise ValueError(
                         f"stage {s}: a parameter has shape {a.shape}, expected {shape}"
                     )
-                out[name][r] = a.reshape(-1)
+                out[name][r] = a.reshape(self.buckets[name][0])
         return out
 
     def unpack_host(self, packed: dict) -> list:
@@ -142,8 +290,13 @@ class ParamLayout:
             for s in range(len(self.trees))
         ]
 
+    def spec(self, name: str, pipe_axis: str) -> P:
+        """Bucket `name`'s `PartitionSpec`: rows over `pipe_axis`, then its own split."""
+        spec = self.specs.get(name, ())
+        return P(pipe_axis, *spec) if any(e is not None for e in spec) else P(pipe_axis)
+
     def sharding(self, mesh, pipe_axis: str) -> dict:
-        return {name: NamedSharding(mesh, P(pipe_axis)) for name in self.buckets}
+        return {name: NamedSharding(mesh, self.spec(name, pipe_axis)) for name in self.buckets}
 
     def pack(self, params_list, mesh, pipe_axis: str) -> dict:
         """Packs and places each row on its rank: ``{bucket: Array [R, *shape]}``.
@@ -162,14 +315,16 @@ class ParamLayout:
         R = self.num_ranks
 
         def rows(name, idx):
-            (size,), dt = self.buckets[name]
+            row, dt = self.buckets[name]
             ranks = range(R)[idx[0]]
-            out = np.zeros((len(ranks), size), dt)
+            part = tuple(idx[1:])
+            shape = np.empty(row, np.bool_)[part].shape if part else row
+            out = np.zeros((len(ranks),) + shape, dt)
             for i, r in enumerate(ranks):
                 if (name, r) in contents:
                     s, k = contents[(name, r)]
-                    out[i] = np.asarray(flat[s][k]).reshape(-1)
-            return out[(slice(None),) + tuple(idx[1:])]
+                    out[i] = np.asarray(flat[s][k]).reshape(row)[part]
+            return out
 
         return {
             name: jax.make_array_from_callback(
@@ -194,6 +349,50 @@ class ParamLayout:
                     raise ValueError(
                         f"stage {s}: a parameter has shape {tuple(leaf.shape)}, expected {shape}"
                     )
+
+
+def _stage_specs(s: int, specs, params, count: int) -> list:
+    """Stage `s`'s specs, one per parameter array (None for none given)."""
+    if specs is None:
+        return [None] * count
+    flat, tree = jax.tree.flatten(specs, is_leaf=_is_spec_leaf)
+    if tree != jax.tree.structure(params, is_leaf=_is_spec_leaf) or len(flat) != count:
+        raise ValueError(
+            f"stage {s}'s partition specs do not match its parameters: give one "
+            f"PartitionSpec (or None) per array, in a tree like the parameters' ({tree} "
+            f"against {jax.tree.structure(params)})"
+        )
+    return flat
+
+
+def _check_spec(s: int, path, shape: tuple, spec, axis_sizes: dict, fsdp_axis) -> tuple:
+    """`spec` as a tuple as long as `shape`, checked against the mesh."""
+    where = f"stage {s}'s parameter {jax.tree_util.keystr(path) or '(root)'} of shape {shape}"
+    entries = tuple(spec) if spec is not None else ()
+    if len(entries) > len(shape):
+        raise ValueError(f"{where} has a PartitionSpec {spec} with more entries than dimensions")
+    entries = entries + (None,) * (len(shape) - len(entries))
+    for d, entry in enumerate(entries):
+        axes = _axes_of(entry)
+        size = 1
+        for a in axes:
+            if a == fsdp_axis:
+                raise ValueError(
+                    f"{where} is split over {a!r}, the fsdp axis, which splits every array "
+                    "by itself: leave it out of the specs"
+                )
+            if a not in axis_sizes:
+                raise ValueError(
+                    f"{where} is split over {a!r}, which is not an axis of the mesh "
+                    f"{tuple(axis_sizes)}"
+                )
+            size *= axis_sizes[a]
+        if shape[d] % size:
+            raise ValueError(
+                f"{where}: dimension {d} of size {shape[d]} cannot be split {size} ways "
+                f"over {axes}"
+            )
+    return entries
 
 
 def _to_host(value) -> np.ndarray:

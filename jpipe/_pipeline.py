@@ -36,20 +36,33 @@ def make_mesh(
     data: int = 1,
     devices=None,
     *,
+    fsdp: int = 1,
+    tensor: int = 1,
     across_hosts: dict[str, int] | None = None,
 ) -> Mesh:
-    """A ``(pipe, data)`` mesh, axis types Auto, that knows which devices share a host.
+    """A ``(pipe, data, fsdp, tensor)`` mesh, axis types Auto, that knows which devices share a host.
 
     A host here is a process (`jax.Device.process_index`): run one process
     per machine and the two coincide.
 
+    The axes, outermost first: ``pipe`` (stages; the program is manual over
+    it), ``data`` (plain data parallelism, manual too: each device runs its
+    rows, gradients are averaged once a step), ``fsdp`` (data parallelism
+    with every parameter, gradient and optimizer state split over it, ZeRO-3,
+    left to XLA's partitioner) and ``tensor`` (the splits the stage's
+    parameters are given, Megatron-style, also left to the partitioner).
+    Tensor is innermost so that its frequent collectives stay between
+    neighbouring devices (on one host, with NVLink); pipe is outermost as it
+    sends the least.
+
     Args:
-      pipe, data: the sizes of the two axes.
+      pipe, data, fsdp, tensor: the sizes of the axes; an axis of size 1 is
+        still there, so code and specs can name it.
       devices: the devices to use (default `jax.devices()`). Without
-        `across_hosts` the first ``pipe * data`` of them fill the grid row by
-        row, in the order given (by default sorted by ``(process_index, id)``,
-        so a process's devices are neighbours and ``pipe`` is the axis that
-        crosses hosts first).
+        `across_hosts` the first ``pipe * data * fsdp * tensor`` of them fill
+        the grid row by row, in the order given (by default sorted by
+        ``(process_index, id)``, so a process's devices are neighbours and
+        ``pipe`` is the axis that crosses hosts first).
       across_hosts: how many hosts each axis spans, e.g. ``{"pipe": 2}``;
         axes not named stay within a host. Like
         `jax.experimental.mesh_utils.create_hybrid_device_mesh`, each axis of
@@ -66,19 +79,22 @@ def make_mesh(
     """
     import numpy as np
 
-    if pipe < 1 or data < 1:
-        raise ValueError(f"mesh sizes must be at least 1, got pipe={pipe}, data={data}")
+    sizes = {"pipe": pipe, "data": data, "fsdp": fsdp, "tensor": tensor}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"mesh sizes must be whole numbers of at least 1, got {bad}")
     if devices is None:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     devices = list(devices)
-    shape, names = (pipe, data), ("pipe", "data")
+    shape, names = tuple(sizes.values()), tuple(sizes)
+    n = math.prod(shape)
     if across_hosts is None:
-        if pipe * data > len(devices):
+        if n > len(devices):
+            described = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "pipe")
             raise ValueError(
-                f"a mesh of pipe={pipe} x data={data} needs {pipe * data} devices, "
-                f"but only {len(devices)} are present"
+                f"a mesh of {described} needs {n} devices, but only {len(devices)} are present"
             )
-        grid = np.array(devices[: pipe * data]).reshape(shape)
+        grid = np.array(devices[:n]).reshape(shape)
     else:
         grid = _host_grid(devices, dict(zip(names, shape)), across_hosts)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
@@ -177,9 +193,14 @@ class Pipeline:
         `jpipe.WeightedLoss` ``(total, weight)`` (the step's loss is then
         ``sum(total) / sum(weight)``, e.g. a token-masked mean of the batch).
       schedule: a `jpipe.Schedule` with one stage per function.
-      mesh: a mesh with a ``pipe`` axis of the schedule's rank count (and
-        optionally a ``data`` axis).
+      mesh: a mesh with a ``pipe`` axis of the schedule's rank count, and
+        any others (`jpipe.make_mesh`): the program is manual over ``pipe``
+        and ``data`` and leaves the other axes to XLA's partitioner, which
+        keeps the stages' arrays split as their specs say (`pack`).
       pipe_axis, data_axis: the mesh axis names.
+      fsdp_axis: a mesh axis (if the mesh has it) that shards the batch's
+        rows, like ``data``, and also every parameter, gradient and
+        optimizer state (ZeRO-3; see `jpipe._pack`).
       tick_layout: how pieces are laid out in lock-step ticks: ``"unit"`` (one
         piece per rank per tick, following the unit-cost timeline),
         ``"packed"`` (up to one F, one I and one W per rank per tick: fewer
@@ -199,6 +220,7 @@ class Pipeline:
         *,
         pipe_axis: str = "pipe",
         data_axis: str = "data",
+        fsdp_axis: str = "fsdp",
         tick_layout: str = "auto",
         all_idle: bool = False,
     ):
@@ -209,6 +231,8 @@ class Pipeline:
         self.mesh = _auto(mesh)
         self.pipe_axis = pipe_axis
         self.data_axis = data_axis if data_axis in mesh.axis_names else None
+        # An fsdp axis of size 1 splits nothing: the batch and the arrays are as without one.
+        self.fsdp_axis = fsdp_axis if mesh.shape.get(fsdp_axis, 1) > 1 else None
         if pipe_axis not in mesh.axis_names:
             raise ValueError(f"the mesh has no {pipe_axis!r} axis (it has {mesh.axis_names})")
         R = mesh.shape[pipe_axis]
@@ -226,6 +250,7 @@ class Pipeline:
         self.plan = make_plan(schedule, tick_layout)
         self.forward_plan = make_forward_plan(schedule)
         self.layout: ParamLayout | None = None
+        self._specs = None
         # Built once per batch shape (the key of `_key`): the traced pieces,
         # the jitted training step with its program, the jitted forward-only loss.
         self._kernels_cache: dict[tuple, list] = {}
@@ -235,29 +260,51 @@ class Pipeline:
 
     # -- parameters ------------------------------------------------------------
 
-    def _layout_for(self, params_list) -> ParamLayout:
+    def _layout_for(self, params_list, specs=None) -> ParamLayout:
         if len(params_list) != len(self.stages):
             raise ValueError(
                 f"got parameters for {len(params_list)} stages, the model has {len(self.stages)}"
             )
-        layout = ParamLayout.of(params_list, self.plan.stage_to_rank, self.schedule.num_ranks)
+        if specs is None and self.layout is not None:
+            specs = self._specs
+        inner_axes = {
+            a: n for a, n in self.mesh.shape.items() if a not in (self.pipe_axis, self.data_axis)
+        }
+        layout = ParamLayout.of(
+            params_list,
+            self.plan.stage_to_rank,
+            self.schedule.num_ranks,
+            specs=specs,
+            axis_sizes=inner_axes,
+            fsdp_axis=self.fsdp_axis,
+        )
         if self.layout is None:
-            self.layout = layout
+            self.layout, self._specs = layout, specs
         elif layout != self.layout:
             raise ValueError(
                 "these parameters do not have the structure this pipeline was packed with"
             )
         return layout
 
-    def pack(self, params_list) -> dict:
-        """Places each stage's parameters on its rank: ``{bucket: Array [R, size]}``.
+    def pack(self, params_list, specs=None) -> dict:
+        """Places each stage's parameters on its rank: ``{bucket: Array [R, ...]}``.
 
         See `jpipe._pack` for the buckets; `unpack` gives the per-stage pytrees back.
-        """
-        return self._layout_for(params_list).pack(params_list, self.mesh, self.pipe_axis)
 
-    def packed_shapes(self, params_list) -> dict:
-        """What `pack` would give, as shapes: ``{bucket: ShapeDtypeStruct [R, size]}``.
+        Args:
+          params_list: one parameter pytree per stage.
+          specs: optional, how to split each array over the mesh's other axes
+            (``tensor``, ``fsdp``): one pytree per stage like its parameters,
+            with a `jax.sharding.PartitionSpec` or None per array (e.g.
+            `jpipe.models.gpt.tensor_specs`). Given once, it holds for
+            every later call. The program keeps the arrays split this way
+            inside every stage.
+        """
+        layout = self._layout_for(params_list, specs)
+        return layout.pack(params_list, self.mesh, self.pipe_axis)
+
+    def packed_shapes(self, params_list, specs=None) -> dict:
+        """What `pack` would give, as shapes: ``{bucket: ShapeDtypeStruct [R, ...]}``.
 
         `params_list` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from
         ``jax.eval_shape(model.init, key)``), and each result carries its
@@ -265,7 +312,7 @@ class Pipeline:
         compiles a model too big for this machine without making any array,
         and its ``memory_analysis()`` gives what each device would hold.
         """
-        layout = self._layout_for(params_list)
+        layout = self._layout_for(params_list, specs)
         shardings = layout.sharding(self.mesh, self.pipe_axis)
         return {
             name: jax.ShapeDtypeStruct((layout.num_ranks,) + shape, dtype, sharding=shardings[name])
@@ -285,15 +332,21 @@ class Pipeline:
         return self.layout.sharding(self.mesh, self.pipe_axis)
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch's rows are split over: ``data``, then ``fsdp``."""
+        return tuple(a for a in (self.data_axis, self.fsdp_axis) if a is not None)
+
+    @property
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.data_axis) if self.data_axis else P())
+        axes = self.batch_axes
+        return NamedSharding(self.mesh, P(axes) if axes else P())
 
     # -- the step --------------------------------------------------------------
 
     def check_batch(self, batch) -> None:
         """Refuses a batch the microbatches (and the data axis) do not divide."""
         M = self.num_microbatches
-        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
+        D = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
             n = leaf.shape[0] if leaf.ndim else None
             if n is None or n % M:
@@ -302,9 +355,15 @@ class Pipeline:
                     "do not divide"
                 )
             if (n // M) % D:
+                axes = self.batch_axes
+                over = (
+                    f"over the {D}-way {axes[0]!r} axis"
+                    if len(axes) == 1
+                    else f"{D} ways over the {' x '.join(map(repr, axes))} axes"
+                )
                 raise ValueError(
                     f"batch{jax.tree_util.keystr(path)}: microbatches of {n // M} rows cannot "
-                    f"be split over the {D}-way {self.data_axis!r} axis"
+                    f"be split {over}"
                 )
 
     def _key(self, batch) -> tuple:
@@ -312,8 +371,8 @@ class Pipeline:
         return (jax.tree.structure(batch), tuple(jax.tree.leaves(shapes)))
 
     def _microbatch_shapes(self, batch):
-        """One microbatch as one device sees it (its rows of the data axis)."""
-        D = self.mesh.shape[self.data_axis] if self.data_axis else 1
+        """One microbatch as one device sees it (its rows of the data and fsdp axes)."""
+        D = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         M = self.num_microbatches
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct((a.shape[0] // M // D,) + a.shape[1:], a.dtype), batch
@@ -324,7 +383,7 @@ class Pipeline:
         key = self._key(batch)
         if key not in self._kernels_cache:
             self._kernels_cache[key] = trace_kernels(
-                self.stages, self.layout, self._microbatch_shapes(batch)
+                self.stages, self.layout, self._microbatch_shapes(batch), dict(self.mesh.shape)
             )
         return self._kernels_cache[key]
 

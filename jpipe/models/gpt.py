@@ -42,6 +42,7 @@ is `jpipe.models.split_flax_model`'s, as for any embed/blocks/head model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -52,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jpipe._stage import WeightedLoss
 from jpipe.models.staged import StagedModel, fold_row_keys, row_dropout, split_flax_model
@@ -163,31 +166,111 @@ class _Embed(nn.Module):
         return row_dropout(x_BxLxD.astype(c.dtype), keys, c.dropout)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _into_tensor(x, axis):
+    """Megatron's *f*: the same value on every device of `axis`; its gradient summed over it."""
+    return x
+
+
+def _into_tensor_fwd(x, axis):
+    return x, None
+
+
+def _into_tensor_bwd(axis, _, g):
+    return (lax.psum(g, axis),)
+
+
+_into_tensor.defvjp(_into_tensor_fwd, _into_tensor_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _out_of_tensor(x, axis):
+    """Megatron's *g*: the devices' partial results summed over `axis`; the gradient as is."""
+    return lax.psum(x, axis)
+
+
+def _out_of_tensor_fwd(x, axis):
+    return lax.psum(x, axis), None
+
+
+def _out_of_tensor_bwd(axis, _, g):
+    return (g,)
+
+
+_out_of_tensor.defvjp(_out_of_tensor_fwd, _out_of_tensor_bwd)
+
+
+class _RowSplitDense(nn.Module):
+    """`nn.Dense` whose input features may be split over a tensor axis.
+
+    Each device multiplies its slice of the features by its rows of the
+    kernel; the partial products are summed over the axis before the bias
+    (which is not split) is added. Without an axis it computes what
+    `_dense`'s layer does, with the same parameters.
+    """
+
+    features: int
+    dtype: Any
+    std: float
+    tensor_axis: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param(
+            "kernel", nn.initializers.normal(self.std), (x.shape[-1], self.features), jnp.float32
+        )
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.tensor_axis is not None:
+            y = _out_of_tensor(y, self.tensor_axis)
+        return y + bias
+
+
 class _Block(nn.Module):
-    """Pre-norm block: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``."""
+    """Pre-norm block: ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``.
+
+    With `tensor_axis`, it runs Megatron-style on its device's slice of the
+    weights (`tensor_specs`): its heads of attention and its slice of the
+    MLP's hidden width, with one all-reduce over the axis after each.
+    """
 
     config: GPTConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         b, length, d = x_BxLxD.shape
-        h, k = c.num_heads, c.d_model // c.num_heads
+        axis = self.tensor_axis
+        t = 1 if axis is None else lax.psum(1, axis)
+        if c.num_heads % t or c.d_ff % t:
+            raise ValueError(
+                f"a {t}-way tensor axis must divide num_heads={c.num_heads} and d_ff={c.d_ff}"
+            )
+        h, k = c.num_heads // t, c.d_model // c.num_heads  # this device's heads
+
+        def into(y):
+            return y if axis is None else _into_tensor(y, axis)
+
         # GPT-2 scales the init of the projections into the residual stream so
         # that its variance does not grow with depth.
         residual_std = _INIT_STD / math.sqrt(2 * c.num_layers)
-
-        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD)
-        qkv_BxLx3xHxK = _dense(3 * d, "qkv", dtype)(y_BxLxD).reshape(b, length, 3, h, k)
-        q, kk, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
+        y_BxLxD = into(nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD))
+        # Heads major, then (q, k, v): split by columns over the tensor axis,
+        # each device holds whole heads.
+        qkv_BxLxHx3xK = _dense(3 * h * k, "qkv", dtype)(y_BxLxD).reshape(b, length, h, 3, k)
+        q, kk, v = (qkv_BxLxHx3xK[:, :, :, i] for i in range(3))
         attn_BxLxHxK = jax.nn.dot_product_attention(q, kk, v, is_causal=True)
-        y_BxLxD = _dense(d, "attn_out", dtype, residual_std)(attn_BxLxHxK.reshape(b, length, d))
+        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="attn_out")(
+            attn_BxLxHxK.reshape(b, length, h * k)
+        )
         x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
 
-        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD)
-        y_BxLxF = nn.gelu(_dense(c.d_ff, "mlp_in", dtype)(y_BxLxD))
-        y_BxLxD = _dense(d, "mlp_out", dtype, residual_std)(y_BxLxF)
+        y_BxLxD = into(nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD))
+        y_BxLxF = nn.gelu(_dense(c.d_ff // t, "mlp_in", dtype)(y_BxLxD))
+        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="mlp_out")(y_BxLxF)
         return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
 
 
@@ -225,7 +308,9 @@ class _Head(nn.Module):
         return losses_BxL.mean()
 
 
-def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> StagedModel:
+def make_stages(
+    config: GPTConfig, layers_per_stage: str | Sequence[int], tensor_axis: str | None = None
+) -> StagedModel:
     """Builds the stage functions, initializer and reference loss of a GPT.
 
     Args:
@@ -233,6 +318,11 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
       layers_per_stage: blocks per stage, e.g. ``(3, 4, 4, 3)`` or
         ``"3,4,4,3"``; the number of entries is the number of stages. Use
         `split_layers` to get a balanced split.
+      tensor_axis: a mesh axis to split each block over, Megatron-style: the
+        stages then run on each device's slice of the weights and sum over
+        the axis themselves, so they run only inside the pipeline (pack the
+        parameters with `tensor_specs`). `init` and `loss` stay those of the
+        whole model, the reference the pipeline is checked against.
 
     Returns:
       A `StagedModel`.
@@ -241,9 +331,16 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
       ValueError: `layers_per_stage` does not fit ``config.num_layers`` (see
         `split_layers`).
     """
+    whole = _split(config, layers_per_stage, None)
+    if tensor_axis is None:
+        return whole
+    return whole._replace(stages=_split(config, layers_per_stage, tensor_axis).stages)
+
+
+def _split(config: GPTConfig, layers_per_stage, tensor_axis: str | None) -> StagedModel:
     return split_flax_model(
         _Embed(config),
-        _Block(config),
+        _Block(config, tensor_axis),
         _Head(config),
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,
@@ -255,6 +352,48 @@ def make_stages(config: GPTConfig, layers_per_stage: str | Sequence[int]) -> Sta
             "targets": jnp.zeros((1, 1), jnp.int32),
         },
     )
+
+
+# How `tensor_specs` splits each array of a block, Megatron-style: the first
+# matmul of attention and of the MLP by columns (whole heads, slices of the
+# hidden width), the second by rows, so each needs one all-reduce after it.
+_BLOCK_SPLITS = {
+    ("qkv", "kernel"): (None, "T"),
+    ("qkv", "bias"): ("T",),
+    ("attn_out", "kernel"): ("T", None),
+    ("mlp_in", "kernel"): (None, "T"),
+    ("mlp_in", "bias"): ("T",),
+    ("mlp_out", "kernel"): ("T", None),
+}
+
+
+def tensor_specs(config: GPTConfig, params_list: Sequence[Params], axis: str = "tensor") -> list:
+    """How `make_stages(..., tensor_axis=axis)` splits each parameter, for `Pipeline.pack`.
+
+    Attention is split by heads (the qkv projection by columns, its output
+    projection by rows) and the MLP by its hidden width (in by columns, out
+    by rows). The embeddings, the head, LayerNorms and the biases added
+    after a row split are whole on every device of the axis, which computes
+    them alike.
+
+    Args:
+      config: the model's sizes.
+      params_list: one parameter tree per stage (arrays or shape structs).
+      axis: the mesh axis to split over.
+
+    Returns:
+      One tree per stage like its parameters, a `PartitionSpec` per array.
+    """
+
+    def spec(path, leaf):
+        names = tuple(getattr(k, "key", None) for k in path)
+        split = _BLOCK_SPLITS.get(names[-2:]) if names[0] == "blocks" else None
+        if split is None:
+            return P()
+        stacked = (None,) * int(config.scan_layers)  # the leading axis over blocks
+        return P(*stacked, *(axis if e == "T" else None for e in split))
+
+    return [jax.tree_util.tree_map_with_path(spec, p) for p in params_list]
 
 
 def weight_decay_mask(params: Params) -> Params:

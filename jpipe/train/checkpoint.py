@@ -150,7 +150,7 @@ def checkpoint_meta(pipeline, prepared: Prepared) -> dict:
             for name, (shape, dtype) in sorted(pipeline.layout.buckets.items())
         },
         "schedule": prepared.config.schedule,
-        "mesh": [prepared.config.mesh.pipe, prepared.config.mesh.data],
+        "mesh": dataclasses.asdict(prepared.config.mesh),
     }
 
 

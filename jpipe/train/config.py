@@ -58,7 +58,12 @@ def _check_type(field: str, value, kind: type, accepted: str):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh: ``pipe`` ranks times ``data`` replicas.
+    """The device mesh: ``pipe`` ranks x ``data`` replicas x ``fsdp`` x ``tensor``.
+
+    ``fsdp`` splits the batch like ``data`` and also every parameter,
+    gradient and optimizer state (ZeRO-3); ``tensor`` splits each block
+    Megatron-style (`jpipe.models.gpt.tensor_specs`). See `jpipe.make_mesh`
+    for where each axis goes.
 
     ``pipe_hosts`` and ``data_hosts`` say across how many hosts (processes)
     each axis spans, the rest of it staying within a host (see
@@ -68,12 +73,16 @@ class MeshConfig:
 
     pipe: int = 1
     data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
     pipe_hosts: int = 0
     data_hosts: int = 0
 
     def __post_init__(self):
         _check_int("mesh.pipe", self.pipe, 1)
         _check_int("mesh.data", self.data, 1)
+        _check_int("mesh.fsdp", self.fsdp, 1)
+        _check_int("mesh.tensor", self.tensor, 1)
         _check_int("mesh.pipe_hosts", self.pipe_hosts, 0)
         _check_int("mesh.data_hosts", self.data_hosts, 0)
         for axis, size, hosts in (
@@ -96,7 +105,12 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
-        return self.pipe * self.data
+        return self.pipe * self.data * self.fsdp * self.tensor
+
+    @property
+    def replicas(self) -> int:
+        """How many ways the batch's rows are split: ``data * fsdp``."""
+        return self.data * self.fsdp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +318,7 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     Call it first thing, before any JAX computation (after
     `jpipe.initialize_distributed` in a multi-process run): it asks for
     ``config.cpu_devices`` CPU devices in this process or, when that is 0,
-    ``mesh.pipe * mesh.data`` (the plan file's mesh when ``config.plan``
+    the mesh's size (the plan file's mesh when ``config.plan``
     names one) divided among the processes (see `jpipe.use_cpu_devices`).
 
     Returns:
@@ -317,9 +331,9 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
         if get("plan", ""):  # the plan file's mesh is the one the run will use
             settings = jpipe.read_plan_file(get("plan"))
             mesh = {"pipe": settings.pipe, "data": settings.data}
-        n = int(get("cpu_devices", 0) or 0) or -(
-            -int(mesh["pipe"]) * int(mesh["data"]) // num_processes()
-        )
+        size = int(mesh["pipe"]) * int(mesh["data"])
+        size *= int(mesh.get("fsdp", 1) or 1) * int(mesh.get("tensor", 1) or 1)
+        n = int(get("cpu_devices", 0) or 0) or -(-size // num_processes())
     except (TypeError, KeyError, ValueError):
         return None  # `train` reports the bad field properly
     if n < 1:

@@ -206,7 +206,8 @@ def _run(
             )
             return TrainResult({}, {}, start, start, time.perf_counter() - wall_start, None, None)
 
-    model = gpt.make_stages(c.model, prepared.layers_per_stage)
+    tensor_axis = "tensor" if c.mesh.tensor > 1 else None
+    model = gpt.make_stages(c.model, prepared.layers_per_stage, tensor_axis=tensor_axis)
     pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
 
     # Each process makes only the stages its devices hold (the others are
@@ -218,7 +219,8 @@ def _run(
         if any(d.process_index == here for d in mesh.devices[r].flat)
     }
     params_list = model.init(c.seed, None if jax.process_count() == 1 else local)
-    params = pipeline.pack(params_list)
+    specs = gpt.tensor_specs(c.model, params_list) if tensor_axis else None
+    params = pipeline.pack(params_list, specs)
     optimizer = optimizer_lib.make_optimizer(
         c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
     )
@@ -243,7 +245,8 @@ def _run(
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     say(
         f"devices: {jpipe.describe_devices(list(mesh.devices.flat))}{processes}; "
-        f"mesh pipe={c.mesh.pipe} x data={c.mesh.data}"
+        f"mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
+        f"tensor={c.mesh.tensor}"
     )
     say(
         f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "

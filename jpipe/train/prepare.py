@@ -27,7 +27,7 @@ class Prepared(NamedTuple):
       config: the checked config.
       schedule: the validated schedule.
       layers_per_stage: blocks per stage (``schedule.num_stages`` entries).
-      mesh: the ``(pipe, data)`` mesh.
+      mesh: the ``(pipe, data, fsdp, tensor)`` mesh.
       train_data, eval_data: the corpus, served by step.
     """
 
@@ -66,9 +66,18 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             else ""
         )
         raise ConfigError(
-            f"config.mesh.pipe={R} x config.mesh.data={c.mesh.data} needs {c.mesh.size} devices, "
-            f"but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
-            f"accepted: pipe * data <= {len(devices)}{cpu_hint}"
+            f"config.mesh.pipe={R} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
+            f"tensor={c.mesh.tensor} needs {c.mesh.size} devices, but only {len(devices)} are "
+            f"present ({jpipe.describe_devices(devices)}); accepted: "
+            f"pipe * data * fsdp * tensor <= {len(devices)}{cpu_hint}"
+        )
+    t = c.mesh.tensor
+    if c.model.num_heads % t or c.model.d_ff % t:
+        raise config_error(
+            "mesh.tensor",
+            t,
+            f"must divide model.num_heads={c.model.num_heads} and model.d_ff={c.model.d_ff} "
+            "(each device of the tensor axis runs whole heads and an equal part of the MLP)",
         )
 
     setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
@@ -105,12 +114,13 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"{e} (the schedule has {S} stages; model.num_layers={c.model.num_layers})",
         ) from None
 
-    rows = M * c.mesh.data
+    rows = M * c.mesh.replicas
     if c.batch_size % rows:
         raise config_error(
             "batch_size",
             c.batch_size,
-            f"must be divisible by num_microbatches ({M}) x mesh.data ({c.mesh.data}) = {rows}; "
+            f"must be divisible by num_microbatches ({M}) x mesh.data ({c.mesh.data}) x "
+            f"mesh.fsdp ({c.mesh.fsdp}) = {rows}; "
             f"accepted: a multiple of {rows}, such as {max(rows, c.batch_size // rows * rows)}",
         )
     if c.batch_size % jax.process_count():
@@ -134,7 +144,14 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
 
     if c.mesh.across_hosts is not None:
         try:
-            mesh = jpipe.make_mesh(R, c.mesh.data, devices, across_hosts=c.mesh.across_hosts)
+            mesh = jpipe.make_mesh(
+                R,
+                c.mesh.data,
+                devices,
+                fsdp=c.mesh.fsdp,
+                tensor=c.mesh.tensor,
+                across_hosts=c.mesh.across_hosts,
+            )
         except ValueError as e:
             raise config_error(
                 "mesh.pipe_hosts" if c.mesh.pipe_hosts else "mesh.data_hosts",
@@ -143,5 +160,5 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
     else:
-        mesh = jpipe.make_mesh(R, c.mesh.data, devices)
+        mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
     return Prepared(c, schedule, layers, mesh, train_data, eval_data)

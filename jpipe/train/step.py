@@ -110,13 +110,23 @@ def state_shardings(
     the ``data`` axis too, where it divides their size (ZeRO stage 1).
     """
     mesh = pipeline.mesh
+    layout = pipeline.layout
     R = mesh.shape[pipeline.pipe_axis]
     data = pipeline.data_axis
     D = mesh.shape[data] if data else 1
-    buckets = pipeline.layout.buckets
-    over_pipe = NamedSharding(mesh, P(pipeline.pipe_axis))
-    over_pipe_and_data = NamedSharding(mesh, P(pipeline.pipe_axis, data))
+    buckets = layout.buckets
     replicated = NamedSharding(mesh, P())
+
+    def over_data(name: str) -> NamedSharding:
+        """Bucket `name`'s sharding with ``data`` on the first dimension of its row that allows it."""
+        spec = layout.spec(name, pipeline.pipe_axis)
+        entries = list(spec) + [None] * (1 + len(buckets[name][0]) - len(spec))
+        local = layout.local_shape(name)
+        for d, e in enumerate(entries[1:]):
+            if e is None and local[d] % D == 0:
+                entries[1 + d] = data
+                return NamedSharding(mesh, P(*entries))
+        return NamedSharding(mesh, spec)
 
     def pick(path, leaf):
         key = path[-1] if path else None
@@ -126,9 +136,9 @@ def state_shardings(
             and tuple(leaf.shape) == (R,) + tuple(buckets[key.key][0])
         ):
             in_opt_state = getattr(path[0], "name", None) == "opt_state"
-            if shard_over_data and D > 1 and in_opt_state and leaf.shape[1] % D == 0:
-                return over_pipe_and_data
-            return over_pipe
+            if shard_over_data and D > 1 and in_opt_state:
+                return over_data(key.key)
+            return NamedSharding(mesh, layout.spec(key.key, pipeline.pipe_axis))
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, state)
