@@ -141,8 +141,7 @@ class ParamLayout:
             specs = [None] * len(params_list)
         if len(specs) != len(params_list):
             raise ValueError(
-                f"got partition specs for {len(specs)} stages and parameters for "
-                f"{len(params_list)}"
+                f"got partition specs for {len(specs)} stages and parameters for {len(params_list)}"
             )
         counts: dict = {}  # (rank, bucket key) -> arrays so far
         trees, leaves, buckets, bucket_specs = [], [], {}, {}
@@ -333,6 +332,25 @@ class ParamLayout:
             for name, (shape, _) in self.buckets.items()
         }
 
+    def rank_rows(self, r: int, params_list) -> dict:
+        """Rank `r`'s rows of every bucket, ``{bucket: [1, *row]}``, traceable.
+
+        Only rank `r`'s stages are read (the others may be shape structs):
+        a bucket that none of them fills gets zeros.
+        """
+        rows = {name: None for name in self.buckets}
+        for s, entries in enumerate(self.leaves):
+            if self.stage_to_rank[s] != r:
+                continue
+            for leaf, (name, _, _) in zip(jax.tree.leaves(params_list[s]), entries):
+                rows[name] = jnp.reshape(leaf, self.buckets[name][0])
+        return {
+            name: (jnp.zeros(self.buckets[name][0], self.buckets[name][1]) if v is None else v)[
+                None
+            ]
+            for name, v in rows.items()
+        }
+
     def _check_structure(self, params_list) -> None:
         if len(params_list) != len(self.trees):
             raise ValueError(
@@ -372,6 +390,9 @@ def _check_spec(s: int, path, shape: tuple, spec, axis_sizes: dict, fsdp_axis) -
     if len(entries) > len(shape):
         raise ValueError(f"{where} has a PartitionSpec {spec} with more entries than dimensions")
     entries = entries + (None,) * (len(shape) - len(entries))
+    named = [a for e in entries for a in _axes_of(e)]
+    if len(set(named)) < len(named):
+        raise ValueError(f"{where} has a PartitionSpec {spec} that names an axis twice")
     for d, entry in enumerate(entries):
         axes = _axes_of(entry)
         size = 1
@@ -389,8 +410,7 @@ def _check_spec(s: int, path, shape: tuple, spec, axis_sizes: dict, fsdp_axis) -
             size *= axis_sizes[a]
         if shape[d] % size:
             raise ValueError(
-                f"{where}: dimension {d} of size {shape[d]} cannot be split {size} ways "
-                f"over {axes}"
+                f"{where}: dimension {d} of size {shape[d]} cannot be split {size} ways over {axes}"
             )
     return entries
 

@@ -40,7 +40,7 @@ def make_mesh(
     tensor: int = 1,
     across_hosts: dict[str, int] | None = None,
 ) -> Mesh:
-    """A ``(pipe, data, fsdp, tensor)`` mesh, axis types Auto, that knows which devices share a host.
+    """A ``(pipe, data, fsdp, tensor)`` mesh, axis types Auto, hosts' devices side by side.
 
     A host here is a process (`jax.Device.process_index`): run one process
     per machine and the two coincide.
@@ -318,6 +318,76 @@ class Pipeline:
             name: jax.ShapeDtypeStruct((layout.num_ranks,) + shape, dtype, sharding=shardings[name])
             for name, (shape, dtype) in layout.buckets.items()
         }
+
+    def init(self, init_fn: Callable, rng, specs=None) -> dict:
+        """Makes the packed parameters where they live: ``{bucket: Array [R, ...]}``.
+
+        No device or host ever holds the whole model: for each rank, one
+        jitted program on that rank's devices computes only its stages'
+        parameters, with each device's output its own block (split over
+        ``fsdp`` and ``tensor`` as `pack` would split them), and the blocks
+        become the packed arrays in place. A process runs the programs of
+        the ranks its devices belong to. `init_programs` gives the programs,
+        to read what they allocate.
+
+        Args:
+          init_fn: ``init_fn(rng, stages) -> params_list``: every stage's
+            parameters, computing only those of `stages` (a set of stage
+            indices; the others may come back as shape structs), as
+            `jpipe.models.StagedModel.init` does.
+          rng: a JAX key.
+          specs: as for `pack`.
+        """
+        key = rng
+        packed_parts: dict[str, list] = {}
+        here = jax.process_index()
+        for r, program in enumerate(self.init_programs(init_fn, key, specs)):
+            if not any(d.process_index == here for d in self.mesh.devices[r].flat):
+                continue
+            for name, array in program(key).items():
+                packed_parts.setdefault(name, []).extend(array.addressable_shards)
+        shardings = self.param_sharding
+        out = {}
+        for name, (row, _) in self.layout.buckets.items():
+            shape = (self.schedule.num_ranks,) + tuple(row)
+            by_device = {shard.device: shard.data for shard in packed_parts[name]}
+            devices = shardings[name].addressable_devices_indices_map(shape)
+            out[name] = jax.make_array_from_single_device_arrays(
+                shape, shardings[name], [by_device[d] for d in devices]
+            )
+        return out
+
+    def init_programs(self, init_fn: Callable, rng, specs=None) -> list:
+        """Per rank, the jitted ``rng -> {bucket: Array [1, ...]}`` that `init` runs on its devices.
+
+        Each is jitted on a mesh of the rank's devices alone, its outputs split
+        as the rank's blocks of the packed arrays; ``.lower(rng).compile()``
+        and ``memory_analysis()`` tell what each device allocates to make them.
+        """
+        shapes = jax.eval_shape(lambda k: init_fn(k, None), rng)
+        layout = self._layout_for(shapes, specs)
+        names = self.mesh.axis_names
+        pipe = names.index(self.pipe_axis)
+        stages_of = [set() for _ in range(self.schedule.num_ranks)]
+        for s, r in enumerate(self.plan.stage_to_rank):
+            stages_of[r].add(s)
+        programs = []
+        for r in range(self.schedule.num_ranks):
+            rank_mesh = Mesh(
+                self.mesh.devices.take([r], axis=pipe),
+                names,
+                axis_types=(AxisType.Auto,) * len(names),
+            )
+            out_shardings = {
+                name: NamedSharding(rank_mesh, layout.spec(name, self.pipe_axis))
+                for name in layout.buckets
+            }
+
+            def make(key, r=r):
+                return layout.rank_rows(r, init_fn(key, stages_of[r]))
+
+            programs.append(jax.jit(make, out_shardings=out_shardings))
+        return programs
 
     def unpack(self, packed: dict) -> list:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""

@@ -66,6 +66,13 @@ def main(argv=None) -> int:
         "(packed), or packed where no slower (auto, the default)",
     )
     parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error")
+    parser.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute in this dtype from float32 parameters, against the same policy "
+        "unpipelined on the same microbatches (see jpipe.testing.check_schedule)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -84,7 +91,13 @@ def main(argv=None) -> int:
         initialize()  # joins the other processes when jpipe.launch (or a cluster) started several
 
         ensure_cpu_devices(schedule.num_ranks * args.data)
-        result = check_schedule(schedule, data=args.data, rtol=args.rtol, tick_layout=args.layout)
+        result = check_schedule(
+            schedule,
+            data=args.data,
+            rtol=args.rtol,
+            tick_layout=args.layout,
+            compute_dtype=args.compute_dtype,
+        )
     except (ScheduleError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,16 +27,20 @@ def _pipeline() -> dict:
     out = {"check": check.main(["1f1b", "--ranks", "4", "-m", "8"])}
     me = jax.process_index()
     mesh = jpipe.make_mesh(2, 2, across_hosts={"pipe": 2})
-    out["pipe_processes"] = [sorted({d.process_index for d in row}) for row in mesh.devices]
+    out["pipe_processes"] = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
     mesh = jpipe.make_mesh(2, 2, across_hosts={"data": 2})
-    out["data_processes"] = [sorted({d.process_index for d in row}) for row in mesh.devices]
+    out["data_processes"] = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
     mesh4 = jpipe.make_mesh(4, 1)
-    out["pipe4_processes"] = [d.process_index for d in mesh4.devices[:, 0]]
+    out["pipe4_processes"] = [d.process_index for d in mesh4.devices.reshape(4, -1)[:, 0]]
 
     stages, params, _ = testing.small_model(4, seed=3)
     pipe = jpipe.Pipeline(stages, jpipe.get_schedule("1f1b", 4, 4), mesh4)
     # Packing reads only this process's ranks: the others' stages are mere shapes here.
-    mine = {r for r, p in enumerate(d.process_index for d in mesh4.devices[:, 0]) if p == me}
+    mine = {
+        r
+        for r, p in enumerate(d.process_index for d in mesh4.devices.reshape(4, -1)[:, 0])
+        if p == me
+    }
     shaped = [
         p if s in mine else jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
         for s, p in enumerate(params)

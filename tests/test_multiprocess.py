@@ -93,10 +93,10 @@ def test_make_mesh_refuses_host_sizes_the_devices_do_not_have():
         jpipe.make_mesh(4, 2, across_hosts={"pipe": 2})
     with pytest.raises(ValueError, match=r"'data' axis of size 1 cannot span 2 hosts"):
         jpipe.make_mesh(8, 1, across_hosts={"data": 2})
-    with pytest.raises(ValueError, match=r"names \['tensor'\], which are not mesh axes"):
-        jpipe.make_mesh(8, 1, across_hosts={"tensor": 1})
+    with pytest.raises(ValueError, match=r"names \['model'\], which are not mesh axes"):
+        jpipe.make_mesh(8, 1, across_hosts={"model": 1})
     mesh = jpipe.make_mesh(4, 2, across_hosts={"pipe": 1})
-    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [[d.id for d in row.flat] for row in mesh.devices] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_mesh_hosts_in_the_config_are_checked(tmp_path):

@@ -49,9 +49,7 @@ def test_split_stages_equal_the_whole_model(axes):
     qkv = [name for name in pipe.layout.buckets if name.startswith("float32[16x48]")]
     assert qkv
     fsdp = axes.get("fsdp", 1)
-    assert {packed[name].addressable_shards[0].data.shape for name in qkv} == {
-        (1, 16 // fsdp, 24)
-    }
+    assert {packed[name].addressable_shards[0].data.shape for name in qkv} == {(1, 16 // fsdp, 24)}
     # All parameters together: tensor halves the blocks' matrices, fsdp
     # halves everything (these sizes all divide).
     whole = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(2))
@@ -62,9 +60,29 @@ def test_split_stages_equal_the_whole_model(axes):
         assert whole_bytes / 2 < per_device_bytes(packed) < whole_bytes
 
 
+def test_masked_loss_over_fsdp_and_tensor_is_the_batch_masked_mean():
+    # Random token masks: the pipeline sums each microbatch's weighted losses
+    # and weights over pipe, data and fsdp and divides once.
+    mesh = jpipe.make_mesh(2, fsdp=2, tensor=2)
+    model = models.make_stages(CONFIG, (2, 2), tensor_axis="tensor")
+    params = model.init(1)
+    batch = models.example_batch(CONFIG, batch_size=8, seed=4)
+    batch["weights"] = (np.random.default_rng(0).random((8, CONFIG.seq_len)) < 0.6).astype(
+        np.float32
+    )
+    pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 2, 4), mesh)
+    packed = pipe.pack(params, gpt.tensor_specs(CONFIG, params))
+    loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
+    whole = models.make_stages(CONFIG, (2, 2))  # the same model, unsplit
+    want = jpipe.reference_value_and_grad(whole.stages, params, batch)
+    _, rel = testing.compare((loss, pipe.unpack(grads)), want)
+    assert rel <= RTOL, rel
+
+
 def test_specs_are_checked_against_the_mesh():
     mesh = jpipe.make_mesh(2, fsdp=2, tensor=2)
-    model = models.make_stages(CONFIG, (2, 2))
+    config = models.GPTConfig(**{**CONFIG.__dict__, "vocab_size": 33})  # an odd head [16, 33]
+    model = models.make_stages(config, (2, 2))
     params = model.init(0)
     schedule = jpipe.get_schedule("1f1b", 2, 4)
 
@@ -77,8 +95,10 @@ def test_specs_are_checked_against_the_mesh():
         pack_with(P(None, "model"))
     with pytest.raises(ValueError, match="the fsdp axis, which splits every array by itself"):
         pack_with(P("fsdp"))
-    with pytest.raises(ValueError, match="dimension 1 of size 32 cannot be split 4 ways"):
-        pack_with(P(None, ("tensor", "tensor")))
+    with pytest.raises(ValueError, match="dimension 1 of size 33 cannot be split 2 ways"):
+        pack_with(P(None, "tensor"))
+    with pytest.raises(ValueError, match="names an axis twice"):
+        pack_with(P("tensor", "tensor"))
     with pytest.raises(ValueError, match="more entries than dimensions"):
         pack_with(P(None, None, "tensor"))
     with pytest.raises(ValueError, match="do not match its parameters"):
@@ -95,3 +115,32 @@ def test_make_mesh_axes():
     with pytest.raises(ValueError, match="at least 1"):
         jpipe.make_mesh(2, tensor=0)
     np.testing.assert_equal(jpipe.make_mesh(4).devices.shape, (4, 1, 1, 1))
+
+
+def test_init_makes_each_device_only_its_block():
+    config = models.GPTConfig(
+        vocab_size=512, seq_len=32, num_layers=4, num_heads=4, d_model=128, d_ff=512
+    )
+    model = models.make_stages(config, (2, 2), tensor_axis="tensor")
+    mesh = jpipe.make_mesh(2, fsdp=2, tensor=2)
+    pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 2, 4), mesh)
+    key = jax.random.key(5)
+    shapes = jax.eval_shape(model.init, key)
+    specs = gpt.tensor_specs(config, shapes)
+    made = pipe.init(model.init, key, specs)
+    # The same parameters, placed the same way, as packing the whole model.
+    packed = pipe.pack(model.init(key), specs)
+    for name, array in packed.items():
+        assert made[name].sharding == array.sharding, name
+        np.testing.assert_array_equal(np.asarray(made[name]), np.asarray(array))
+    # What each rank's program allocates on a device (its output, its block
+    # of the packed arrays, and its temporaries) is less than the rank's own
+    # stage whole, let alone the model.
+    stage_bytes = [
+        sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(p)) for p in shapes
+    ]
+    block = per_device_bytes(packed)
+    for r, program in enumerate(pipe.init_programs(model.init, key, specs)):
+        memory = program.lower(key).compile().memory_analysis()
+        assert memory.output_size_in_bytes < 1.1 * block
+        assert memory.output_size_in_bytes + memory.temp_size_in_bytes < 0.7 * stage_bytes[r]

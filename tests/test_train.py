@@ -159,6 +159,21 @@ def test_pipelined_losses_match_unpipelined(reference, tmp_path):
     assert result.eval_losses[6] < result.eval_losses[0] - 0.3
 
 
+def test_tensor_and_fsdp_meshes_train_the_same(reference, tmp_path):
+    # pipe 2 x fsdp 2 x tensor 2 from the config's flags: blocks split
+    # Megatron-style, every array split over fsdp, the same losses as the
+    # pipe 4 x data 2 run.
+    result, _ = reference
+    config = tiny_config(
+        eval_every=0, **{"mesh.pipe": 2, "mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2}
+    )
+    split = trainer.train(config, str(tmp_path), progress=False)
+    assert sorted(split.losses) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(
+        [split.losses[s] for s in range(1, 7)], [result.losses[s] for s in range(1, 7)], rtol=RTOL
+    )
+
+
 def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     result, _ = reference
     workdir = tmp_path / "run"

@@ -210,22 +210,15 @@ def _run(
     model = gpt.make_stages(c.model, prepared.layers_per_stage, tensor_axis=tensor_axis)
     pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
 
-    # Each process makes only the stages its devices hold (the others are
-    # shapes, which packing never reads), so no host holds the whole model.
-    here = jax.process_index()
-    local = {
-        s
-        for s, r in enumerate(schedule.stage_to_rank)
-        if any(d.process_index == here for d in mesh.devices[r].flat)
-    }
-    params_list = model.init(c.seed, None if jax.process_count() == 1 else local)
-    specs = gpt.tensor_specs(c.model, params_list) if tensor_axis else None
-    params = pipeline.pack(params_list, specs)
+    # Each rank's devices make only that rank's parameters, each device its
+    # own block of them (`Pipeline.init`): no device or host holds the model.
+    key = jax.random.key(c.seed)
+    specs = gpt.tensor_specs(c.model, jax.eval_shape(model.init, key)) if tensor_axis else None
+    params = pipeline.init(model.init, key, specs)
     optimizer = optimizer_lib.make_optimizer(
         c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
     )
     lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
-    del params_list
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     zero1 = c.optimizer.shard_over_data
     state = jax.device_put(state, state_shardings(state, pipeline, zero1))

@@ -118,7 +118,7 @@ def state_shardings(
     replicated = NamedSharding(mesh, P())
 
     def over_data(name: str) -> NamedSharding:
-        """Bucket `name`'s sharding with ``data`` on the first dimension of its row that allows it."""
+        """Bucket `name`'s sharding, with ``data`` on its row's first dimension that allows it."""
         spec = layout.spec(name, pipeline.pipe_axis)
         entries = list(spec) + [None] * (1 + len(buckets[name][0]) - len(spec))
         local = layout.local_shape(name)
