@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jpipe
 from jpipe import models
@@ -55,7 +56,7 @@ def _bytes(avals) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
 
-def piece_working_bytes(kernels, classes=None) -> list[int]:
+def piece_working_bytes(kernels, classes=None, mesh=None) -> list[int]:
     """Per stage, the working memory of its largest piece, compiled alone on one device.
 
     A piece's working memory is what it allocates beyond the values the
@@ -65,6 +66,11 @@ def piece_working_bytes(kernels, classes=None) -> list[int]:
     out (what it reads and what arrives for it; an upper bound).
     Stages of one class (`jpipe.Program.classes`: the same programs on the
     same shapes, sharing one branch of the step) are compiled once.
+
+    With `mesh` (for stages whose functions name mesh axes, such as
+    ``tensor``'s collectives), each piece is compiled inside a `jax.shard_map`
+    over it with every argument replicated: each device runs the one-device
+    shapes the pieces were traced for, collectives included.
     """
 
     def shapes(avals):
@@ -85,6 +91,8 @@ def piece_working_bytes(kernels, classes=None) -> list[int]:
         )
         most = 0
         for fn, args in pieces:
+            if mesh is not None:
+                fn = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
             memory = jax.jit(fn).lower(*args).compile().memory_analysis()
             most = max(most, memory.temp_size_in_bytes + memory.output_size_in_bytes)
         done[c] = most + act

@@ -6,6 +6,8 @@ that jpipe has a row for every schedule, and that memory behaves as the
 schedules promise (GPipe's grows with the microbatches, 1F1B's much less).
 """
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -160,3 +162,89 @@ def test_memory_suite_row_on_a_small_gpt():
 
     table = report.memory_markdown([one, zb]).splitlines()
     assert len(table) == 4 and "| 4 | zb_h1 | 8 | kept |" in table[3]
+
+
+def test_mesh_memory_splits_what_each_axis_promises():
+    """`python -m bench.mesh_memory --quick`'s rows: fsdp halves every array, tensor the blocks'.
+
+    The bytes of every mesh come from the shardings alone (nothing compiled);
+    one mesh, the 8-GPU config's pipe 2 x fsdp 2 x tensor 2, is compiled.
+    """
+    from bench import mesh_memory
+
+    config = mesh_memory.QUICK
+    meshes = mesh_memory.MESHES + ((2, 1, 2),)
+    rows = {
+        (r["pipe"], r["fsdp"], r["tensor"]): r
+        for r in mesh_memory.run(quick=True, log=lambda *a: None, meshes=meshes, compile=False)
+    }
+    D, F = config.d_model, config.d_ff
+    # Per block: what tensor splits (qkv and MLP-in by columns with their
+    # biases, attention-out and MLP-out by rows) and what stays whole
+    # (LayerNorms, the biases added after a row split).
+    split = 3 * D * D + 3 * D + D * D + D * F + F + F * D
+    whole = 6 * D
+    pipe_only = rows[(8, 1, 1)]
+    total = 4 * (
+        config.num_layers * (split + whole)
+        + 2 * config.vocab_size * D  # token embedding, head
+        + config.seq_len * D  # positions
+        + 2 * D  # the final LayerNorm
+    )
+    assert sum(pipe_only["own_per_rank"]) == total  # every array once, float32
+
+    for pipe, tensor in ((4, 1), (2, 2)):
+        halves, wholes = rows[(pipe, 2, tensor)], rows[(pipe, 1, tensor)]
+        # fsdp 2 splits every array of these sizes (all even) in two, except
+        # the column-split biases under tensor: their one dimension is
+        # tensor's, so fsdp finds no free one and leaves them whole.
+        kept = (3 * D + F) // tensor if tensor > 1 else 0
+        assert halves["own_per_rank"] == [
+            b // 2 + blocks * 4 * kept // 2
+            for b, blocks in zip(wholes["own_per_rank"], wholes["layers_per_stage"])
+        ]
+        if tensor == 1:
+            assert halves["param_bytes"] * 2 == wholes["param_bytes"]
+        # Adam's two moments are laid out like the parameters (plus scalar counts).
+        for r in (halves, wholes):
+            assert 2 * r["param_bytes"] <= r["opt_bytes"] <= 2 * r["param_bytes"] + 64
+
+    # Tensor 2 halves the blocks' split matrices and nothing else: not the
+    # embeddings, the head, LayerNorms or the biases after a row split.
+    split4, whole4 = rows[(4, 1, 2)], rows[(4, 1, 1)]
+    for r, blocks in enumerate(whole4["layers_per_stage"]):
+        saved = whole4["own_per_rank"][r] - split4["own_per_rank"][r]
+        assert saved == blocks * 4 * split // 2, r
+
+    # The config's mesh, compiled (one block per stage, to be quick): its
+    # arguments are the state and one device's rows of the batch.
+    small = dataclasses.replace(config, num_layers=2)
+    rec = mesh_memory.row(2, 2, 2, small, mesh_memory.load_config().optimizer, 2)
+    held = rec["param_bytes"] + rec["opt_bytes"]
+    batch = 2 * (rec["batch_rows"] // 2) * config.seq_len * 4  # tokens, targets: int32, fsdp 2
+    assert held <= rec["argument_bytes"] <= held + batch + 64
+    assert rec["temp_bytes"] > 0 and len(rec["need_per_rank"]) == 2
+    worst = rec["need_per_rank"].index(rec["need_bytes"])
+    assert rec["need_rank_param_bytes"] == rec["own_per_rank"][worst]
+    # The need holds the rank's gradient accumulator (as big as its own parameters) and more.
+    assert rec["need_bytes"] > rec["need_rank_param_bytes"]
+    table = mesh_memory.markdown([rec]).splitlines()
+    assert len(table) == 3 and table[2].startswith("| pipe 2 x fsdp 2 x tensor 2 | 1,1 |")
+
+
+def test_the_8_gpu_config_prepares_with_the_parameters_it_states():
+    """``configs/gpt_1b_8gpu.py`` (the bench's model) passes `prepare` on 8 devices."""
+    from bench import mesh_memory
+    from jpipe.train.prepare import prepare
+
+    spec = importlib.util.spec_from_file_location("gpt_1b_8gpu", mesh_memory.CONFIG_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.data.max_bytes = 4 * 2**20  # enough for one eval batch; the run reads the whole corpus
+    prepared = prepare(config, jax.devices()[:8])
+    assert dict(prepared.mesh.shape) == {"pipe": 2, "data": 1, "fsdp": 2, "tensor": 2}
+    assert prepared.layers_per_stage == (12, 12)
+    model = jpipe.models.make_stages(prepared.config.model, prepared.layers_per_stage)
+    count = jpipe.models.gpt.num_params(jax.eval_shape(model.init, jax.random.key(0)))
+    assert count == 1_416_552_448 and f"{count:,}" in module.__doc__
