@@ -13,7 +13,7 @@ import jpipe
 from jpipe import models, testing
 
 CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
-SPLITS = ["1,2,1", None, (4,), (0, 2, 2), (2, 2, 0), "0,4"]
+SPLITS = ["1,2,1", (0, 2, 2), (2, 2, 0), "0,4"]  # (4,) is the reference itself
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -65,11 +65,12 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             if all(d.platform == "cpu" for d in devices)
             else ""
         )
+        axes = [("pipe", R), ("data", c.mesh.data)]
+        axes += [(a, n) for a, n in (("fsdp", c.mesh.fsdp), ("tensor", c.mesh.tensor)) if n > 1]
         raise ConfigError(
-            f"config.mesh.pipe={R} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
-            f"tensor={c.mesh.tensor} needs {c.mesh.size} devices, but only {len(devices)} are "
-            f"present ({jpipe.describe_devices(devices)}); accepted: "
-            f"pipe * data * fsdp * tensor <= {len(devices)}{cpu_hint}"
+            f"{' x '.join(f'config.mesh.{a}={n}' for a, n in axes)} needs {c.mesh.size} "
+            f"devices, but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
+            f"accepted: {' * '.join(a for a, _ in axes)} <= {len(devices)}{cpu_hint}"
         )
     t = c.mesh.tensor
     if c.model.num_heads % t or c.model.d_ff % t:
@@ -119,8 +120,9 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         raise config_error(
             "batch_size",
             c.batch_size,
-            f"must be divisible by num_microbatches ({M}) x mesh.data ({c.mesh.data}) x "
-            f"mesh.fsdp ({c.mesh.fsdp}) = {rows}; "
+            f"must be divisible by num_microbatches ({M}) x mesh.data ({c.mesh.data})"
+            + (f" x mesh.fsdp ({c.mesh.fsdp})" if c.mesh.fsdp > 1 else "")
+            + f" = {rows}; "
             f"accepted: a multiple of {rows}, such as {max(rows, c.batch_size // rows * rows)}",
         )
     if c.batch_size % jax.process_count():
