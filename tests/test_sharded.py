@@ -32,15 +32,20 @@ def per_device_bytes(packed: dict) -> int:
 def test_split_stages_equal_the_whole_model(axes):
     mesh = jpipe.make_mesh(2, **axes)
     batch = models.example_batch(CONFIG, batch_size=8, seed=3)
-    for name, split, chunks in SCHEDULES:
+    # Random token masks (a jpipe.WeightedLoss): the pipeline sums weighted
+    # losses and weights over pipe, data and fsdp and divides once.
+    masked = {**batch, "weights": np.random.default_rng(0).random((8, 8)) < 0.6}
+    for (name, split, chunks), inputs in zip(SCHEDULES, (batch, batch, masked)):
         model = models.make_stages(CONFIG, split, tensor_axis="tensor")
         params = model.init(0)
         schedule = jpipe.get_schedule(name, 2, 4, chunks)
         pipe = jpipe.Pipeline(model.stages, schedule, mesh)
         packed = pipe.pack(params, gpt.tensor_specs(CONFIG, params))
-        loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
-        # The reference is the whole model: no pipeline, no split weights.
-        want = jax.value_and_grad(model.loss)(params, batch)
+        loss, grads = pipe.value_and_grad(packed, jax.device_put(inputs, pipe.batch_sharding))
+        # The reference is the whole model on the whole batch: no pipeline,
+        # no split weights.
+        whole = models.make_stages(CONFIG, split)
+        want = jpipe.reference_value_and_grad(whole.stages, params, inputs)
         _, rel = testing.compare((loss, pipe.unpack(grads)), want)
         assert rel <= RTOL, (name, rel)
 
@@ -58,25 +63,6 @@ def test_split_stages_equal_the_whole_model(axes):
         assert per_device_bytes(packed) * 2 < whole_bytes
     else:
         assert whole_bytes / 2 < per_device_bytes(packed) < whole_bytes
-
-
-def test_masked_loss_over_fsdp_and_tensor_is_the_batch_masked_mean():
-    # Random token masks: the pipeline sums each microbatch's weighted losses
-    # and weights over pipe, data and fsdp and divides once.
-    mesh = jpipe.make_mesh(2, fsdp=2, tensor=2)
-    model = models.make_stages(CONFIG, (2, 2), tensor_axis="tensor")
-    params = model.init(1)
-    batch = models.example_batch(CONFIG, batch_size=8, seed=4)
-    batch["weights"] = (np.random.default_rng(0).random((8, CONFIG.seq_len)) < 0.6).astype(
-        np.float32
-    )
-    pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 2, 4), mesh)
-    packed = pipe.pack(params, gpt.tensor_specs(CONFIG, params))
-    loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
-    whole = models.make_stages(CONFIG, (2, 2))  # the same model, unsplit
-    want = jpipe.reference_value_and_grad(whole.stages, params, batch)
-    _, rel = testing.compare((loss, pipe.unpack(grads)), want)
-    assert rel <= RTOL, rel
 
 
 def test_specs_are_checked_against_the_mesh():

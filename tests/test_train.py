@@ -286,6 +286,15 @@ def _count_compiles():
         ({"model.d_model": 33}, "config.model: GPTConfig.d_model=33"),
         ({"data.max_bytes": 2000}, "config.data: the eval part of the corpus"),
         ({"tick_layout": "fast"}, "config.tick_layout='fast': must be one of auto, unit, packed"),
+        (
+            {"mesh.pipe": 2, "mesh.tensor": 2, "model.num_heads": 3, "model.d_model": 48},
+            "config.mesh.tensor=2: must divide model.num_heads=3",
+        ),
+        ({"mesh.pipe": 2, "mesh.tensor": 2, "profile": True}, "config.profile=True: times each"),
+        (
+            {"mesh.pipe": 2, "mesh.fsdp": 2, "batch_size": 12},
+            "x mesh.data (2) x mesh.fsdp (2) = 16",
+        ),
     ],
 )
 def test_bad_config_refused_before_compiling(overrides, expected, tmp_path):

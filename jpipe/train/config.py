@@ -212,6 +212,14 @@ class TrainConfig:
         _check_int("batch_size", self.batch_size, 1)
         _check_int("cpu_devices", self.cpu_devices, 0)
         _check_type("profile", self.profile, bool, "True or False")
+        if self.profile and self.mesh.tensor > 1:
+            raise config_error(
+                "profile",
+                self.profile,
+                "times each stage's pieces on one device, which a stage split over "
+                f"mesh.tensor={self.mesh.tensor} cannot run on; accepted: profile=False "
+                "with mesh.tensor > 1",
+            )
         if self.model.vocab_size < data_lib.VOCAB_SIZE:
             raise config_error(
                 "model.vocab_size",
