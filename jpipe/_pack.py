@@ -66,13 +66,11 @@ def _axes_of(entry) -> tuple:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _with_fsdp(shape: tuple, spec: tuple, fsdp) -> tuple:
-    """`spec` with the ``fsdp`` axis on the first free dimension it divides, if any."""
-    if fsdp is None:
-        return spec
-    axis, size = fsdp
-    if any(axis in _axes_of(e) for e in spec):
-        return spec
+def with_axis(shape: tuple, spec: tuple, axis: str, size: int) -> tuple:
+    """`spec` with `axis` on the first dimension of `shape` it leaves free and `size` divides.
+
+    Unchanged if no dimension qualifies (the array is not split over `axis`).
+    """
     for d, (n, e) in enumerate(zip(shape, spec)):
         if e is None and n % size == 0:
             return spec[:d] + (axis,) + spec[d + 1 :]
@@ -132,11 +130,14 @@ class ParamLayout:
           fsdp_axis: a mesh axis to split every array over as well (ZeRO-3).
         """
         axis_sizes = dict(axis_sizes or {})
-        if fsdp_axis is not None and fsdp_axis not in axis_sizes:
-            fsdp_axis = None
-        fsdp = None
-        if fsdp_axis is not None and axis_sizes.get(fsdp_axis, 1) > 1:
-            fsdp = (fsdp_axis, axis_sizes[fsdp_axis])
+        if axis_sizes.get(fsdp_axis, 1) == 1:
+            fsdp_axis = None  # nothing to split over
+
+        def split_over_fsdp(shape, spec):
+            if fsdp_axis is None:
+                return spec
+            return with_axis(shape, spec, fsdp_axis, axis_sizes[fsdp_axis])
+
         if specs is None:
             specs = [None] * len(params_list)
         if len(specs) != len(params_list):
@@ -162,16 +163,13 @@ class ParamLayout:
                 shape, dtype = tuple(leaf.shape), str(np.dtype(leaf.dtype))
                 size = math.prod(shape)
                 spec = _check_spec(s, path, shape, spec, axis_sizes, fsdp_axis)
-                if all(e is None for e in spec):
-                    key = (dtype, size)
-                    row, row_spec = (size,), _with_fsdp((size,), (None,), fsdp)
-                else:
-                    row_spec = _with_fsdp(shape, spec, fsdp)
-                    key = (dtype, shape, row_spec)
-                    row = shape
+                flat = all(e is None for e in spec)
+                row = (size,) if flat else shape
+                row_spec = split_over_fsdp(row, (None,) if flat else spec)
+                key = (dtype, size) if flat else (dtype, shape, row_spec)
                 n = counts.get((r, key), 0)
                 counts[(r, key)] = n + 1
-                if len(key) == 2:
+                if flat:
                     name = _bucket_name(dtype, size, n)
                 else:
                     name = _shaped_bucket_name(dtype, shape, row_spec, n)
@@ -187,7 +185,7 @@ class ParamLayout:
             buckets,
             bucket_specs,
             axis_sizes,
-            fsdp_axis if fsdp is not None else None,
+            fsdp_axis,
         )
 
     def _divided(self, name: str, skip: str | None = None) -> tuple:
@@ -215,7 +213,8 @@ class ParamLayout:
         return next((d for d, e in enumerate(spec) if self.fsdp_axis in _axes_of(e)), None)
 
     def _compute_shape(self, name: str, shape: tuple) -> tuple:
-        if len(self.buckets[name][0]) == len(shape) and self.buckets[name][0] == shape:
+        """An array of `shape` in bucket `name` as its stage sees it."""
+        if self.buckets[name][0] == shape:  # a shaped bucket (or a 1-D array's flat one)
             return self.gathered_shape(name)
         return shape  # a flat row: gathered, it is the whole array
 
@@ -289,9 +288,16 @@ class ParamLayout:
             for s in range(len(self.trees))
         ]
 
-    def spec(self, name: str, pipe_axis: str) -> P:
-        """Bucket `name`'s `PartitionSpec`: rows over `pipe_axis`, then its own split."""
-        spec = self.specs.get(name, ())
+    def spec(self, name: str, pipe_axis: str, extra: tuple[str, int] | None = None) -> P:
+        """Bucket `name`'s `PartitionSpec`: rows over `pipe_axis`, then its own split.
+
+        `extra`: ``(axis, size)`` to split over as well, on the first dimension
+        of the device's block that the spec leaves free and `size` divides
+        (ZeRO-1's ``data``), if there is one.
+        """
+        spec = self.specs.get(name, (None,) * len(self.buckets[name][0]))
+        if extra is not None:
+            spec = with_axis(self.local_shape(name), spec, *extra)
         return P(pipe_axis, *spec) if any(e is not None for e in spec) else P(pipe_axis)
 
     def sharding(self, mesh, pipe_axis: str) -> dict:
@@ -338,18 +344,12 @@ class ParamLayout:
         Only rank `r`'s stages are read (the others may be shape structs):
         a bucket that none of them fills gets zeros.
         """
-        rows = {name: None for name in self.buckets}
+        rows = {name: jnp.zeros(row, dt) for name, (row, dt) in self.buckets.items()}
         for s, entries in enumerate(self.leaves):
-            if self.stage_to_rank[s] != r:
-                continue
-            for leaf, (name, _, _) in zip(jax.tree.leaves(params_list[s]), entries):
-                rows[name] = jnp.reshape(leaf, self.buckets[name][0])
-        return {
-            name: (jnp.zeros(self.buckets[name][0], self.buckets[name][1]) if v is None else v)[
-                None
-            ]
-            for name, v in rows.items()
-        }
+            if self.stage_to_rank[s] == r:
+                for leaf, (name, _, _) in zip(jax.tree.leaves(params_list[s]), entries):
+                    rows[name] = jnp.reshape(leaf, self.buckets[name][0])
+        return {name: row[None] for name, row in rows.items()}
 
     def _check_structure(self, params_list) -> None:
         if len(params_list) != len(self.trees):

@@ -45,14 +45,15 @@ def make_mesh(
     A host here is a process (`jax.Device.process_index`): run one process
     per machine and the two coincide.
 
-    The axes, outermost first: ``pipe`` (stages; the program is manual over
-    it), ``data`` (plain data parallelism, manual too: each device runs its
+    The axes, outermost first (the program is manual over all of them):
+    ``pipe`` (stages), ``data`` (plain data parallelism: each device runs its
     rows, gradients are averaged once a step), ``fsdp`` (data parallelism
-    with every parameter, gradient and optimizer state split over it, ZeRO-3,
-    left to XLA's partitioner) and ``tensor`` (the splits the stage's
-    parameters are given, Megatron-style, also left to the partitioner).
-    Tensor is innermost so that its frequent collectives stay between
-    neighbouring devices (on one host, with NVLink); pipe is outermost as it
+    with every parameter, gradient and optimizer state split over it, ZeRO-3:
+    gathered before each piece, gradients reduce-scattered) and ``tensor``
+    (the splits the stages' parameters are given, Megatron-style, with the
+    collectives in the stage functions; see `Pipeline.pack`). Tensor is
+    innermost so that its frequent collectives stay between neighbouring
+    devices (on one host, with NVLink); pipe is outermost as it
     sends the least.
 
     Args:
@@ -194,9 +195,10 @@ class Pipeline:
         ``sum(total) / sum(weight)``, e.g. a token-masked mean of the batch).
       schedule: a `jpipe.Schedule` with one stage per function.
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count, and
-        any others (`jpipe.make_mesh`): the program is manual over ``pipe``
-        and ``data`` and leaves the other axes to XLA's partitioner, which
-        keeps the stages' arrays split as their specs say (`pack`).
+        any others (`jpipe.make_mesh`). The program is manual over every
+        axis: each device holds its block of the stages' arrays as their
+        specs say (`pack`), and the stage functions write the collectives of
+        axes other than ``pipe``, ``data`` and ``fsdp`` themselves.
       pipe_axis, data_axis: the mesh axis names.
       fsdp_axis: a mesh axis (if the mesh has it) that shards the batch's
         rows, like ``data``, and also every parameter, gradient and
@@ -338,13 +340,12 @@ class Pipeline:
           rng: a JAX key.
           specs: as for `pack`.
         """
-        key = rng
         packed_parts: dict[str, list] = {}
         here = jax.process_index()
-        for r, program in enumerate(self.init_programs(init_fn, key, specs)):
+        for r, program in enumerate(self.init_programs(init_fn, rng, specs)):
             if not any(d.process_index == here for d in self.mesh.devices[r].flat):
                 continue
-            for name, array in program(key).items():
+            for name, array in program(rng).items():
                 packed_parts.setdefault(name, []).extend(array.addressable_shards)
         shardings = self.param_sharding
         out = {}
@@ -407,6 +408,11 @@ class Pipeline:
         return tuple(a for a in (self.data_axis, self.fsdp_axis) if a is not None)
 
     @property
+    def batch_ways(self) -> int:
+        """How many ways the batch's rows are split (data x fsdp)."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
     def batch_sharding(self) -> NamedSharding:
         axes = self.batch_axes
         return NamedSharding(self.mesh, P(axes) if axes else P())
@@ -416,7 +422,7 @@ class Pipeline:
     def check_batch(self, batch) -> None:
         """Refuses a batch the microbatches (and the data axis) do not divide."""
         M = self.num_microbatches
-        D = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        D = self.batch_ways
         for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
             n = leaf.shape[0] if leaf.ndim else None
             if n is None or n % M:
@@ -442,7 +448,7 @@ class Pipeline:
 
     def _microbatch_shapes(self, batch):
         """One microbatch as one device sees it (its rows of the data and fsdp axes)."""
-        D = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        D = self.batch_ways
         M = self.num_microbatches
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct((a.shape[0] // M // D,) + a.shape[1:], a.dtype), batch

@@ -117,17 +117,6 @@ def state_shardings(
     buckets = layout.buckets
     replicated = NamedSharding(mesh, P())
 
-    def over_data(name: str) -> NamedSharding:
-        """Bucket `name`'s sharding, with ``data`` on its row's first dimension that allows it."""
-        spec = layout.spec(name, pipeline.pipe_axis)
-        entries = list(spec) + [None] * (1 + len(buckets[name][0]) - len(spec))
-        local = layout.local_shape(name)
-        for d, e in enumerate(entries[1:]):
-            if e is None and local[d] % D == 0:
-                entries[1 + d] = data
-                return NamedSharding(mesh, P(*entries))
-        return NamedSharding(mesh, spec)
-
     def pick(path, leaf):
         key = path[-1] if path else None
         if (
@@ -136,9 +125,8 @@ def state_shardings(
             and tuple(leaf.shape) == (R,) + tuple(buckets[key.key][0])
         ):
             in_opt_state = getattr(path[0], "name", None) == "opt_state"
-            if shard_over_data and D > 1 and in_opt_state:
-                return over_data(key.key)
-            return NamedSharding(mesh, layout.spec(key.key, pipeline.pipe_axis))
+            extra = (data, D) if shard_over_data and D > 1 and in_opt_state else None
+            return NamedSharding(mesh, layout.spec(key.key, pipeline.pipe_axis, extra))
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, state)
