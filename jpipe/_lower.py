@@ -1,8 +1,9 @@
 """Lowering: a plan and its stage kernels become one SPMD program.
 
-The program is a `jax.shard_map`, manual over the ``pipe`` mesh axis (and a
-``data`` axis, if there is one; any other axis stays under the compiler),
-around a `lax.scan` over ticks. The scan reads one row of the program's table
+The program is a `jax.shard_map`, manual over every mesh axis (``pipe``;
+``data`` and ``fsdp`` split the batch; ``fsdp`` is gathered around each piece;
+``tensor`` is the stage functions' own collectives), around a `lax.scan` over
+ticks. The scan reads one row of the program's table
 per tick; on each rank the row says which pieces to run and where in the
 buffers they read and write.
 

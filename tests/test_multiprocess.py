@@ -21,7 +21,12 @@ import jpipe
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 ENV = dict(os.environ, PYTHONPATH=ROOT)  # the children import this checkout's jpipe
-ENV.pop("XLA_FLAGS", None)  # conftest's 8 devices are for this process only
+# conftest's 8 devices are for this process only; its other flags (the
+# compile level) apply to the children too, so their programs are this
+# process's, bit for bit.
+CHILD_XLA_FLAGS = " ".join(f for f in ENV.pop("XLA_FLAGS", "").split() if "device_count" not in f)
+if CHILD_XLA_FLAGS:
+    ENV["XLA_FLAGS"] = CHILD_XLA_FLAGS
 ENV.pop("JAX_NUM_CPU_DEVICES", None)
 
 
@@ -43,7 +48,7 @@ def _child_env(process_id: int, address: str, base: dict) -> dict:
         JAX_PROCESS_ID=str(process_id),
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES="2",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {CHILD_XLA_FLAGS}".strip(),
     )
 
 
