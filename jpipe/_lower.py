@@ -7,33 +7,45 @@ ticks. The scan reads one row of the program's table
 per tick; on each rank the row says which pieces to run and where in the
 buffers they read and write.
 
-**Control.** A tick runs, for each kind of piece in the order F, I, W (so a
-packed tick can run all three), one two-way `lax.cond` (does this rank run a
-piece of that kind this tick?) around one `lax.switch` over the stage
-*classes*. That is six conditionals in the program however many stages,
-channels and io writes it has (the io writes are selects, not branches); on
-ranks with several stages the W is instead a `cond` per class, each adding
-to its own stage's buckets only, as a switch would add zeros to the rank's
-other stages' buckets (8 to 10% of interleaved 1F1B's step on the compiler
-shape).
-Stages whose pieces trace to the same program, with the same shapes and the
-same parameter buckets (the blocks of a transformer, one per rank), form one
-class and share one branch: the rank's own rows of the buckets are the
-stage's parameters, whichever stage it is, so the program holds each
-distinct stage once however deep the pipeline (`stage_classes`).
+**Control.** A tick runs its pieces in the order F, I, W (so a packed tick
+can run all three). Stages whose pieces trace to the same program, with the
+same shapes and the same parameter buckets (the blocks of a transformer, one
+per rank), form one *class* and share one branch: the rank's own rows of the
+buckets are the stage's parameters, whichever stage it is, so the program
+holds each distinct stage once however deep the pipeline (`stage_classes`).
 
-The switch reads the buffers and returns what to write; the `cond` around it
-makes the one in-place write into the buffer of its kind: the F's residuals,
-the I's carry, the W's gradients added to the accumulator. (A switch of more
-than two branches that writes a buffer it is passed makes XLA copy the whole
-buffer in every branch that writes; a two-way `cond` does not. Without the
-`cond`, with the write after the switch, an idle tick must write back what
-the buffer holds, which made the benchmark GPT's all-idle step several
-times slower: `docs/compiler-measurements.md`.) After the
-conds every rank takes part in the same collectives, one `ppermute` per
-channel of the plan, outside any branch. What arrives, and the outputs
-handed over on the same rank, are written to the io slots the table names at
-the start of the next tick, before anything reads.
+- **F**: one two-way `lax.cond` per class (does this rank run that class's
+  F this tick?), whose branch runs the F and writes its residuals into the
+  buffer in place, as wide as they are.
+- **I**: one two-way `cond` (does this rank run an I?) around one
+  `lax.switch` over the classes; the switch returns the carry to write, as
+  wide as the widest class's, followed by what the buffer holds after it,
+  and the `cond` makes the one in-place write.
+- **W**: the same, the `cond` adding the switch's weight gradients to the
+  accumulator; on ranks with several stages a `cond` per class instead, each
+  adding to its own stage's buckets only, as a switch would add zeros to the
+  rank's other stages' buckets (8 to 10% of interleaved 1F1B's step on the
+  compiler shape).
+
+That is ``classes + 4`` conditionals (``2 classes + 2`` with several stages
+per rank), however many ranks, channels and io writes the program has (the io
+writes are selects, not branches).
+
+Why the two shapes. XLA updates a buffer in place through a two-way `cond`
+whose other branch passes it through, but copies the whole buffer for a
+switch, or nested conds, whose branches write it (`python -m
+bench.xla_limits`). A switch that returns the value instead makes it exist
+twice for a moment and makes every write as wide as the widest class's; for
+the residuals, the largest values a step keeps, that cost 4 to 10% of the
+per-device temp on GPT-2-small shapes (`docs/compiler-measurements.md`), so
+F pays a conditional per class to write in place. Carries are smaller and
+keep the switch. (A single switch per kind with an idle branch would have
+fewer conditionals, but an idle tick would then write back what the buffer
+holds, which made the benchmark GPT's all-idle step several times slower.)
+After the conds every rank takes part in the same collectives, one
+`ppermute` per channel of the plan, outside any branch. What arrives, and
+the outputs handed over on the same rank, are written to the io slots the
+table names at the start of the next tick, before anything reads.
 
 **Buffers**, none of which grows with the microbatches (see `jpipe._plan`):
 
@@ -171,14 +183,23 @@ def _rows(n: int) -> int:
 class _Arena:
     """A byte-sized buffer: one ``[rows, ROW]`` array per dtype, and each value's row offsets.
 
-    A write is one `dynamic_update_slice` per dtype, outside the switch over
-    the stage classes, as wide as the widest stage's value (`width`): a
-    branch returns its value followed by what the buffer already holds after
-    it (`merge`), so a narrower value leaves its neighbours as they were. The
-    buffer has room past the last value for that widest write.
+    A write is one `dynamic_update_slice` per dtype. Written inside a piece's
+    own branch (`write_value`), it is as wide as the value. Written after a
+    switch over the stage classes (`merge`, then `write`), it is as wide as
+    the widest stage's value (`width`): the branch returns its value followed
+    by what the buffer already holds after it, so a narrower value leaves its
+    neighbours as they were, and the buffer has room past the last value for
+    that widest write (`widest_writes`).
     """
 
-    def __init__(self, plan: Plan, name: str, layouts: list[FlatLayout], keep: bool = True):
+    def __init__(
+        self,
+        plan: Plan,
+        name: str,
+        layouts: list[FlatLayout],
+        keep: bool = True,
+        widest_writes: bool = True,
+    ):
         """Places `plan`'s values of arena `name`; with `keep` False the buffer is empty."""
         used = {dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]} if keep else ()
         self.dtypes = sorted(used)
@@ -186,12 +207,13 @@ class _Arena:
         self.rows: dict = {}
         self.offset: dict = {}  # key -> {dtype: row}
         for dt in self.dtypes:
-            rows = self.width[dt]
+            write = self.width[dt] if widest_writes else 0
+            rows = write
             for ivs in plan.lifetimes.get(name, ()):
                 extent, offsets = pack_lifetimes(
                     ivs, lambda key, dt=dt: _rows(layouts[key[0]].sizes.get(dt, 0))
                 )
-                rows = max(rows, extent, *(off + self.width[dt] for off in offsets.values()))
+                rows = max(rows, extent, *(off + write for off in offsets.values()))
                 for key, off in offsets.items():
                     self.offset.setdefault(key, {})[dt] = off
             self.rows[dt] = rows
@@ -213,6 +235,17 @@ class _Arena:
             rest = lax.dynamic_slice(buf[dt], (offsets[dt] + n, 0), (width - n, ROW))
             out[dt] = rest if own is None else jnp.concatenate([own, rest])
         return out
+
+    def write_value(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
+        """Writes `leaves` at `offsets`, as wide as they are (inside their own branch)."""
+        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items() if n}
+        packed = layout.pack(leaves, widths)
+        return {
+            dt: lax.dynamic_update_slice(b, packed[dt].reshape(-1, ROW), (offsets[dt], 0))
+            if dt in packed
+            else b
+            for dt, b in buf.items()
+        }
 
     def write(self, buf: dict, values: dict, offsets: dict) -> dict:
         return {
@@ -336,7 +369,9 @@ def build_step(
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
     # A forward-only program keeps nothing for a backward.
-    res = _Arena(plan, "res", [k.res_layout for k in kernels], keep=not forward_only)
+    res = _Arena(
+        plan, "res", [k.res_layout for k in kernels], keep=not forward_only, widest_writes=False
+    )
     carry = _Arena(plan, "carry", [k.carry_layout for k in kernels], keep=not forward_only)
     buckets = layout.buckets
     table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
@@ -390,6 +425,7 @@ def build_step(
         k = kernels[s]
 
         def run(flat, batch_mb, io, res_buf, row):
+            """Runs the F and writes its residuals in place: ``(res_buf, send, loss_piece)``."""
             x = None
             if s > 0:
                 prev = kernels[s - 1]
@@ -398,11 +434,11 @@ def build_step(
                 )
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
             y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
-            kept = res.merge(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
+            res_buf = res.write_value(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return kept, zero_send(), loss_piece.astype(loss_dtype)
-            return kept, k.y_layout.pack(y, io_widths), loss_zero
+                return res_buf, zero_send(), loss_piece.astype(loss_dtype)
+            return res_buf, k.y_layout.pack(y, io_widths), loss_zero
 
         return run
 
@@ -490,15 +526,16 @@ def build_step(
             # write to its buffer; the `switch` inside returns what to write.
             f_class, i_class, w_class = (row[col[f"{k}_branch"]] - 1 for k in "fiw")
 
-            def forward(res_buf):
-                kept, send, loss_piece = lax.switch(
-                    f_class, f_branches, flat, batch_mb, io, res_buf, row
-                )
-                return res.write(res_buf, kept, offsets(row, "f_res", res)), send, loss_piece
+            # F: a cond per class, each writing its residuals in place, as
+            # wide as they are (see the module docstring).
+            forward = (res_buf, zero_send(), loss_zero)
+            for c in classes_range:
 
-            res_buf, send_f, loss_piece = lax.cond(
-                f_class >= 0, forward, lambda r: (r, zero_send(), loss_zero), res_buf
-            )
+                def run_forward(state, c=c):
+                    return f_branches[c](flat, batch_mb, io, state[0], row)
+
+                forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
+            res_buf, send_f, loss_piece = forward
             if forward_only:
                 send_i = zero_send()
             else:
