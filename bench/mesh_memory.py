@@ -56,7 +56,6 @@ jpipe.use_cpu_devices(8)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -72,7 +71,7 @@ from jpipe import models  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 from jpipe.train import optimizer as optimizer_lib  # noqa: E402
 from jpipe.train import step as step_lib  # noqa: E402
-from jpipe.train.config import TrainConfig  # noqa: E402
+from jpipe.train.config import TrainConfig, config_from_file  # noqa: E402
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[1] / "configs" / "gpt_1b_8gpu.py"
 MICROBATCH = 4  # sequences per microbatch per device row (per fsdp shard)
@@ -87,10 +86,7 @@ GIB = 2**30
 
 def load_config():
     """``configs/gpt_1b_8gpu.py`` as a checked `TrainConfig` (its model and optimizer)."""
-    spec = importlib.util.spec_from_file_location("jpipe_gpt_1b_8gpu_config", CONFIG_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return TrainConfig.from_config(module.get_config())
+    return TrainConfig.from_config(config_from_file(CONFIG_FILE))
 
 
 def per_device_bytes(structs) -> int:

@@ -16,26 +16,18 @@ run's and then flatten or turn up as the model memorizes. Point
 ``--config.data.path`` at a larger text collection for a longer run.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from jpipe.train.config import config_from_file
+
 _DEFAULT = pathlib.Path(__file__).with_name("default.py")
-
-
-def _default_config() -> ml_collections.ConfigDict:
-    # Config files are loaded by path (ml_collections' config_flags), not as
-    # a package: load the default beside this one the same way.
-    spec = importlib.util.spec_from_file_location("jpipe_default_config", _DEFAULT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def get_config() -> ml_collections.ConfigDict:
     """The GPT-2-small config: configs/default.py with these fields changed."""
-    config = _default_config()
+    config = config_from_file(_DEFAULT)
 
     config.num_microbatches = 16  # M; must divide batch_size / mesh.data
 

@@ -1,6 +1,5 @@
 """The staged GPT: stages compose to the reference loss, whatever the split."""
 
-import importlib.util
 import pathlib
 
 import chex
@@ -11,6 +10,7 @@ import pytest
 
 import jpipe
 from jpipe import models, testing
+from jpipe.train.config import config_from_file
 
 CONFIG = models.GPTConfig(vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
 SPLITS = ["1,2,1", (0, 2, 2), (2, 2, 0), "0,4"]  # (4,) is the reference itself
@@ -172,10 +172,7 @@ def test_weight_decay_mask_and_num_params():
 
 @pytest.mark.parametrize("name", ["default", "gpt2_small"])
 def test_configs_describe_a_valid_model(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = config_from_file(REPO / "configs" / f"{name}.py")
     model_config = models.GPTConfig(**config.model)
     assert model_config.vocab_size == 256
     counts = models.split_layers(

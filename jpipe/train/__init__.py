@@ -58,6 +58,7 @@ from jpipe.train.config import (
     MeshConfig,
     OptimizerConfig,
     TrainConfig,
+    config_from_file,
     use_cpu_devices,
 )
 from jpipe.train.loop import DivergedError, TrainResult, train
@@ -72,6 +73,7 @@ __all__ = [
     "Prepared",
     "TrainConfig",
     "TrainResult",
+    "config_from_file",
     "prepare",
     "train",
     "use_cpu_devices",

@@ -161,6 +161,26 @@ class OptimizerConfig:
             )
 
 
+def config_from_file(path) -> ml_collections.ConfigDict:
+    """The ``get_config()`` of a config file such as ``configs/default.py``, loaded by path.
+
+    Config files are modules loaded by path, as ml_collections' config flags
+    load them, not imported from a package; a config that changes a few
+    fields of another starts from ``config_from_file(that file)``.
+    """
+    import importlib.util
+    import os
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    name = "_jpipe_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs, checked field by field.
