@@ -66,6 +66,7 @@ is one of its own stages' arrays, which the stage's branch reshapes in place.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -96,6 +97,8 @@ class Program(NamedTuple):
       table: the integer table ``[ticks, ranks, columns]`` the program scans.
       arena_rows: ``{"res": {dtype: rows}, "carry": {...}}``, the buffers'
         sizes in rows of `ROW` elements.
+      control: ``"cond"`` or ``"switch"``, the shape of its conditionals
+        (`CONTROLS`).
     """
 
     run: Callable
@@ -103,8 +106,63 @@ class Program(NamedTuple):
     classes: tuple[int, ...] = ()
     table: np.ndarray | None = None
     arena_rows: dict | None = None
+    control: str = "cond"
 
     ROW = ROW  # elements per row of the residual and carry buffers
+
+
+CONTROLS = ("auto", "cond", "switch")
+"""How a tick branches (`build_step`'s `control`): ``"cond"``, a two-way
+`lax.cond` per piece kind around a switch over the stage classes, F's a cond
+per class (``classes + 4`` conditionals a tick); ``"switch"``, one `lax.switch`
+per piece kind with an idle branch, every branch writing its buffer in place
+(3 a tick); ``"auto"``, the switch where this XLA updates a buffer in place
+through one (`switch_writes_in_place`), else the conds."""
+
+
+@functools.cache
+def switch_writes_in_place(platform: str) -> bool:
+    """Whether XLA on `platform` updates a buffer in place through a multi-way switch.
+
+    Compiles (does not run) a scan whose body writes a 2 MiB buffer through
+    ``switch(identity, write, write)``, the shape the ``"switch"`` control
+    has, and reads the compiled temp bytes: a copy of the buffer shows as
+    temp at least its size. Measured (`python -m bench.xla_limits`,
+    `docs/compiler-measurements.md`): jaxlib 0.10.2's XLA:CPU copies the
+    buffer in each writing branch; 0.12's updates it in place.
+    """
+    rows = 4096
+    device = jax.devices(platform)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def writer(k):
+        def write(buf, offset):
+            value = jnp.full((k + 1, ROW), offset, buf.dtype)
+            return lax.dynamic_update_slice(buf, value, (offset, 0))
+
+        return write
+
+    def run(buf, offsets):
+        def tick(buf, offset):
+            branch = jnp.clip(offset % 3, 0, 2)
+            return lax.switch(branch, [lambda b, o: b, writer(0), writer(1)], buf, offset), None
+
+        return lax.scan(tick, buf, offsets)[0]
+
+    buffer = jax.ShapeDtypeStruct((rows, ROW), jnp.float32, sharding=sharding)
+    offsets = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=sharding)
+    compiled = jax.jit(run, donate_argnums=0).lower(buffer, offsets).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return temp < rows * ROW * 4 // 2
+
+
+def _resolve_control(control: str, mesh) -> str:
+    if control not in CONTROLS:
+        raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
+    if control != "auto":
+        return control
+    platform = mesh.devices.flat[0].platform
+    return "switch" if switch_writes_in_place(platform) else "cond"
 
 
 def axis_env(axis_sizes: dict[str, int]):
@@ -307,6 +365,7 @@ def build_step(
     forward_only: bool = False,
     kernels: list[StageKernels] | None = None,
     idle: bool = False,
+    control: str = "auto",
 ) -> Program:
     """Lowers a plan to a `Program`: ``run(packed_params, batch_mb) -> (loss, packed_grads)``.
 
@@ -331,6 +390,8 @@ def build_step(
       kernels: the stages' pieces from `trace_kernels`, if already traced.
       idle: run no piece in any tick (`Plan.table(idle=True)`), to measure
         the cost of the program's control alone; the results are zeros.
+      control: the shape of each tick's conditionals, one of `CONTROLS`
+        (default ``"auto"``: what this XLA keeps in place).
     """
     S = plan.schedule.num_stages
     M = plan.schedule.num_microbatches
@@ -372,7 +433,16 @@ def build_step(
     res = _Arena(
         plan, "res", [k.res_layout for k in kernels], keep=not forward_only, widest_writes=False
     )
-    carry = _Arena(plan, "carry", [k.carry_layout for k in kernels], keep=not forward_only)
+    control = _resolve_control(control, mesh)
+    # Under the switch every branch writes its carry in place, as wide as it
+    # is; under the conds the switch returns it widened (`_Arena.merge`).
+    carry = _Arena(
+        plan,
+        "carry",
+        [k.carry_layout for k in kernels],
+        keep=not forward_only,
+        widest_writes=control == "cond",
+    )
     buckets = layout.buckets
     table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
 
@@ -460,8 +530,10 @@ def build_step(
             inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
             dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
-            kept = carry.merge(carry_buf, k.carry_layout, kept, offsets(row, "i_carry", carry))
-            return kept, send
+            at = offsets(row, "i_carry", carry)
+            if control == "switch":  # in place, inside this branch
+                return carry.write_value(carry_buf, k.carry_layout, kept, at), send
+            return carry.merge(carry_buf, k.carry_layout, kept, at), send
 
         return run
 
@@ -510,6 +582,93 @@ def build_step(
             ),
         )
 
+        def pieces_by_switch(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
+            """One switch per kind, branch 0 idle, every branch writing its buffer in place."""
+            f_class, i_class, w_class = classes
+
+            def forward_case(c):
+                return lambda rb: f_branches[c](flat, batch_mb, io, rb, row)
+
+            res_buf, send_f, loss_piece = lax.switch(
+                f_class + 1,
+                [lambda rb: (rb, zero_send(), loss_zero)] + [forward_case(c) for c in classes_range],
+                res_buf,
+            )
+            if forward_only:
+                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+
+            def input_case(c):
+                return lambda cb: i_branches[c](flat, batch_mb, io, res_buf, cb, row)
+
+            carry_buf, send_i = lax.switch(
+                i_class + 1,
+                [lambda cb: (cb, zero_send())] + [input_case(c) for c in classes_range],
+                carry_buf,
+            )
+
+            def weight_case(c):  # adds to its own stage's buckets only
+                def add(grads):
+                    dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                    return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
+
+                return add
+
+            grads = lax.switch(
+                w_class + 1, [lambda g: g] + [weight_case(c) for c in classes_range], grads
+            )
+            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+
+        def pieces_by_cond(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
+            """F: a cond per class; I and W: a cond around a switch (see the module docstring)."""
+            f_class, i_class, w_class = classes
+            # F: a cond per class, each writing its residuals in place, as
+            # wide as they are.
+            forward = (res_buf, zero_send(), loss_zero)
+            for c in classes_range:
+
+                def run_forward(state, c=c):
+                    return f_branches[c](flat, batch_mb, io, state[0], row)
+
+                forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
+            res_buf, send_f, loss_piece = forward
+            if forward_only:
+                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+
+            # I and W: the `cond` holds the one write to its buffer; the
+            # `switch` inside returns what to write.
+            def input_grad(carry_buf):
+                kept, send = lax.switch(
+                    i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
+                )
+                return carry.write(carry_buf, kept, offsets(row, "i_carry", carry)), send
+
+            carry_buf, send_i = lax.cond(
+                i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
+            )
+
+            if several_stages_per_rank:
+                # One cond per class, each adding to its own stage's
+                # buckets only: the switch must give every branch the same
+                # outputs, so it would add zeros to the buckets of the
+                # rank's other stages (8% slower on the compiler shape).
+                for c in classes_range:
+
+                    def add_weight_grad(grads, c=c):
+                        dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                        return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
+
+                    grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
+            else:
+
+                def weight_grad(grads):
+                    dp = lax.switch(w_class, w_branches, flat, batch_mb, res_buf, carry_buf, row)
+                    return {b: g + dp[b] for b, g in grads.items()}
+
+                grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
+            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+
+        run_pieces = pieces_by_switch if control == "switch" else pieces_by_cond
+
         def tick(state, row):
             grads, loss, io, res_buf, carry_buf, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
@@ -522,55 +681,11 @@ def build_step(
                 io = write_io(io, write_slots[k], write_values[k])
 
             # Column `{kind}_branch` is 0 when no piece of that kind runs here,
-            # else 1 + the stage's class. Each kind's `cond` holds the one
-            # write to its buffer; the `switch` inside returns what to write.
-            f_class, i_class, w_class = (row[col[f"{k}_branch"]] - 1 for k in "fiw")
-
-            # F: a cond per class, each writing its residuals in place, as
-            # wide as they are (see the module docstring).
-            forward = (res_buf, zero_send(), loss_zero)
-            for c in classes_range:
-
-                def run_forward(state, c=c):
-                    return f_branches[c](flat, batch_mb, io, state[0], row)
-
-                forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
-            res_buf, send_f, loss_piece = forward
-            if forward_only:
-                send_i = zero_send()
-            else:
-
-                def input_grad(carry_buf):
-                    kept, send = lax.switch(
-                        i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
-                    )
-                    return carry.write(carry_buf, kept, offsets(row, "i_carry", carry)), send
-
-                carry_buf, send_i = lax.cond(
-                    i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
-                )
-
-                if several_stages_per_rank:
-                    # One cond per class, each adding to its own stage's
-                    # buckets only: the switch must give every branch the same
-                    # outputs, so it would add zeros to the buckets of the
-                    # rank's other stages (8% slower on the compiler shape).
-                    for c in classes_range:
-
-                        def add_weight_grad(grads, c=c):
-                            dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
-                            return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
-
-                        grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
-                else:
-
-                    def weight_grad(grads):
-                        dp = lax.switch(
-                            w_class, w_branches, flat, batch_mb, res_buf, carry_buf, row
-                        )
-                        return {b: g + dp[b] for b, g in grads.items()}
-
-                    grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
+            # else 1 + the stage's class.
+            classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
+            grads, res_buf, carry_buf, send_f, send_i, loss_piece = run_pieces(
+                flat, batch_mb, io, grads, res_buf, carry_buf, row, classes
+            )
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
             values = [send_f, send_i]
@@ -649,4 +764,4 @@ def build_step(
         return program(packed, batch_mb, jnp.asarray(table))
 
     arena_rows = {"res": dict(res.rows), "carry": dict(carry.rows)}
-    return Program(run, tuple(kernels), classes, table, arena_rows)
+    return Program(run, tuple(kernels), classes, table, arena_rows, control)

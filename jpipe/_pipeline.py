@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import Program, build_step, trace_kernels
+from jpipe._lower import CONTROLS, Program, build_step, trace_kernels
 from jpipe._pack import ParamLayout
 from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
@@ -209,6 +209,13 @@ class Pipeline:
         ticks, but a transfer still costs one) or ``"auto"`` (the default:
         packed where that does not lengthen the critical path). See
         `jpipe.make_plan`.
+      control: the shape of each tick's conditionals: ``"cond"`` (a
+        two-way cond per piece kind around a switch over the stage classes,
+        F a cond per class: ``classes + 4`` a tick), ``"switch"`` (one
+        switch per piece kind, 3 a tick, for an XLA that updates buffers in
+        place through a switch) or ``"auto"`` (the default: the switch where
+        the devices' XLA keeps buffers in place through one, measured once
+        per platform by `jpipe._lower.switch_writes_in_place`). Same results.
       all_idle: for diagnostics only: a program that runs no piece in any
         tick, so that timing it measures the cost of the pipeline's control
         and transfers alone. Its loss and gradients are zeros.
@@ -224,9 +231,13 @@ class Pipeline:
         data_axis: str = "data",
         fsdp_axis: str = "fsdp",
         tick_layout: str = "auto",
+        control: str = "auto",
         all_idle: bool = False,
     ):
         info = analyze(schedule)
+        if control not in CONTROLS:
+            raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
+        self.control = control
         self.all_idle = all_idle
         self.stages = tuple(stages)
         self.schedule = schedule
@@ -479,6 +490,7 @@ class Pipeline:
             self.data_axis,
             kernels=self._kernels(batch),
             idle=self.all_idle,
+            control=self.control,
         )
         M = self.num_microbatches
 
@@ -515,6 +527,7 @@ class Pipeline:
                 forward_only=True,
                 kernels=self._kernels(batch),
                 idle=self.all_idle,
+                control=self.control,
             )
             M = self.num_microbatches
             self._loss_steps[key] = jax.jit(

@@ -190,6 +190,40 @@ def _needs_inline(jaxpr) -> bool:
     return False
 
 
+def _scan_counts(eqn) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation, in every JAX jpipe supports.
+
+    JAX 0.10 gives them as parameters; later versions describe the operands
+    as a flat tree ``ft_in = (consts, carry, xs)`` and the outputs as
+    ``ft_out = (carry, ys)``.
+    """
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def _scan_changes(eqn, body: ClosedJaxpr, num_consts: int, num_carry: int) -> dict:
+    """The parameters that make scan equation `eqn` run `body` instead.
+
+    `body` reads `num_consts` consts, then `num_carry` carries, then xs, and
+    returns its carries then its ys: for `_bind`.
+    """
+    if "num_consts" in eqn.params:
+        return dict(jaxpr=body, num_consts=num_consts, num_carry=num_carry)
+    from jax._src import flattree  # where ft_in's type lives (JAX 0.11 and later)
+
+    num_xs = len(body.jaxpr.invars) - num_consts - num_carry
+    num_ys = len(body.jaxpr.outvars) - num_carry
+    nones = flattree.nones
+    return dict(
+        jaxpr=body,
+        ft_in=flattree.pack((nones(num_consts), nones(num_carry), nones(num_xs))),
+        ft_out=flattree.pack((nones(num_carry), nones(num_ys))),
+    )
+
+
 def _bind(eqn, invals, **changes):
     """Binds `eqn`'s primitive on `invals`, with some params changed; a list of outputs."""
     params = eqn.primitive.get_bind_params(dict(eqn.params, **changes))
@@ -491,7 +525,7 @@ def _activation_derived(jaxpr, act_in: Sequence[bool], data_in: Sequence[bool]):
 def _scan_derived(eqn, a_in: list, d_in: list):
     """`_activation_derived` for a scan's outputs: the body to a fixed point."""
     jb = eqn.params["jaxpr"].jaxpr
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncar = _scan_counts(eqn)
     a_in, d_in = list(a_in), list(d_in)
     while True:
         act, data = _activation_derived(jb, a_in, d_in)
@@ -690,7 +724,7 @@ def _plan_scan(eqn, need: set, param_operands: set) -> _ScanPlan | None:
     """
     body = eqn.params["jaxpr"]
     jb = body.jaxpr
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncar = _scan_counts(eqn)
     invars, outvars = list(jb.invars), list(jb.outvars)
     producer = _producers(jb)
     params_read = {invars[k] for k in param_operands}
@@ -797,9 +831,7 @@ def _run_plans(closed: ClosedJaxpr, plans: dict) -> ClosedJaxpr:
                     i_outs = _bind(
                         eqn,
                         [invals[p] for p in plan.i_operands],
-                        jaxpr=plan.i_jaxpr,
-                        num_consts=plan.i_num_consts,
-                        num_carry=plan.i_num_carry,
+                        **_scan_changes(eqn, plan.i_jaxpr, plan.i_num_consts, plan.i_num_carry),
                     )
                     for j, out in zip(plan.i_outputs, i_outs):
                         outs[j] = out
@@ -807,9 +839,7 @@ def _run_plans(closed: ClosedJaxpr, plans: dict) -> ClosedJaxpr:
                 w_outs = _bind(
                     eqn,
                     [invals[p] for p in plan.w_operands] + stacked,
-                    jaxpr=plan.w_jaxpr,
-                    num_consts=plan.w_num_consts,
-                    num_carry=plan.w_num_carry,
+                    **_scan_changes(eqn, plan.w_jaxpr, plan.w_num_consts, plan.w_num_carry),
                 )
                 for j, out in zip(plan.w_outputs, w_outs):
                     outs[j] = out

@@ -352,6 +352,7 @@ def check_schedule(
     rtol: float = 1e-5,
     seed: int = 0,
     tick_layout: str = "auto",
+    control: str = "auto",
     scan_layers: bool = False,
     activations: str | Sequence[str] = "array",
     compute_dtype: str = "float32",
@@ -369,6 +370,7 @@ def check_schedule(
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       seed: for the model's weights and the batch.
       tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
+      control: ``"auto"``, ``"cond"`` or ``"switch"`` (see `jpipe.Pipeline`).
       scan_layers: run the model's blocks in `jax.lax.scan` (see `small_model`).
       activations: what each stage passes to the next: one of `ACTIVATIONS`,
         or one per boundary between stages (see `small_model`).
@@ -399,7 +401,7 @@ def check_schedule(
     batch = make_batch(M * rows_per_microbatch * data, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     mesh = make_mesh(R, data, devices[: R * data])
-    pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout)
+    pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout, control=control)
     packed = pipe.pack(params)
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
