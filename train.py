@@ -24,7 +24,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jpipe import _distributed as distributed
+import jpipe
 from jpipe import train as trainer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,7 +57,7 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs each save at INFO; -v 0 shows that
     try:  # joins the other processes, if any, before any JAX work
-        distributed.initialize(
+        jpipe.initialize_distributed(
             _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _LOCAL_DEVICE_IDS.value
         )
     except ValueError as e:
@@ -69,7 +69,7 @@ def main(argv):
     try:
         trainer.train(config, _WORKDIR.value)
     except (trainer.ConfigError, trainer.DivergedError) as e:
-        distributed.exit_now(f"error: {e}")  # in a multi-process run: at once, naming the process
+        jpipe.exit_distributed(f"error: {e}")  # in a multi-process run: at once, naming the process
 
 
 if __name__ == "__main__":

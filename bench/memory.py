@@ -126,14 +126,19 @@ def live_need(
 
 
 def row(
-    num_devices: int, name: str, chunks: int, M: int, config: gpt.GPTConfig = GPT2_SMALL
+    num_devices: int,
+    name: str,
+    chunks: int,
+    M: int,
+    config: gpt.GPTConfig = GPT2_SMALL,
+    control: str = "auto",
 ) -> dict:
     """One compiled point of the table (see the module docstring)."""
     schedule = jpipe.get_schedule(name, num_devices, M, chunks if chunks > 1 else None)
     S = schedule.num_stages
     model = gpt.make_stages(config, models.split_layers(config.num_layers, S))
     mesh = jpipe.make_mesh(num_devices, 1, jax.devices()[:num_devices])
-    pipe = jpipe.Pipeline(model.stages, schedule, mesh)
+    pipe = jpipe.Pipeline(model.stages, schedule, mesh, control=control)
     params = jax.eval_shape(model.init, jax.random.key(0))
     packed = pipe.packed_shapes(params)
     L = config.seq_len
@@ -159,6 +164,8 @@ def row(
         "chunks": chunks,
         "microbatches": M,
         "devices": num_devices,
+        "control": pipe.program(batch).control,
+        "conditionals": compiled.as_text().count(" conditional("),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "need_bytes": max(need),

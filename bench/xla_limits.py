@@ -7,16 +7,19 @@
    multi-way `lax.switch` (so one conditional per piece kind would do), XLA
    must not copy the buffer. This compiles a scan over ticks whose body writes
    a 16 MiB buffer through each shape of conditional and prints the compiled
-   temp bytes and the buffer-sized ``copy`` ops. On JAX 0.10 / XLA:CPU only a
-   two-way `cond` with one writing branch and one identity branch (jpipe's
-   design) keeps the buffer in place; a switch or nested conds whose branches
-   all write copy the whole buffer.
+   temp bytes and the buffer-sized ``copy`` ops. On jaxlib 0.10.2's XLA:CPU
+   only a two-way `cond` with one writing branch and one identity branch
+   keeps the buffer in place; a switch or nested conds whose branches all
+   write copy the whole buffer. On jaxlib 0.12.0's every shape here updates
+   it in place (XLA's fix for buffers passed through conditionals), which
+   is what lets jpipe lower a tick with one switch per piece kind
+   (`jpipe._lower.switch_writes_in_place` probes the same thing).
 2. **Transfers of only what is sent.** `lax.ragged_all_to_all` sends a
    dynamic number of elements per peer, so an idle channel would move zero
    bytes without a conditional around it. This runs one under `shard_map` and
    prints whether the backend implements it (XLA:CPU does not).
 
-Prints one JSON object per line.
+Prints one JSON object per line, the first naming the jax and jaxlib versions.
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ def ragged_transfer() -> dict:
 
 
 def main() -> None:
+    import jaxlib
+
+    print(json.dumps({"jax": jax.__version__, "jaxlib": jaxlib.__version__}))
     for row in conditional_copies():
         print(json.dumps(row))
     print(json.dumps(ragged_transfer()))

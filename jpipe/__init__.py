@@ -11,6 +11,7 @@ microbatch size, L sequence length, D model width.
 """
 
 from jpipe._devices import describe_devices, use_cpu_devices
+from jpipe._distributed import exit_now as exit_distributed
 from jpipe._distributed import initialize as initialize_distributed
 from jpipe._launch import launch as launch_local
 from jpipe._lower import Program
@@ -58,6 +59,7 @@ __all__ = [
     "WeightedLoss",
     "describe_devices",
     "evaluate_plan",
+    "exit_distributed",
     "get_schedule",
     "initialize_distributed",
     "launch_local",

@@ -13,6 +13,21 @@ same shapes and the same parameter buckets (the blocks of a transformer, one
 per rank), form one *class* and share one branch: the rank's own rows of the
 buckets are the stage's parameters, whichever stage it is, so the program
 holds each distinct stage once however deep the pipeline (`stage_classes`).
+Two shapes of conditionals (`CONTROLS`), chosen by what the installed XLA
+keeps in place (`switch_writes_in_place`, probed once per platform):
+
+``"switch"``, 3 conditionals a tick: one `lax.switch` per piece kind, branch
+0 idle (it passes the buffers through) and one branch per class, which runs
+the piece and writes its buffer in place: F its residuals, I its carry, both
+as wide as they are, W its weight gradients into its own stage's buckets.
+The default where XLA updates a buffer in place through a switch whose
+branches write it (jaxlib 0.12's XLA:CPU).
+
+``"cond"``, ``classes + 4`` conditionals a tick (``2 classes + 2`` with
+several stages per rank), for an XLA that copies the buffer through such a
+switch (jaxlib 0.10's XLA:CPU copies it in every writing branch, `python -m
+bench.xla_limits`) but not through a two-way `cond` whose other branch
+passes it through:
 
 - **F**: one two-way `lax.cond` per class (does this rank run that class's
   F this tick?), whose branch runs the F and writes its residuals into the
@@ -27,22 +42,17 @@ holds each distinct stage once however deep the pipeline (`stage_classes`).
   rank's other stages' buckets (8 to 10% of interleaved 1F1B's step on the
   compiler shape).
 
-That is ``classes + 4`` conditionals (``2 classes + 2`` with several stages
-per rank), however many ranks, channels and io writes the program has (the io
-writes are selects, not branches).
-
-Why the two shapes. XLA updates a buffer in place through a two-way `cond`
-whose other branch passes it through, but copies the whole buffer for a
-switch, or nested conds, whose branches write it (`python -m
-bench.xla_limits`). A switch that returns the value instead makes it exist
-twice for a moment and makes every write as wide as the widest class's; for
-the residuals, the largest values a step keeps, that cost 4 to 10% of the
+A switch that returns the value instead of writing it makes it exist twice
+for a moment and makes every write as wide as the widest class's; for the
+residuals, the largest values a step keeps, that cost 4 to 10% of the
 per-device temp on GPT-2-small shapes (`docs/compiler-measurements.md`), so
-F pays a conditional per class to write in place. Carries are smaller and
-keep the switch. (A single switch per kind with an idle branch would have
-fewer conditionals, but an idle tick would then write back what the buffer
-holds, which made the benchmark GPT's all-idle step several times slower.)
-After the conds every rank takes part in the same collectives, one
+under ``"cond"`` F pays a conditional per class to write in place, while the
+smaller carries keep the switch. (A single switch per kind whose write
+follows it would have fewer conditionals, but an idle tick would then write
+back what the buffer holds, which made the benchmark GPT's all-idle step
+several times slower; ``"switch"`` writes inside the branches instead.)
+The io writes are selects, not branches, under both.
+After the conditionals every rank takes part in the same collectives, one
 `ppermute` per channel of the plan, outside any branch. What arrives, and
 the outputs handed over on the same rank, are written to the io slots the
 table names at the start of the next tick, before anything reads.

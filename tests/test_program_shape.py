@@ -19,18 +19,19 @@ from hypothesis import strategies as st
 
 import jpipe
 from jpipe import pack_lifetimes, testing
+from jpipe._lower import switch_writes_in_place
 
 ROW = jpipe.Program.ROW
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compiled_step(name, ranks, microbatches, chunks=1, rows=2):
+def compiled_step(name, ranks, microbatches, chunks=1, rows=2, control="auto"):
     """The compiled training step of the checker's model, and its pipeline."""
     schedule = jpipe.get_schedule(name, ranks, microbatches, chunks if chunks > 1 else None)
     stages, params, make_batch = testing.small_model(schedule.num_stages)
     mesh = jpipe.make_mesh(ranks, 1, jax.devices()[:ranks])
-    pipe = jpipe.Pipeline(stages, schedule, mesh)
+    pipe = jpipe.Pipeline(stages, schedule, mesh, control=control)
     packed = pipe.packed_shapes(params)
     batch = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pipe.batch_sharding),
@@ -39,24 +40,64 @@ def compiled_step(name, ranks, microbatches, chunks=1, rows=2):
     return jax.jit(pipe.step_fn(batch)).lower(packed, batch).compile(), pipe, batch
 
 
+SWITCH_IN_PLACE = switch_writes_in_place("cpu")
+
+
+@pytest.mark.parametrize("control", ["cond", "switch"])
 @pytest.mark.parametrize(
     "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
 )
-def test_a_step_has_few_conditionals_whatever_its_size(name, chunks):
-    # F: a cond per stage class (each writes its residuals in place). I and W:
-    # a cond (runs one, or not) around a switch over the classes; on ranks
-    # with several stages, W is a cond per class instead (each adds to its own
-    # buckets only). Nothing else branches: no conditional per io write, per
-    # channel or per stage.
+def test_a_step_has_few_conditionals_whatever_its_size(name, chunks, control):
+    # "cond": F is a cond per stage class (each writes its residuals in
+    # place); I and W a cond (runs one, or not) around a switch over the
+    # classes; on ranks with several stages, W is a cond per class instead
+    # (each adds to its own buckets only). "switch": one switch per kind.
+    # Nothing else branches: no conditional per io write, per channel or per
+    # stage.
     for ranks in (2, 4):
-        compiled, pipe, batch = compiled_step(name, ranks, 8, chunks)
+        compiled, pipe, batch = compiled_step(name, ranks, 8, chunks, control=control)
         hlo = compiled.as_text()
         classes = len(set(pipe.program(batch).classes))
         assert hlo.count(" while(") == 1
-        want = classes + 4 if chunks == 1 else 2 * classes + 2
+        if control == "switch":
+            want = 3
+        else:
+            want = classes + 4 if chunks == 1 else 2 * classes + 2
         assert hlo.count(" conditional(") == want, (name, ranks)
     # At 4 ranks some blocks share a branch, so classes are fewer than stages.
     assert classes < pipe.schedule.num_stages
+
+
+@pytest.mark.parametrize(
+    "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
+)
+def test_the_default_control_is_what_this_xla_keeps_in_place(name, chunks):
+    # Where XLA updates a buffer in place through a switch (jaxlib 0.12's
+    # XLA:CPU; 0.10.2's copies it), the default step has at most 3
+    # conditionals; elsewhere it keeps the conds.
+    compiled, pipe, batch = compiled_step(name, 4, 8, chunks)
+    program = pipe.program(batch)
+    assert program.control == ("switch" if SWITCH_IN_PLACE else "cond")
+    conditionals = compiled.as_text().count(" conditional(")
+    if SWITCH_IN_PLACE:
+        assert conditionals <= 3
+    else:
+        assert conditionals > 3
+    # The probe's answer holds for the real program: the other control
+    # needs more temp (the switch's copies, or the conds' widened carries).
+    other = compiled_step(name, 4, 8, chunks, control="cond" if SWITCH_IN_PLACE else "switch")[0]
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < other.memory_analysis().temp_size_in_bytes
+
+
+def test_the_probe_matches_what_each_jaxlib_was_measured_to_do():
+    # bench.xla_limits, docs/compiler-measurements.md: jaxlib 0.10.2's
+    # XLA:CPU copies a buffer written through a switch, 0.12.0's does not.
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    if version <= (0, 10):
+        assert not SWITCH_IN_PLACE
+    if version >= (0, 12):
+        assert SWITCH_IN_PLACE
 
 
 def test_stages_of_one_structure_share_one_branch():
@@ -79,7 +120,7 @@ _COUNT_SCRIPT = textwrap.dedent(
     from test_program_shape import compiled_step
     out = {{}}
     for ranks in (4, 16):
-        hlo = compiled_step("1f1b", ranks, ranks)[0].as_text()
+        hlo = compiled_step("1f1b", ranks, ranks, control="cond")[0].as_text()
         out[ranks] = {{"dots": hlo.count(" dot("), "conditionals": hlo.count(" conditional(")}}
     print(json.dumps(out))
     """
