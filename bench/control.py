@@ -100,7 +100,9 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.control", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.control", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny GPT, two schedules, 3 rounds")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds")
     parser.add_argument("--json", action="store_true", help="one JSON object")
@@ -108,7 +110,9 @@ def main(argv=None) -> int:
     in_place = switch_writes_in_place("cpu")
     head = {"jax": jax.__version__, "switch_writes_in_place": in_place}
     if not args.json:
-        print(f"jax {jax.__version__}: XLA:CPU updates buffers in place through a switch: {in_place}")
+        print(
+            f"jax {jax.__version__}: XLA:CPU updates buffers in place through a switch: {in_place}"
+        )
     rows = run(args)
     if args.json:
         print(json.dumps({**head, "rows": rows}))

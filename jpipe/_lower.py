@@ -601,7 +601,8 @@ def build_step(
 
             res_buf, send_f, loss_piece = lax.switch(
                 f_class + 1,
-                [lambda rb: (rb, zero_send(), loss_zero)] + [forward_case(c) for c in classes_range],
+                [lambda rb: (rb, zero_send(), loss_zero)]
+                + [forward_case(c) for c in classes_range],
                 res_buf,
             )
             if forward_only:
