@@ -86,6 +86,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jpipe._manual import DeviceView
 from jpipe._pack import ParamLayout
 from jpipe._plan import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
 from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
@@ -188,17 +189,30 @@ def axis_env(axis_sizes: dict[str, int]):
 
 
 def trace_kernels(
-    stage_fns, layout: ParamLayout, microbatch_inputs, axis_sizes: dict[str, int] | None = None
+    stage_fns,
+    layout: ParamLayout,
+    microbatch_inputs,
+    mesh,
+    pipe_axis: str = "pipe",
+    batch_axes: tuple[str, ...] = (),
 ) -> list[StageKernels]:
     """Traces every stage's F, I and W, feeding each the previous one's output shape.
 
-    `axis_sizes`: the mesh axes a stage function may name (``tensor``).
+    Each stage is traced as one device of `mesh` sees it (`jpipe._manual`):
+    varying over `pipe_axis` and the `batch_axes` (``data``, ``fsdp``), each
+    parameter over the model axes its spec splits it over, so that the
+    stage's own collectives over the model axes (``tensor``) get JAX's
+    gradients; a collective over `pipe_axis` is refused here.
     """
     kernels: list[StageKernels] = []
     x = None
-    with axis_env(axis_sizes or {}):
+    abstract = mesh.abstract_mesh
+    with axis_env(dict(mesh.shape)):
         for s, fn in enumerate(stage_fns):
-            k = StageKernels.trace(fn, layout.stage_avals(s), x, microbatch_inputs)
+            view = DeviceView(abstract, pipe_axis, tuple(batch_axes), layout.stage_axes(s))
+            k = StageKernels.trace(
+                fn, layout.stage_avals(s), x, microbatch_inputs, view, name=f"stage {s}"
+            )
             kernels.append(k)
             x = k.y
     return kernels
@@ -409,7 +423,8 @@ def build_step(
 
     axis_sizes = dict(mesh.shape)
     if kernels is None:
-        kernels = trace_kernels(stage_fns, layout, microbatch_inputs, axis_sizes)
+        batch = tuple(a for a in (data_axis, layout.fsdp_axis) if a is not None)
+        kernels = trace_kernels(stage_fns, layout, microbatch_inputs, mesh, pipe_axis, batch)
     last = kernels[-1]
     weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
     loss_leaves = jax.tree.leaves(last.y)

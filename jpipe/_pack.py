@@ -27,8 +27,9 @@ device holds, and each stage sees, its own block of an array:
   ``(dtype, shape, spec, n)``, an array ``[R, *shape]`` sharded
   ``P(pipe, *spec)``. The stage function gets the device's block (a
   Megatron column-split ``[D, 3D]`` weight arrives as ``[D, 3D / T]``) and
-  writes the collectives itself (``lax.psum(y, "tensor")``), as
-  `jpipe.models.gpt` does.
+  writes the collectives itself with plain JAX (``lax.psum(y, "tensor")``),
+  as `jpipe.models.gpt` does; `jpipe._manual` traces it so that their
+  gradients are JAX's own.
 - The ``fsdp`` axis: every array is split over it too (ZeRO-3: parameters,
   gradients and optimizer state): a flat bucket along its row, a shaped one
   along its first dimension no other axis splits and the axis divides (an
@@ -227,6 +228,18 @@ class ParamLayout:
                 for name, sh, dt in self.leaves[s]
             ],
         )
+
+    def stage_axes(self, s: int) -> tuple[frozenset, ...]:
+        """Per parameter leaf of stage `s`, the mesh axes other than fsdp that split it."""
+        out = []
+        for name, shape, _ in self.leaves[s]:
+            if self.buckets[name][0] != shape:  # a flat row: never split
+                out.append(frozenset())
+                continue
+            spec = self.specs.get(name, ())
+            axes = {a for e in spec for a in _axes_of(e)}
+            out.append(frozenset(axes - {self.fsdp_axis}))
+        return tuple(out)
 
     def stage_params(self, s: int, rows: dict):
         """Stage `s`'s parameters from its rank's rows ``{bucket: row}``, gathered over fsdp."""

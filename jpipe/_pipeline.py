@@ -198,7 +198,11 @@ class Pipeline:
         any others (`jpipe.make_mesh`). The program is manual over every
         axis: each device holds its block of the stages' arrays as their
         specs say (`pack`), and the stage functions write the collectives of
-        axes other than ``pipe``, ``data`` and ``fsdp`` themselves.
+        axes other than ``pipe``, ``data`` and ``fsdp`` themselves, with
+        plain JAX as under `jax.shard_map` (the stages are traced under its
+        rules for varying values, so the gradients are JAX's own; see
+        `jpipe._manual` for what a stage receives and must return). A
+        collective over ``pipe`` is refused.
       pipe_axis, data_axis: the mesh axis names.
       fsdp_axis: a mesh axis (if the mesh has it) that shards the batch's
         rows, like ``data``, and also every parameter, gradient and
@@ -469,8 +473,14 @@ class Pipeline:
         """The stages' pieces for this batch's shapes, traced once for every step."""
         key = self._key(batch)
         if key not in self._kernels_cache:
+            batch_axes = tuple(a for a in (self.data_axis, self.fsdp_axis) if a is not None)
             self._kernels_cache[key] = trace_kernels(
-                self.stages, self.layout, self._microbatch_shapes(batch), dict(self.mesh.shape)
+                self.stages,
+                self.layout,
+                self._microbatch_shapes(batch),
+                self.mesh,
+                self.pipe_axis,
+                batch_axes,
             )
         return self._kernels_cache[key]
 

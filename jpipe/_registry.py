@@ -82,10 +82,10 @@ def registered_schedules() -> dict[str, str]:
     return {name: e.doc.split("\n")[0] for name, e in sorted(_REGISTRY.items())}
 
 
-def _load_file_function(spec: str) -> ScheduleFn:
+def _load_file_function(spec: str, what: str = "schedule") -> ScheduleFn:
     path, _, fn_name = spec.rpartition(":")
     if not os.path.isfile(path):
-        raise ValueError(f"schedule file {path!r} (from {spec!r}) does not exist")
+        raise ValueError(f"{what} file {path!r} (from {spec!r}) does not exist")
     module_name = f"_jpipe_user_schedule_{abs(hash(os.path.abspath(path)))}"
     module = sys.modules.get(module_name)
     if module is None:

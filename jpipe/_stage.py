@@ -102,6 +102,8 @@ from jax.extend.core import (
     jaxprs_in_params,
 )
 
+from jpipe._manual import DeviceView, make_jaxpr_varying
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
@@ -328,16 +330,23 @@ class StageKernels:
     _num_dx: int = dataclasses.field(repr=False)
 
     @classmethod
-    def trace(cls, fn: Callable, params, x, inputs) -> StageKernels:
-        """Traces `fn` for the shapes of `params`, `x` (or None) and `inputs`."""
+    def trace(
+        cls, fn: Callable, params, x, inputs, view: DeviceView | None = None, name: str = "stage"
+    ) -> StageKernels:
+        """Traces `fn` for the shapes of `params`, `x` (or None) and `inputs`.
+
+        With `view`, as one device of its mesh sees them (`jpipe._manual`):
+        the stage's own collectives then get JAX's gradients, and one over
+        the pipeline axis is refused, naming the stage as `name`.
+        """
 
         def abstract(tree):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
         params, inputs = abstract(params), abstract(inputs)
         x = None if x is None else abstract(x)
-        forward = _trace_forward(fn, params, x, inputs)
-        backward = _split_backward(forward, params, x, inputs)
+        forward = _trace_forward(fn, params, x, inputs, view, name)
+        backward = _split_backward(forward, params, x, inputs, view, name)
         res_avals = tuple(forward.residuals[j] for j in forward.kept)
         return cls(
             fn=fn,
@@ -459,6 +468,8 @@ class _Forward(NamedTuple):
     rebuilt: tuple  # indices of those I and W rebuild from params and inputs
     rebuild: Callable  # indices -> fn(*param_leaves, *input_leaves) -> those residuals
     f_fn: Callable
+    y_vmas: Any = None  # with a DeviceView: each output leaf's varying axes
+    residual_vmas: Any = None  # and each residual's
 
 
 class _Backward(NamedTuple):
@@ -568,7 +579,25 @@ def _rebuilder(closed: ClosedJaxpr, res_vars: list, n_p: int, n_x: int) -> Calla
     return rebuild
 
 
-def _trace_forward(fn, params, x, inputs) -> _Forward:
+def _make_jaxpr(fn, args: tuple, vmas, view: DeviceView | None, name: str):
+    """``jax.make_jaxpr(fn)(*args)``, traced as one device of `view` sees it when given.
+
+    `vmas` is a function of the flat arguments' count giving each one's
+    varying axes. Returns ``(closed, out_vmas)`` (None without a view).
+    """
+    if view is None:
+        return jax.make_jaxpr(fn)(*args), None
+    leaves, tree = jax.tree.flatten(args)
+
+    def flat(*leaves):
+        return jax.tree.leaves(fn(*jax.tree.unflatten(tree, leaves)))
+
+    varying, closed, out_vmas = make_jaxpr_varying(flat, leaves, vmas, view.mesh)
+    view.check(varying, name)
+    return closed, out_vmas
+
+
+def _trace_forward(fn, params, x, inputs, view=None, name="stage") -> _Forward:
     """Traces ``vjp`` of the stage and chooses the residuals F stashes.
 
     Residuals that are parameters or inputs are read again from where they
@@ -586,17 +615,24 @@ def _trace_forward(fn, params, x, inputs) -> _Forward:
         else:
             y, vjp_fn = jax.vjp(lambda p: fn(p, None, inputs), params)
         leaves, box["tree"] = jax.tree.flatten(vjp_fn)
-        return jax.tree.leaves(y), leaves
+        y_leaves, box["y_tree"] = jax.tree.flatten(y)
+        return y_leaves, leaves
 
-    closed = jax.make_jaxpr(forward_all)(params, x, inputs)
-    jaxpr = closed.jaxpr
     n_p = len(jax.tree.leaves(params))
     n_x = len(jax.tree.leaves(x)) if has_x else 0
+    n_rest = len(jax.tree.leaves(inputs)) + n_x
+    vmas = None
+    if view is not None:
+        vmas = [view.always | axes for axes in view.param_axes] + [view.always] * n_rest
+    closed, out_vmas = _make_jaxpr(forward_all, (params, x, inputs), vmas, view, name)
+    jaxpr = closed.jaxpr
     p_vars = jaxpr.invars[:n_p]
     in_vars = jaxpr.invars[n_p + n_x :]
-    y_shape = jax.eval_shape(lambda p, x, i: fn(p, x, i), params, x, inputs)
-    n_y = len(jax.tree.leaves(y_shape))
+    n_y = box["y_tree"].num_leaves
     y_out, leaf_out = jaxpr.outvars[:n_y], jaxpr.outvars[n_y:]
+    y_shape = jax.tree.unflatten(
+        box["y_tree"], [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in y_out]
+    )
     classes, res_vars = [], []
     for v in leaf_out:
         if _is_lit(v):
@@ -613,6 +649,11 @@ def _trace_forward(fn, params, x, inputs) -> _Forward:
     act, _ = _activation_derived(
         jaxpr, [False] * n_p + [True] * n_x + [False] * n_in, [False] * (n_p + n_x) + [True] * n_in
     )
+    y_vmas = res_vmas = None
+    if view is not None:
+        y_vmas = out_vmas[:n_y]
+        view.check_activation(y_vmas, name, "an output")
+        res_vmas = [out_vmas[n_y + leaf_out.index(v)] for v in res_vars]
     kept = tuple(j for j, v in enumerate(res_vars) if v in act)
     rebuilt = tuple(j for j, v in enumerate(res_vars) if v not in act)
     f_fn = _piece(
@@ -635,6 +676,8 @@ def _trace_forward(fn, params, x, inputs) -> _Forward:
         rebuilt=rebuilt,
         rebuild=rebuild,
         f_fn=f_fn,
+        y_vmas=y_vmas,
+        residual_vmas=res_vmas,
     )
 
 
@@ -933,7 +976,7 @@ def _split_scans(closed: ClosedJaxpr, num_params: int, roles):
             return new, division, is_w_scan
 
 
-def _split_backward(forward: _Forward, params, x, inputs) -> _Backward:
+def _split_backward(forward: _Forward, params, x, inputs, view=None, name="stage") -> _Backward:
     """Traces the backward once and divides its equations between I and W."""
     has_x = x is not None
 
@@ -953,7 +996,18 @@ def _split_backward(forward: _Forward, params, x, inputs) -> _Backward:
     in_avals = jax.tree.leaves(inputs)
     g_avals = jax.tree.leaves(forward.y)
     res_avals = list(forward.residuals)
-    closed = _inline_calls(jax.make_jaxpr(backward_flat)(p_avals, in_avals, res_avals, g_avals))
+    vmas = None
+    if view is not None:
+        vmas = (
+            [view.always | axes for axes in view.param_axes]
+            + [view.always] * len(in_avals)
+            + list(forward.residual_vmas)
+            + list(forward.y_vmas)
+        )
+    closed, _ = _make_jaxpr(
+        backward_flat, (p_avals, in_avals, res_avals, g_avals), vmas, view, name
+    )
+    closed = _inline_calls(closed)
     n_p, n_in, n_res = len(p_avals), len(in_avals), len(res_avals)
 
     def roles(jaxpr):  # (p_vars, g_vars, dp_out, dx_out) of a backward jaxpr

@@ -3,6 +3,7 @@
 Usage::
 
     python -m jpipe.check SPEC --ranks R --microbatches M [--chunks V] [--data D] [--json]
+    python -m jpipe.check SPEC -r R -m M --tensor 2 [--fsdp 2] --model my_model.py:build
 
 Under ``python -m jpipe.launch -n N --cpu_devices K`` the mesh spans the N
 processes (N x K devices) and each process checks the result.
@@ -14,6 +15,14 @@ small built-in model (embedding first, head and loss last), compares the loss
 and every gradient with the model without a pipeline, prints the largest
 absolute and relative error and PASS or FAIL, and exits 0 only on PASS.
 ``--json`` prints one JSON object instead (see `jpipe.testing.CheckResult`).
+
+``--model path/to/file.py:function`` runs your own stages instead: the
+function takes the number of stages and returns a `jpipe.testing.CheckModel`
+(your stage functions, their whole parameters, their `PartitionSpec`s, a
+batch maker, and the unsplit reference stages or None for your stages under
+`jax.shard_map`). ``--model tensor:BLOCK`` runs a built-in one whose stages
+write their own collectives over ``tensor`` (`jpipe.testing.TENSOR_BLOCKS`).
+``--tensor`` and ``--fsdp`` add those mesh axes.
 """
 
 from __future__ import annotations
@@ -58,6 +67,14 @@ def main(argv=None) -> int:
         help="stages per rank (V); default: the schedule's own",
     )
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
+    parser.add_argument("--fsdp", type=int, default=1, help="size of the fsdp axis")
+    parser.add_argument("--tensor", type=int, default=1, help="size of the tensor axis")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="path/to/file.py:function returning a jpipe.testing.CheckModel, or tensor:BLOCK "
+        "(mlp, attention, two_blocks, sequence); default: the built-in small model",
+    )
     parser.add_argument(
         "--layout",
         choices=("auto", "unit", "packed"),
@@ -77,8 +94,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
-        if args.data < 1:
-            raise ValueError(f"--data must be at least 1, got {args.data}")
+        for flag in ("data", "fsdp", "tensor"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
         import jax
 
         try:  # the check runs on the CPU; do not start (or grab) an accelerator
@@ -90,10 +108,13 @@ def main(argv=None) -> int:
 
         initialize()  # joins the other processes when jpipe.launch (or a cluster) started several
 
-        ensure_cpu_devices(schedule.num_ranks * args.data)
+        ensure_cpu_devices(schedule.num_ranks * args.data * args.fsdp * args.tensor)
         result = check_schedule(
             schedule,
             data=args.data,
+            fsdp=args.fsdp,
+            tensor=args.tensor,
+            model=args.model,
             rtol=args.rtol,
             tick_layout=args.layout,
             compute_dtype=args.compute_dtype,
@@ -104,10 +125,16 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result.summary()))
     else:
+        axes = "".join(
+            f" x {n} {axis}"
+            for axis, n in (("fsdp", result.fsdp), ("tensor", result.tensor))
+            if n > 1
+        )
+        model = "" if result.model == "small_model" else f", {result.model}"
         print(
-            f"{result.schedule}: {result.ranks} ranks x {result.data} data, {result.stages} "
-            f"stages, {result.microbatches} microbatches, {result.ticks} ticks "
-            f"({result.tick_layout})"
+            f"{result.schedule}: {result.ranks} ranks x {result.data} data{axes}, "
+            f"{result.stages} stages, {result.microbatches} microbatches, {result.ticks} ticks "
+            f"({result.tick_layout}){model}"
         )
         print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")

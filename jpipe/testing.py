@@ -275,6 +275,245 @@ def small_model(
     return stages, params, make_batch
 
 
+# -- models with their own collectives -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckModel:
+    """A model for `check_schedule`: stage functions, their whole parameters, a batch.
+
+    Attributes:
+      stages: the stage functions ``stage(params, x, inputs) -> y`` as the
+        pipeline runs them, each device on its block of a split array, with
+        their own collectives over the mesh's model axes (``tensor``).
+      params: one pytree per stage, the *whole* (unsplit) arrays.
+      make_batch: ``make_batch(rows, seed) -> batch``.
+      specs: one pytree per stage like its parameters, a `PartitionSpec`
+        (or None) per array: how `Pipeline.pack` splits it (None: nothing
+        split).
+      reference: stage functions of the whole model, unsplit, without
+        collectives: the reference. None: the reference is `stages` under
+        `jax.shard_map` over the model axes, as a `shard_map` user runs them
+        (``check_vma=True``), unpipelined on the whole batch.
+      name: for reports.
+    """
+
+    stages: tuple
+    params: list
+    make_batch: object
+    specs: list | None = None
+    reference: tuple | None = None
+    name: str = "model"
+
+
+TENSOR_BLOCKS = ("mlp", "attention", "two_blocks", "sequence")
+"""The blocks of `tensor_model`, each written with plain JAX collectives over
+``tensor`` as `jax.shard_map` users write them:
+
+- ``mlp``: Megatron's row-split MLP, ``x + psum(tanh(x @ w1) @ w2)``, `w1`
+  split by columns and `w2` by rows;
+- ``attention``: causal attention split by heads: q, k and v projections by
+  columns, the output projection by rows, closed by ``psum``;
+- ``two_blocks``: a mixture of experts split over ``tensor`` (each device
+  its experts, closed by ``pmean``: the mean over every expert), then the
+  row-split MLP closed by ``psum``;
+- ``sequence``: the row-split MLP with sequence parallelism: the partial
+  products summed and split over the sequence by ``psum_scatter``, a
+  nonlinearity on each device's positions, then ``all_gather(...,
+  to="invarying")`` back and the residual added.
+"""
+
+
+def tensor_model(num_stages: int, block: str = "mlp", seed: int = 0) -> CheckModel:
+    """A small model whose every stage runs a `TENSOR_BLOCKS` block split over ``tensor``.
+
+    Stage 0 embeds the tokens first, the last stage ends with a head and the
+    mean cross-entropy; every stage runs one block. Sizes: vocabulary 16,
+    width 8, 4 heads, 4 experts, MLP width 16, sequences of 4 tokens, so a
+    ``tensor`` axis of 1, 2 or 4 divides every split. The reference is the
+    same model unsplit (`CheckModel.reference`).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    if block not in TENSOR_BLOCKS:
+        raise ValueError(f"unknown block {block!r}: use one of {', '.join(TENSOR_BLOCKS)}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    V, D, H, E, L, HEADS = 16, 8, 16, 4, 4, 4
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=None):
+        # Scaled by the fan-in, so activations and the loss stay near 1 over
+        # many stages (the loss starts near log(16)).
+        scale = 0.5 / math.sqrt(shape[-2]) if scale is None else scale
+        return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+    def mlp(p, x, axis):
+        y = jnp.tanh(x @ p["w1"]) @ p["w2"]
+        return x + (y if axis is None else lax.psum(y, axis))
+
+    def attention(p, x, axis):
+        b, n, _ = x.shape
+        heads = p["wq"].shape[1] // (D // HEADS)
+
+        def split(w):
+            return (x @ w).reshape(b, n, heads, D // HEADS)
+
+        q, k, v = split(p["wq"]), split(p["wk"]), split(p["wv"])
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, n, -1)
+        y = out @ p["wo"]
+        return x + (y if axis is None else lax.psum(y, axis))
+
+    def experts(p, x, axis):
+        # Each expert: tanh(x @ w_e) @ v_e; the block adds their mean.
+        h = jnp.tanh(jnp.einsum("bnd,edf->ebnf", x, p["we"]))
+        y = jnp.einsum("ebnf,efd->ebnd", h, p["ve"])
+        y = y.mean(axis=0)
+        return x + (y if axis is None else lax.pmean(y, axis))
+
+    def sequence(p, x, axis):
+        y = jnp.tanh(x @ p["w1"]) @ p["w2"]
+        if axis is None:
+            return x + jnp.tanh(y)
+        local = jnp.tanh(lax.psum_scatter(y, axis, scatter_dimension=1, tiled=True))
+        # to="invarying": the gathered value is the same on every device, and
+        # JAX then knows it (a plain all_gather's result counts as varying).
+        return x + lax.all_gather(local, axis, axis=1, tiled=True, to="invarying")
+
+    mlp_params = lambda: {"w1": normal(D, H), "w2": normal(H, D)}  # noqa: E731
+    mlp_specs = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
+    blocks = {
+        "mlp": (
+            lambda p, x, a: mlp(p["mlp"], x, a),
+            lambda: {"mlp": mlp_params()},
+            {"mlp": mlp_specs},
+        ),
+        "attention": (
+            lambda p, x, a: attention(p["attn"], x, a),
+            lambda: {"attn": {k: normal(D, D) for k in ("wq", "wk", "wv", "wo")}},
+            {
+                "attn": {
+                    "wq": P(None, "tensor"),
+                    "wk": P(None, "tensor"),
+                    "wv": P(None, "tensor"),
+                    "wo": P("tensor", None),
+                }
+            },
+        ),
+        "two_blocks": (
+            lambda p, x, a: mlp(p["mlp"], experts(p["experts"], x, a), a),
+            lambda: {
+                "experts": {"we": normal(E, D, H), "ve": normal(E, H, D)},
+                "mlp": mlp_params(),
+            },
+            {"experts": {"we": P("tensor"), "ve": P("tensor")}, "mlp": mlp_specs},
+        ),
+        "sequence": (
+            lambda p, x, a: sequence(p["mlp"], x, a),
+            lambda: {"mlp": mlp_params()},
+            {"mlp": mlp_specs},
+        ),
+    }
+    run_block, make_block, block_specs = blocks[block]
+
+    def stage_fn(s, axis):
+        def stage(params, x, inputs):
+            if s == 0:
+                x = params["embed"][inputs["tokens"]]
+            x = run_block(params["block"], x, axis)
+            if s < num_stages - 1:
+                return x
+            logits = x @ params["head"]
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.take_along_axis(logp, inputs["targets"][..., None], axis=-1).mean()
+
+        return stage
+
+    params, specs = [], []
+    for s in range(num_stages):
+        p, sp = {"block": make_block()}, {"block": block_specs}
+        if s == 0:
+            p["embed"], sp["embed"] = normal(V, D, scale=1.0), None
+        if s == num_stages - 1:
+            p["head"], sp["head"] = normal(D, V), None
+        params.append(p)
+        specs.append(sp)
+
+    def make_batch(rows: int, seed: int = 1) -> dict:
+        r = np.random.default_rng(seed)
+        return {
+            "tokens": jnp.asarray(r.integers(0, V, (rows, L)), jnp.int32),
+            "targets": jnp.asarray(r.integers(0, V, (rows, L)), jnp.int32),
+        }
+
+    return CheckModel(
+        stages=tuple(stage_fn(s, "tensor") for s in range(num_stages)),
+        params=params,
+        make_batch=make_batch,
+        specs=specs,
+        reference=tuple(stage_fn(s, None) for s in range(num_stages)),
+        name=f"tensor_model:{block}",
+    )
+
+
+def load_model(spec: CheckModel | str, num_stages: int, seed: int = 0) -> CheckModel:
+    """A `CheckModel` as `check_schedule`'s `model` names it (see there)."""
+    if isinstance(spec, CheckModel):
+        return spec
+    spec = str(spec)
+    if spec.startswith("tensor:"):
+        return tensor_model(num_stages, spec.removeprefix("tensor:"), seed)
+    if ":" in spec and spec.split(":")[0].endswith(".py"):
+        from jpipe._registry import _load_file_function
+
+        built = _load_file_function(spec, "model")(num_stages)
+        if not isinstance(built, CheckModel):
+            raise ValueError(
+                f"{spec} returned a {type(built).__name__}; it must return a "
+                "jpipe.testing.CheckModel(stages, params, make_batch, specs, reference)"
+            )
+        return dataclasses.replace(built, name=spec) if built.name == "model" else built
+    raise ValueError(
+        f"unknown model {spec!r}: give path/to/file.py:function (returning a "
+        f"jpipe.testing.CheckModel) or tensor:BLOCK with BLOCK one of {', '.join(TENSOR_BLOCKS)}"
+    )
+
+
+def shard_map_reference(model: CheckModel, mesh, batch):
+    """`model.stages` unpipelined on the whole `batch`, under `jax.shard_map` over `mesh`.
+
+    `mesh` holds the model axes only (``tensor``); the stage functions run as
+    a `shard_map` user runs them (``check_vma=True``), each device on its
+    block of the split arrays, the batch on every device. Returns ``(loss,
+    grads)`` with the whole arrays.
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jpipe._pipeline import reference_value_and_grad
+
+    def spec_of(x):
+        return x is None or isinstance(x, P)
+
+    in_specs = [
+        jax.tree.map(lambda _: P(), p)
+        if model.specs is None or sp is None
+        else jax.tree.map(lambda spec: P() if spec is None else spec, sp, is_leaf=spec_of)
+        for p, sp in zip(model.params, model.specs or [None] * len(model.params))
+    ]
+    run = jax.shard_map(
+        lambda params, batch: reference_value_and_grad(model.stages, params, batch),
+        mesh=mesh,
+        in_specs=(in_specs, P()),
+        out_specs=(P(), in_specs),
+    )
+    return jax.jit(run)(model.params, batch)
+
+
 # -- the check -----------------------------------------------------------------
 
 
@@ -311,6 +550,9 @@ class CheckResult:
     stages: int
     microbatches: int
     data: int
+    fsdp: int = 1
+    tensor: int = 1
+    model: str = "small_model"
 
     def summary(self) -> dict:
         return dataclasses.asdict(self)
@@ -348,6 +590,9 @@ def check_schedule(
     num_chunks: int | None = None,
     *,
     data: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    model: CheckModel | str | None = None,
     rows_per_microbatch: int = 2,
     rtol: float = 1e-5,
     seed: int = 0,
@@ -366,7 +611,16 @@ def check_schedule(
       num_ranks, num_microbatches, num_chunks: for a schedule built by name or
         function (a CSV or a Schedule carries its own).
       data: the size of a ``data`` mesh axis to split the batch over.
-      rows_per_microbatch: rows per microbatch per data shard.
+      fsdp, tensor: the sizes of the ``fsdp`` axis (splits the batch and
+        every parameter) and the ``tensor`` axis (splits what the model's
+        specs say; its stages' own collectives run over it).
+      model: the model to run instead of the built-in one (`small_model`):
+        a `CheckModel` (your own stage functions, whole parameters, specs
+        and reference), ``"path/to/file.py:function"`` for a function of the
+        number of stages that returns one, or ``"tensor:BLOCK"`` for
+        `tensor_model` with a `TENSOR_BLOCKS` block. `scan_layers`,
+        `activations` and `compute_dtype` then do not apply.
+      rows_per_microbatch: rows per microbatch per data (and fsdp) shard.
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       seed: for the model's weights and the batch.
       tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
@@ -391,25 +645,39 @@ def check_schedule(
     schedule = get_schedule(spec, num_ranks, num_microbatches, num_chunks, **options)
     info = analyze(schedule)
     R, S, M = schedule.num_ranks, info.num_stages, info.num_microbatches
-    ensure_cpu_devices(R * data)
+    devices_needed = R * data * fsdp * tensor
+    ensure_cpu_devices(devices_needed)
 
     import jax
+    import numpy as np
 
     from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
 
-    stages, params, make_batch = small_model(S, seed, scan_layers, activations, compute_dtype)
-    batch = make_batch(M * rows_per_microbatch * data, seed + 1)
+    if model is None:
+        stages, params, make_batch = small_model(S, seed, scan_layers, activations, compute_dtype)
+        model = CheckModel(stages, params, make_batch, reference=stages, name="small_model")
+    else:
+        model = load_model(model, S, seed)
+        if len(model.stages) != S:
+            raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {S}")
+    batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
-    mesh = make_mesh(R, data, devices[: R * data])
-    pipe = Pipeline(stages, schedule, mesh, tick_layout=tick_layout, control=control)
-    packed = pipe.pack(params)
+    mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
+    pipe = Pipeline(model.stages, schedule, mesh, tick_layout=tick_layout, control=control)
+    packed = pipe.pack(model.params, model.specs)
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
     loss, grads = compiled(packed, placed)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
         # Float32: the whole batch at once. Lower precision: the same microbatches.
         split = 1 if compute_dtype == "float32" else M
-        ref_loss, ref_grads = reference_value_and_grad(stages, params, batch, split)
+        if model.reference is not None:
+            ref_loss, ref_grads = reference_value_and_grad(
+                model.reference, model.params, batch, split
+            )
+        else:
+            model_mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
+            ref_loss, ref_grads = shard_map_reference(model, model_mesh, batch)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
     memory = compiled.memory_analysis()
     return CheckResult(
@@ -429,4 +697,7 @@ def check_schedule(
         stages=S,
         microbatches=M,
         data=data,
+        fsdp=fsdp,
+        tensor=tensor,
+        model=model.name,
     )

@@ -7,7 +7,8 @@ must give the unpipelined loss and gradients, with the checker's model
 unrolled or with its blocks in `lax.scan` (whose backward is split into an
 I-scan and a W-scan), with a random pytree of float32, bfloat16 and float16
 leaves passed across each stage boundary, and with or without a data axis of
-2 beside the pipe axis. A corrupted one (an action
+2 beside the pipe axis; and with stages that write their own collectives
+over tensor, on meshes with tensor, fsdp and data axes. A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
 """
@@ -81,6 +82,30 @@ def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data
         schedule, data=data, tick_layout=layout, scan_layers=scan_layers, activations=kinds
     )
     assert result.passed, (schedule, layout, scan_layers, kinds, data, result)
+
+
+# Meshes of up to 8 devices beside a pipe axis of up to 2 ranks.
+model_meshes = st.sampled_from(
+    [{"tensor": 2}, {"fsdp": 2, "tensor": 2}, {"data": 2, "tensor": 2}, {"tensor": 4}, {"fsdp": 2}]
+)
+
+
+@slow
+@given(
+    sizes.map(lambda t: (t[0], min(t[1], 2), max(min(t[1], 2), t[2]), t[3])),
+    st.sampled_from(testing.TENSOR_BLOCKS),
+    model_meshes,
+    st.sampled_from(["unit", "packed"]),
+)
+def test_random_schedules_with_plain_collectives_are_exact(size, block, axes, layout):
+    # Every stage runs a block that writes its own psum, pmean, psum_scatter
+    # or all_gather over "tensor" (jpipe.testing.tensor_model), on meshes
+    # with tensor, fsdp and data axes beside pipe.
+    seed, ranks, stages, microbatches = size
+    schedule = random_schedule(seed, ranks, stages, microbatches)
+    jpipe.validate(schedule)
+    result = testing.check_schedule(schedule, model=f"tensor:{block}", tick_layout=layout, **axes)
+    assert result.passed, (schedule, block, axes, layout, result)
 
 
 def test_small_model_refuses_unknown_activations():

@@ -11,8 +11,10 @@ float32, and each device holds only its blocks.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jpipe
@@ -136,3 +138,194 @@ def test_init_makes_each_device_only_its_block():
         memory = program.lower(key).compile().memory_analysis()
         assert memory.output_size_in_bytes < 1.1 * block
         assert memory.output_size_in_bytes + memory.temp_size_in_bytes < 0.7 * stage_bytes[r]
+
+
+# -- stages that write their own collectives -----------------------------------
+#
+# `jpipe.testing.tensor_model`'s blocks use plain JAX collectives over
+# "tensor", as `jax.shard_map` users write them (no custom_vjp wrappers). The
+# pipeline traces each stage as one device sees it, under JAX's rules for
+# varying values (`jpipe._manual`), so their gradients must equal the unsplit
+# model's. 8 fake devices: pipe 3 x tensor 2, and pipe 2 x fsdp 2 x tensor 2.
+COLLECTIVE_MESHES = {
+    "pipe3-tensor2": (3, {"tensor": 2}),
+    "pipe2-fsdp2-tensor2": (2, {"fsdp": 2, "tensor": 2}),
+}
+COLLECTIVE_SCHEDULES = (("1f1b", None), ("zb_h1", None), ("interleaved_1f1b", 2))
+
+
+@pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
+@pytest.mark.parametrize("block", ["mlp", "attention", "two_blocks"])
+def test_plain_collectives_give_the_unsplit_models_gradients(block, mesh):
+    ranks, axes = COLLECTIVE_MESHES[mesh]
+    for name, chunks in COLLECTIVE_SCHEDULES:
+        result = testing.check_schedule(name, ranks, 4, chunks, model=f"tensor:{block}", **axes)
+        assert result.passed, (name, result.max_rel_err)
+        assert result.max_rel_err <= RTOL
+
+
+@pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
+def test_sequence_parallelism_inside_a_stage(mesh):
+    # psum_scatter splits a block's sum over the sequence, each device works
+    # on its positions, all_gather(..., to="invarying") gathers them back.
+    ranks, axes = COLLECTIVE_MESHES[mesh]
+    for name, chunks in COLLECTIVE_SCHEDULES[:2]:
+        result = testing.check_schedule(name, ranks, 4, chunks, model="tensor:sequence", **axes)
+        assert result.passed, (name, result.max_rel_err)
+
+
+def test_the_reference_can_be_the_stages_under_shard_map():
+    # No unsplit functions: the reference is the user's own stages under
+    # jax.shard_map (check_vma=True) on the whole batch, unpipelined.
+    model = testing.tensor_model(3, "two_blocks")
+    without = testing.CheckModel(model.stages, model.params, model.make_batch, model.specs)
+    result = testing.check_schedule("1f1b", 3, 4, model=without, tensor=2)
+    assert result.passed, result.max_rel_err
+    # ... and it is the unsplit model.
+    assert result.reference_loss == pytest.approx(
+        testing.check_schedule("1f1b", 3, 4, model=model, tensor=2).reference_loss, rel=1e-6
+    )
+
+
+def test_without_the_varying_rules_the_gradients_are_wrong(monkeypatch):
+    # What this guards against: traced with the axis names merely bound (as
+    # before), psum transposes to psum and the input's cotangent is never
+    # summed over tensor: the row-split MLP's split weights get 2x gradients.
+    from jpipe import _lower
+
+    monkeypatch.setattr(_lower, "DeviceView", lambda *args: None)  # trace as before
+    result = testing.check_schedule("1f1b", 3, 4, model="tensor:mlp", tensor=2)
+    assert not result.passed and result.max_rel_err > 0.3, result.max_rel_err
+
+
+def _collective_stage(collective):
+    def stage(params, x, inputs):
+        return collective(jnp.tanh(x @ params["w"]))
+
+    return stage
+
+
+def _pipeline_with(middle, axes=None):
+    """A 3-stage pipeline whose middle stage is `middle`; the others plain."""
+    model = testing.tensor_model(3, "mlp")
+    stages = (model.stages[0], middle, model.stages[2])
+    params = [model.params[0], {"w": np.eye(8, dtype=np.float32)}, model.params[2]]
+    specs = [model.specs[0], {"w": None}, model.specs[2]]
+    mesh = jpipe.make_mesh(3, tensor=2)
+    pipe = jpipe.Pipeline(stages, jpipe.get_schedule("1f1b", 3, 4), mesh)
+    packed = pipe.pack(params, specs)
+    batch = jax.device_put(model.make_batch(8), pipe.batch_sharding)
+    return pipe, packed, batch, (stages, params, model)
+
+
+@pytest.mark.parametrize(
+    "collective,named",
+    [
+        (lambda y: lax.pmean(y, "pipe"), "psum"),
+        (lambda y: lax.psum(y * (1 + lax.axis_index("tensor")), ("tensor", "pipe")), "psum"),
+        (lambda y: lax.ppermute(y, "pipe", [(0, 1), (1, 2), (2, 0)]), "ppermute"),
+        (lambda y: lax.all_gather(y, "pipe", axis=0, tiled=True)[: y.shape[0]], "all_gather"),
+    ],
+    ids=["pmean", "psum-two-axes", "ppermute", "all_gather"],
+)
+def test_a_collective_over_pipe_is_refused_before_compiling(collective, named):
+    pipe, packed, batch, _ = _pipeline_with(_collective_stage(collective))
+    with pytest.raises(
+        ValueError, match=rf"stage 1 calls {named}\S* over the pipeline axis 'pipe'"
+    ):
+        pipe.value_and_grad(packed, batch)
+    assert pipe.compile_seconds is None  # refused while tracing: nothing compiled
+
+
+def test_axis_index_over_pipe_is_allowed_and_exact():
+    def stage(params, x, inputs):  # a rank-dependent scale, 1 on every rank
+        rank = lax.axis_index("pipe").astype(jnp.float32)
+        return jnp.tanh(x @ params["w"]) * (1.0 + 0.0 * rank)
+
+    def plain(params, x, inputs):
+        return jnp.tanh(x @ params["w"])
+
+    pipe, packed, batch, (stages, params, model) = _pipeline_with(stage)
+    loss, grads = pipe.value_and_grad(packed, batch)
+    reference = (model.reference[0], plain, model.reference[2])
+    want = jpipe.reference_value_and_grad(reference, params, model.make_batch(8))
+    assert testing.compare((loss, pipe.unpack(grads)), want)[1] <= RTOL
+
+
+def test_an_output_that_still_varies_over_tensor_is_refused():
+    # A column-split matmul with nothing to close it: each device has its
+    # own half of the features, which the next stage cannot take.
+    def split_out(params, x, inputs):
+        return jnp.tanh(x @ params["w"])
+
+    model = testing.tensor_model(3, "mlp")
+    stages = (model.stages[0], split_out, model.stages[2])
+    params = [model.params[0], {"w": np.ones((8, 8), np.float32)}, model.params[2]]
+    specs = [model.specs[0], {"w": P(None, "tensor")}, model.specs[2]]
+    pipe = jpipe.Pipeline(stages, jpipe.get_schedule("1f1b", 3, 4), jpipe.make_mesh(3, tensor=2))
+    packed = pipe.pack(params, specs)
+    batch = jax.device_put(model.make_batch(8), pipe.batch_sharding)
+    with pytest.raises(
+        ValueError,
+        match=r"stage 1 returns an output that differs between the "
+        r"devices of 'tensor'.*to=\"invarying\"",
+    ):
+        pipe.value_and_grad(packed, batch)
+
+
+_USER_MODEL = '''
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jpipe.testing import CheckModel
+
+
+def build(num_stages):
+    """A user's row-split MLP stages, checked against themselves under jax.shard_map."""
+    rng = np.random.default_rng(0)
+
+    def make_stage(last):
+        def stage(params, x, inputs):
+            x = inputs["x"] if x is None else x
+            x = x + lax.psum(jnp.tanh(x @ params["w1"]) @ params["w2"], "tensor")
+            return jnp.mean((x - inputs["y"]) ** 2) if last else x
+
+        return stage
+
+    stages = tuple(make_stage(s == num_stages - 1) for s in range(num_stages))
+    params = [
+        {"w1": rng.normal(size=(4, 8)).astype(np.float32) * 0.3,
+         "w2": rng.normal(size=(8, 4)).astype(np.float32) * 0.3}
+        for _ in range(num_stages)
+    ]
+    specs = [{"w1": P(None, "tensor"), "w2": P("tensor", None)}] * num_stages
+
+    def make_batch(rows, seed=1):
+        r = np.random.default_rng(seed)
+        return {"x": r.normal(size=(rows, 4)).astype(np.float32),
+                "y": r.normal(size=(rows, 4)).astype(np.float32)}
+
+    return CheckModel(stages, params, make_batch, specs)
+'''
+
+
+def test_the_checker_runs_a_users_own_stages(tmp_path, capsys):
+    import json
+
+    from jpipe import check
+
+    path = tmp_path / "my_model.py"
+    path.write_text(_USER_MODEL)
+    argv = ["zb_h1", "-r", "2", "-m", "4", "--tensor", "2", "--fsdp", "2", "--model"]
+    assert check.main([*argv, f"{path}:build", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["tensor"], result["fsdp"], result["model"]) == (2, 2, f"{path}:build")
+    assert result["passed"] and result["max_rel_err"] <= RTOL
+    assert check.main(["1f1b", "-r", "3", "-m", "4", "--tensor", "2", "--model", "tensor:mlp"]) == 0
+    assert "x 2 tensor" in capsys.readouterr().out
+    assert check.main(["1f1b", "-r", "2", "-m", "4", "--model", "tensor:conv"]) == 2
+    assert "unknown block 'conv'" in capsys.readouterr().err
+    assert check.main(["1f1b", "-r", "2", "-m", "4", "--model", f"{tmp_path}/none.py:f"]) == 2
+    assert "model file" in capsys.readouterr().err

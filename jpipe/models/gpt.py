@@ -42,7 +42,6 @@ is `jpipe.models.split_flax_model`'s, as for any embed/blocks/head model.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -166,40 +165,6 @@ class _Embed(nn.Module):
         return row_dropout(x_BxLxD.astype(c.dtype), keys, c.dropout)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _into_tensor(x, axis):
-    """Megatron's *f*: the same value on every device of `axis`; its gradient summed over it."""
-    return x
-
-
-def _into_tensor_fwd(x, axis):
-    return x, None
-
-
-def _into_tensor_bwd(axis, _, g):
-    return (lax.psum(g, axis),)
-
-
-_into_tensor.defvjp(_into_tensor_fwd, _into_tensor_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _out_of_tensor(x, axis):
-    """Megatron's *g*: the devices' partial results summed over `axis`; the gradient as is."""
-    return lax.psum(x, axis)
-
-
-def _out_of_tensor_fwd(x, axis):
-    return lax.psum(x, axis), None
-
-
-def _out_of_tensor_bwd(axis, _, g):
-    return (g,)
-
-
-_out_of_tensor.defvjp(_out_of_tensor_fwd, _out_of_tensor_bwd)
-
-
 class _RowSplitDense(nn.Module):
     """`nn.Dense` whose input features may be split over a tensor axis.
 
@@ -223,7 +188,7 @@ class _RowSplitDense(nn.Module):
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if self.tensor_axis is not None:
-            y = _out_of_tensor(y, self.tensor_axis)
+            y = lax.psum(y, self.tensor_axis)
         return y + bias
 
 
@@ -244,20 +209,17 @@ class _Block(nn.Module):
         dtype = jnp.dtype(c.dtype)
         b, length, d = x_BxLxD.shape
         axis = self.tensor_axis
-        t = 1 if axis is None else lax.psum(1, axis)
+        t = 1 if axis is None else lax.axis_size(axis)
         if c.num_heads % t or c.d_ff % t:
             raise ValueError(
                 f"a {t}-way tensor axis must divide num_heads={c.num_heads} and d_ff={c.d_ff}"
             )
         h, k = c.num_heads // t, c.d_model // c.num_heads  # this device's heads
 
-        def into(y):
-            return y if axis is None else _into_tensor(y, axis)
-
         # GPT-2 scales the init of the projections into the residual stream so
         # that its variance does not grow with depth.
         residual_std = _INIT_STD / math.sqrt(2 * c.num_layers)
-        y_BxLxD = into(nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD))
+        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD)
         # Heads major, then (q, k, v): split by columns over the tensor axis,
         # each device holds whole heads.
         qkv_BxLxHx3xK = _dense(3 * h * k, "qkv", dtype)(y_BxLxD).reshape(b, length, h, 3, k)
@@ -268,7 +230,7 @@ class _Block(nn.Module):
         )
         x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
 
-        y_BxLxD = into(nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD))
+        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD)
         y_BxLxF = nn.gelu(_dense(c.d_ff // t, "mlp_in", dtype)(y_BxLxD))
         y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="mlp_out")(y_BxLxF)
         return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
