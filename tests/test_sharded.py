@@ -329,3 +329,32 @@ def test_the_checker_runs_a_users_own_stages(tmp_path, capsys):
     assert "unknown block 'conv'" in capsys.readouterr().err
     assert check.main(["1f1b", "-r", "2", "-m", "4", "--model", f"{tmp_path}/none.py:f"]) == 2
     assert "model file" in capsys.readouterr().err
+
+
+def test_a_stage_may_average_over_the_batch_axes():
+    # Cross-replica statistics: the middle stages centre their activations
+    # on the mean over the microbatch's rows, which data and fsdp split:
+    # lax.pmean over both. The reference centres on each whole microbatch.
+    model = testing.tensor_model(4, "mlp")
+
+    def centred(axes):
+        def stage(params, x, inputs):
+            mean = x.mean(axis=(0, 1))
+            return jnp.tanh((x - (lax.pmean(mean, axes) if axes else mean)) @ params["w"])
+
+        return stage
+
+    middle = {"w": np.eye(8, dtype=np.float32) * 0.9}
+    params = [model.params[0], middle, middle, model.params[3]]
+    specs = [model.specs[0], {"w": None}, {"w": None}, model.specs[3]]
+    M = 4
+    batch = model.make_batch(M * 2 * 4)
+    reference = (model.reference[0], centred(()), centred(()), model.reference[3])
+    want = jpipe.reference_value_and_grad(reference, params, batch, M)
+    for axes in ({"data": 2}, {"data": 2, "fsdp": 2}):
+        stages = (model.stages[0], centred(tuple(axes)), centred(tuple(axes)), model.stages[3])
+        schedule = jpipe.get_schedule("interleaved_1f1b", 2, M)
+        pipe = jpipe.Pipeline(stages, schedule, jpipe.make_mesh(2, **axes))
+        packed = pipe.pack(params, specs)
+        loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
+        assert testing.compare((loss, pipe.unpack(grads)), want)[1] <= RTOL, axes
