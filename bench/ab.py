@@ -57,14 +57,26 @@ def export_base(rev: str, root: str) -> str:
 
 
 def instructions(hlo: str) -> str:
-    """The optimized HLO without metadata and source locations."""
+    """The optimized HLO without metadata, source locations and instruction names.
+
+    XLA names an instruction after the JAX operation it came from and numbers
+    it in the order of tracing (``%broadcast_in_dim.1148``), so a change in how
+    the program is traced renames instructions of the very same program:
+    names are replaced by ``%v0, %v1, ...`` in order of first appearance.
+    """
     hlo = re.sub(r"jpipe_base", "jpipe", hlo)
     hlo = re.sub(r"metadata=\{[^}]*\}", "", hlo)
     hlo = re.sub(r",? ?stack_frame_id=\d+", "", hlo)
     keep = [
         line for line in hlo.splitlines() if " = " in line or line.startswith(("ENTRY", "%", "}"))
     ]
-    return "\n".join(keep)
+    names: dict = {}
+
+    def anonymous(match):
+        return names.setdefault(match.group(0), f"%v{len(names)}")
+
+    text = re.sub(r"(region|computation)_\d+(\.\d+)*", "region", "\n".join(keep))
+    return re.sub(r"%[\w.\-]+", anonymous, text)
 
 
 def main(argv=None) -> int:

@@ -13,9 +13,9 @@ sample of the running Python's standard library source) falls from 5.52 nats
 2.4107 measured on Python 3.11 with jax 0.10.2, 5.5248 -> 2.3866 on Python
 3.13 with jax 0.12.0; each Python's library is other text; the README's table
 has every evaluation). 0.44M parameters, 300 steps of 32 x 64 tokens: on a
-2-core CPU `python train.py` takes about 2 minutes in all (compiles, 7
-evaluations and 3 checkpoints included), 6,800 to 7,500 tokens/s at a median
-step of 270-300 ms.
+2-core CPU `python train.py` takes 67 s in all on a quiet machine (compiles,
+7 evaluations and 3 checkpoints included; a median step of 163 ms, 12,600
+tokens/s, Python 3.11) and about 2 minutes on a loaded one (270-300 ms).
 The 8 fake devices share the 2 cores, so this shows no pipeline speed-up; the
 same config with ``--config.mesh.pipe=1`` gives the same losses to float32
 precision (tests/test_train.py).

@@ -264,3 +264,18 @@ def test_the_8_gpu_config_prepares_with_the_parameters_it_states():
     count = jpipe.models.gpt.num_params(jax.eval_shape(model.init, jax.random.key(0)))
     doc = ast.get_docstring(ast.parse(Path(mesh_memory.CONFIG_FILE).read_text()))
     assert count == 1_416_552_448 and f"{count:,}" in doc
+
+
+def test_ab_compares_programs_not_their_instruction_names():
+    from bench.ab import instructions
+
+    def program(names, op="add"):
+        a, b, c = names
+        return (
+            f"ENTRY %main.{a} (p: f32[2]) -> f32[2] {{\n"
+            f"  %p.{b} = f32[2]{{0}} parameter(0), metadata={{op_name=\"x\"}}\n"
+            f"  ROOT %{op}.{c} = f32[2]{{0}} {op}(%p.{b}, %p.{b})\n}}"
+        )
+
+    assert instructions(program((1, 2, 3))) == instructions(program((7, 9, 11)))
+    assert instructions(program((1, 2, 3))) != instructions(program((1, 2, 3), "multiply"))
