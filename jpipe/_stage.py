@@ -80,6 +80,12 @@ unrolled backward drops as dead code (JAX's own transpose does the same).
 
 Values between pieces are kept as flat vectors, one per dtype (`FlatLayout`),
 so that the stages, whose pytrees differ, can share fixed-size buffers.
+
+Collectives. Given a `jpipe._manual.DeviceView` (the pipeline always gives
+one), the forward and the backward are traced as one device of the mesh sees
+them, under JAX's rules for varying values, so that a stage's own
+``lax.psum`` over ``tensor`` gets JAX's own gradients; what is split above is
+that program with JAX's casts removed (`jpipe._manual`).
 """
 
 from __future__ import annotations
@@ -582,8 +588,10 @@ def _rebuilder(closed: ClosedJaxpr, res_vars: list, n_p: int, n_x: int) -> Calla
 def _make_jaxpr(fn, args: tuple, vmas, view: DeviceView | None, name: str):
     """``jax.make_jaxpr(fn)(*args)``, traced as one device of `view` sees it when given.
 
-    `vmas` is a function of the flat arguments' count giving each one's
-    varying axes. Returns ``(closed, out_vmas)`` (None without a view).
+    `vmas` lists the varying axes of each of the flattened `args`' leaves.
+    Returns ``(closed, out_vmas)``: the jaxpr to split (without JAX's casts,
+    `jpipe._manual.without_casts`) and each output's varying axes (None
+    without a view). A collective over the pipeline axis is refused here.
     """
     if view is None:
         return jax.make_jaxpr(fn)(*args), None
