@@ -273,7 +273,7 @@ def test_ab_compares_programs_not_their_instruction_names():
         a, b, c = names
         return (
             f"ENTRY %main.{a} (p: f32[2]) -> f32[2] {{\n"
-            f"  %p.{b} = f32[2]{{0}} parameter(0), metadata={{op_name=\"x\"}}\n"
+            f'  %p.{b} = f32[2]{{0}} parameter(0), metadata={{op_name="x"}}\n'
             f"  ROOT %{op}.{c} = f32[2]{{0}} {op}(%p.{b}, %p.{b})\n}}"
         )
 
