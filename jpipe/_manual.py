@@ -58,6 +58,19 @@ from jax.sharding import PartitionSpec as P
 
 # Casts between invariant and varying values: identities at run time.
 _CASTS = frozenset({"pvary", "pcast"})
+# The `jax.lax` functions that bind each collective primitive, for messages.
+_USER_NAMES = {
+    "psum": "lax.psum (or lax.pmean)",
+    "psum_invariant": "lax.psum (or lax.pmean)",
+    "pmax": "lax.pmax",
+    "pmin": "lax.pmin",
+    "ppermute": "lax.ppermute",
+    "all_gather": "lax.all_gather",
+    "all_gather_invariant": "lax.all_gather",
+    "reduce_scatter": "lax.psum_scatter",
+    "all_to_all": "lax.all_to_all",
+    "pbroadcast": "lax.pbroadcast",
+}
 # Not communication: allowed over any axis.
 _NOT_COLLECTIVES = _CASTS | {"axis_index"}
 
@@ -93,8 +106,9 @@ class DeviceView:
         """Refuses a collective over the pipeline axis anywhere in `closed`."""
         found = collectives_over(closed, self.pipe_axis)
         if found:
+            called = _USER_NAMES.get(found[0], found[0])
             raise ValueError(
-                f"{stage} calls {found[0]} over the pipeline axis {self.pipe_axis!r}: in a "
+                f"{stage} calls {called} over the pipeline axis {self.pipe_axis!r}: in a "
                 f"tick the ranks of {self.pipe_axis!r} run different stages (or none), so a "
                 "collective over it would wait for ranks that never join it (a hang on GPUs, "
                 "a rendezvous timeout on CPUs). Collectives over the other axes "

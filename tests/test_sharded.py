@@ -225,13 +225,17 @@ def _pipeline_with(middle, axes=None):
         (lambda y: lax.psum(y * (1 + lax.axis_index("tensor")), ("tensor", "pipe")), "psum"),
         (lambda y: lax.ppermute(y, "pipe", [(0, 1), (1, 2), (2, 0)]), "ppermute"),
         (lambda y: lax.all_gather(y, "pipe", axis=0, tiled=True)[: y.shape[0]], "all_gather"),
+        (
+            lambda y: lax.psum_scatter(jnp.tile(y, (3, 1, 1)), "pipe", tiled=True),
+            "psum_scatter",
+        ),
     ],
-    ids=["pmean", "psum-two-axes", "ppermute", "all_gather"],
+    ids=["pmean", "psum-two-axes", "ppermute", "all_gather", "psum_scatter"],
 )
 def test_a_collective_over_pipe_is_refused_before_compiling(collective, named):
     pipe, packed, batch, _ = _pipeline_with(_collective_stage(collective))
     with pytest.raises(
-        ValueError, match=rf"stage 1 calls {named}\S* over the pipeline axis 'pipe'"
+        ValueError, match=rf"stage 1 calls lax\.{named}\b.* over the pipeline axis 'pipe'"
     ):
         pipe.value_and_grad(packed, batch)
     assert pipe.compile_seconds is None  # refused while tracing: nothing compiled
