@@ -143,7 +143,7 @@ def switch_writes_in_place(platform: str) -> bool:
     buffer in each writing branch; 0.12's updates it in place.
     """
     rows = 4096
-    device = jax.devices(platform)[0]
+    device = jax.local_devices(backend=platform)[0]  # addressable in every process
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def writer(k):
