@@ -26,7 +26,6 @@ schedule this prints, for both shapes:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -71,7 +70,7 @@ def timed_pair(work, name: str, chunks: int, M: int, reps: int, all_idle: bool) 
 
 
 def run(args) -> list[dict]:
-    config = dataclasses.replace(TINY) if args.quick else memory.GPT2_SMALL
+    config = TINY if args.quick else memory.GPT2_SMALL
     work = get_workload("tiny-gpt" if args.quick else "gpt")
     schedules = (SCHEDULES[0], SCHEDULES[3]) if args.quick else SCHEDULES
     reps = 3 if args.quick else args.reps

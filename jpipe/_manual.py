@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -97,10 +97,9 @@ class DeviceView:
         """The axes every value of a stage varies over: ``pipe`` and the batch axes."""
         return frozenset((self.pipe_axis, *self.batch_axes))
 
-    @property
-    def model_axes(self) -> tuple[str, ...]:
-        """The other axes (``tensor``): a stage's activations are invariant over them."""
-        return tuple(a for a in self.mesh.axis_names if a not in self.always)
+    def param_vmas(self) -> list[frozenset]:
+        """Per parameter leaf, the axes it varies over: `always` and its spec's."""
+        return [self.always | axes for axes in self.param_axes]
 
     def check(self, closed: ClosedJaxpr, stage: str) -> None:
         """Refuses a collective over the pipeline axis anywhere in `closed`."""
@@ -226,9 +225,8 @@ def _has_casts(jaxpr) -> bool:
             return True
         if any(varying_axes(v.aval) for v in eqn.outvars):
             return True
-        for _, value in _sub_jaxprs(eqn.params):
-            if any(_has_casts(j.jaxpr if hasattr(j, "jaxpr") else j) for j in _each_jaxpr(value)):
-                return True
+        if any(_has_casts(sub) for sub in jaxprs_in_params(eqn.params)):
+            return True
     return False
 
 
@@ -327,9 +325,8 @@ def collectives_over(closed: ClosedJaxpr, axis: str) -> list[str]:
             name = eqn.primitive.name
             if name not in _NOT_COLLECTIVES and axis in _axes_named(eqn.params):
                 found.append(name)
-            for _, value in _sub_jaxprs(eqn.params):
-                for j in _each_jaxpr(value):
-                    walk(j.jaxpr if hasattr(j, "jaxpr") else j)
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
 
     walk(closed.jaxpr)
     return found

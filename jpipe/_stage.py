@@ -631,7 +631,7 @@ def _trace_forward(fn, params, x, inputs, view=None, name="stage") -> _Forward:
     n_rest = len(jax.tree.leaves(inputs)) + n_x
     vmas = None
     if view is not None:
-        vmas = [view.always | axes for axes in view.param_axes] + [view.always] * n_rest
+        vmas = view.param_vmas() + [view.always] * n_rest
     closed, out_vmas = _make_jaxpr(forward_all, (params, x, inputs), vmas, view, name)
     jaxpr = closed.jaxpr
     p_vars = jaxpr.invars[:n_p]
@@ -1007,7 +1007,7 @@ def _split_backward(forward: _Forward, params, x, inputs, view=None, name="stage
     vmas = None
     if view is not None:
         vmas = (
-            [view.always | axes for axes in view.param_axes]
+            view.param_vmas()
             + [view.always] * len(in_avals)
             + list(forward.residual_vmas)
             + list(forward.y_vmas)
