@@ -8,76 +8,80 @@ Everything before the lowering is pure Python and needs no devices.
 Glossary for shapes and sizes, used throughout: S stages, R ranks (devices on
 the ``pipe`` mesh axis), V chunks (stages) per rank, M microbatches, B
 microbatch size, L sequence length, D model width.
+
+Names are imported when first used (PEP 562 `__getattr__`), so ``import
+jpipe`` and the schedule language (`F`, `B`, `register_schedule`, `validate`,
+`simulate`) do not import JAX: ``python -m jpipe.show`` starts in a fraction
+of a second. The subpackages `jpipe.testing`, `jpipe.models`, `jpipe.train`
+and `jpipe.planning` are reachable the same way after ``import jpipe``.
 """
 
-from jpipe._devices import describe_devices, use_cpu_devices
-from jpipe._distributed import exit_now as exit_distributed
-from jpipe._distributed import initialize as initialize_distributed
-from jpipe._launch import launch as launch_local
-from jpipe._lower import Program
-from jpipe._partition import partition as partition_layers
-from jpipe._pipeline import (
-    Pipeline,
-    make_mesh,
-    microbatches,
-    reference_value_and_grad,
-    run_stages,
-    split_microbatches,
-)
-from jpipe._plan import LAYOUTS as TICK_LAYOUTS
-from jpipe._plan import Plan, Transfers, make_plan, pack_lifetimes
-from jpipe._planner import ClusterPlan, DeviceGroup, read_plan_file
-from jpipe._planner import evaluate as evaluate_plan
-from jpipe._planner import plan as plan_cluster
-from jpipe._profile import load_sailor_profile
-from jpipe._registry import get_schedule, register_schedule, registered_schedules
-from jpipe._schedule import Action, B, F, I, Overlap, Schedule, W
-from jpipe._simulate import Costs, Simulation, Sizes, simulate
-from jpipe._stage import StageKernels, WeightedLoss, stage_pieces
-from jpipe._validate import ScheduleError, validate
+from __future__ import annotations
 
-__all__ = [
-    "Action",
-    "B",
-    "ClusterPlan",
-    "Costs",
-    "DeviceGroup",
-    "F",
-    "I",
-    "Overlap",
-    "Pipeline",
-    "Plan",
-    "Program",
-    "Schedule",
-    "ScheduleError",
-    "Simulation",
-    "Sizes",
-    "StageKernels",
-    "TICK_LAYOUTS",
-    "Transfers",
-    "W",
-    "WeightedLoss",
-    "describe_devices",
-    "evaluate_plan",
-    "exit_distributed",
-    "get_schedule",
-    "initialize_distributed",
-    "launch_local",
-    "load_sailor_profile",
-    "make_mesh",
-    "make_plan",
-    "microbatches",
-    "pack_lifetimes",
-    "partition_layers",
-    "plan_cluster",
-    "read_plan_file",
-    "reference_value_and_grad",
-    "register_schedule",
-    "registered_schedules",
-    "run_stages",
-    "simulate",
-    "split_microbatches",
-    "stage_pieces",
-    "use_cpu_devices",
-    "validate",
-]
+import importlib
+
+# Each public name: (module, attribute in it).
+_EXPORTS = {
+    "Action": ("jpipe._schedule", "Action"),
+    "B": ("jpipe._schedule", "B"),
+    "ClusterPlan": ("jpipe._planner", "ClusterPlan"),
+    "Costs": ("jpipe._simulate", "Costs"),
+    "DeviceGroup": ("jpipe._planner", "DeviceGroup"),
+    "F": ("jpipe._schedule", "F"),
+    "I": ("jpipe._schedule", "I"),
+    "Overlap": ("jpipe._schedule", "Overlap"),
+    "Pipeline": ("jpipe._pipeline", "Pipeline"),
+    "Plan": ("jpipe._plan", "Plan"),
+    "Program": ("jpipe._lower", "Program"),
+    "Schedule": ("jpipe._schedule", "Schedule"),
+    "ScheduleError": ("jpipe._validate", "ScheduleError"),
+    "Simulation": ("jpipe._simulate", "Simulation"),
+    "Sizes": ("jpipe._simulate", "Sizes"),
+    "StageKernels": ("jpipe._stage", "StageKernels"),
+    "TICK_LAYOUTS": ("jpipe._plan", "LAYOUTS"),
+    "Transfers": ("jpipe._plan", "Transfers"),
+    "W": ("jpipe._schedule", "W"),
+    "WeightedLoss": ("jpipe._stage", "WeightedLoss"),
+    "describe_devices": ("jpipe._devices", "describe_devices"),
+    "evaluate_plan": ("jpipe._planner", "evaluate"),
+    "exit_distributed": ("jpipe._distributed", "exit_now"),
+    "get_schedule": ("jpipe._registry", "get_schedule"),
+    "initialize_distributed": ("jpipe._distributed", "initialize"),
+    "launch_local": ("jpipe._launch", "launch"),
+    "load_sailor_profile": ("jpipe._profile", "load_sailor_profile"),
+    "make_mesh": ("jpipe._pipeline", "make_mesh"),
+    "make_plan": ("jpipe._plan", "make_plan"),
+    "microbatches": ("jpipe._pipeline", "microbatches"),
+    "pack_lifetimes": ("jpipe._plan", "pack_lifetimes"),
+    "partition_layers": ("jpipe._partition", "partition"),
+    "plan_cluster": ("jpipe._planner", "plan"),
+    "read_plan_file": ("jpipe._planner", "read_plan_file"),
+    "reference_value_and_grad": ("jpipe._pipeline", "reference_value_and_grad"),
+    "register_schedule": ("jpipe._registry", "register_schedule"),
+    "registered_schedules": ("jpipe._registry", "registered_schedules"),
+    "run_stages": ("jpipe._pipeline", "run_stages"),
+    "simulate": ("jpipe._simulate", "simulate"),
+    "split_microbatches": ("jpipe._pipeline", "split_microbatches"),
+    "stage_pieces": ("jpipe._stage", "stage_pieces"),
+    "use_cpu_devices": ("jpipe._devices", "use_cpu_devices"),
+    "validate": ("jpipe._validate", "validate"),
+}
+_SUBPACKAGES = ("models", "planning", "testing", "train")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attr)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"jpipe.{name}")
+    else:
+        raise AttributeError(f"module 'jpipe' has no attribute {name!r}")
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))
