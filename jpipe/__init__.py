@@ -13,7 +13,7 @@ Names are imported when first used (PEP 562 `__getattr__`), so ``import
 jpipe`` and the schedule language (`F`, `B`, `register_schedule`, `validate`,
 `simulate`) do not import JAX: ``python -m jpipe.show`` starts in a fraction
 of a second. The subpackages `jpipe.testing`, `jpipe.models`, `jpipe.train`
-and `jpipe.planning` are reachable the same way after ``import jpipe``.
+and `jpipe.planner` (also as `jpipe.planning`) are reachable the same way after ``import jpipe``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import importlib
 _EXPORTS = {
     "Action": ("jpipe._schedule", "Action"),
     "B": ("jpipe._schedule", "B"),
-    "ClusterPlan": ("jpipe._planner", "ClusterPlan"),
+    "ClusterPlan": ("jpipe.planner._search", "ClusterPlan"),
     "Costs": ("jpipe._simulate", "Costs"),
-    "DeviceGroup": ("jpipe._planner", "DeviceGroup"),
+    "DeviceGroup": ("jpipe.planner._search", "DeviceGroup"),
     "F": ("jpipe._schedule", "F"),
     "I": ("jpipe._schedule", "I"),
     "Overlap": ("jpipe._schedule", "Overlap"),
@@ -43,19 +43,19 @@ _EXPORTS = {
     "W": ("jpipe._schedule", "W"),
     "WeightedLoss": ("jpipe._stage", "WeightedLoss"),
     "describe_devices": ("jpipe._devices", "describe_devices"),
-    "evaluate_plan": ("jpipe._planner", "evaluate"),
+    "evaluate_plan": ("jpipe.planner._search", "evaluate"),
     "exit_distributed": ("jpipe._distributed", "exit_now"),
     "get_schedule": ("jpipe._registry", "get_schedule"),
     "initialize_distributed": ("jpipe._distributed", "initialize"),
     "launch_local": ("jpipe._launch", "launch"),
-    "load_sailor_profile": ("jpipe._profile", "load_sailor_profile"),
+    "load_sailor_profile": ("jpipe.planner._profiles", "load_sailor_profile"),
     "make_mesh": ("jpipe._pipeline", "make_mesh"),
     "make_plan": ("jpipe._plan", "make_plan"),
     "microbatches": ("jpipe._pipeline", "microbatches"),
     "pack_lifetimes": ("jpipe._plan", "pack_lifetimes"),
-    "partition_layers": ("jpipe._partition", "partition"),
-    "plan_cluster": ("jpipe._planner", "plan"),
-    "read_plan_file": ("jpipe._planner", "read_plan_file"),
+    "partition_layers": ("jpipe.planner._partition", "partition"),
+    "plan_cluster": ("jpipe.planner._search", "plan"),
+    "read_plan_file": ("jpipe.planner._search", "read_plan_file"),
     "reference_value_and_grad": ("jpipe._pipeline", "reference_value_and_grad"),
     "register_schedule": ("jpipe._registry", "register_schedule"),
     "registered_schedules": ("jpipe._registry", "registered_schedules"),
@@ -66,7 +66,7 @@ _EXPORTS = {
     "use_cpu_devices": ("jpipe._devices", "use_cpu_devices"),
     "validate": ("jpipe._validate", "validate"),
 }
-_SUBPACKAGES = ("models", "planning", "testing", "train")
+_SUBPACKAGES = ("models", "planner", "planning", "testing", "train")
 
 __all__ = sorted(_EXPORTS)
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpipe.planning import (
+from jpipe.planner import (
     brute_force_partition,
     partition,
     proportional_partition,

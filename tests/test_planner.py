@@ -11,7 +11,7 @@ import pytest
 
 import jpipe
 from jpipe.plan import main
-from jpipe.planning import (
+from jpipe.planner import (
     SAILOR_DIR,
     ClusterPlan,
     DeviceGroup,
@@ -386,7 +386,7 @@ def test_replicas_crossing_the_same_nodes_share_the_link():
 
 def test_validation_medians_meet_the_targets():
     """The figures docs/planner-validation.md reports; rerun its command if this moves."""
-    from jpipe.planning import medians, picks, validate_directory
+    from jpipe.planner import medians, picks, validate_directory
 
     rows = validate_directory(os.path.join(SAILOR_DIR, "validation"))
     ours, closed, n = medians(rows, "clariden")

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 
 import jpipe
-from jpipe.planning import (
+from jpipe.planner import (
     ClusterPlan,
     DeviceGroup,
     evaluate,
@@ -95,7 +95,7 @@ def test_profile_mode_writes_the_planner_format(tmp_path):
     import jax
     import numpy as np
 
-    from jpipe.planning import save_profile
+    from jpipe.planner import save_profile
     from jpipe.train.profile import StageTimes as Measured
     from jpipe.train.profile import stage_profile
 

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
-from jpipe._profile import save_profile
+from jpipe.planner import save_profile
 from jpipe.models import gpt
 from jpipe.train import optimizer as optimizer_lib
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 
 import jpipe
-from jpipe._profile import Profile, profile_from_stage_times
+from jpipe.planner import Profile, profile_from_stage_times
 from jpipe._stage import stage_pieces
 from jpipe.train.metrics import say
 
@@ -83,7 +83,7 @@ def stage_profile(
     layers_per_stage,
     model: str = "gpt",
 ) -> Profile:
-    """The measured stage times as a planner profile (`jpipe._profile.Profile`).
+    """The measured stage times as a planner profile (`jpipe.planner.Profile`).
 
     Each stage is one profile layer holding its blocks; its parameter bytes
     are the stage's own, its device type and memory those of rank 0's device.

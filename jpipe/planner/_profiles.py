@@ -35,7 +35,7 @@ import statistics
 from collections.abc import Sequence
 
 FORMAT = "jpipe-profile/1"
-SAILOR_DIR = os.path.join(os.path.dirname(__file__), "_data", "sailor")
+SAILOR_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_data", "sailor")
 
 # Memory of the device types in the Sailor data (nominal, GiB), which the data omits.
 GIB = 1024**3

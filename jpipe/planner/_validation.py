@@ -1,7 +1,7 @@
 """Validation: jpipe's predictions against plans measured on real clusters.
 
 `validate_directory` reads every Sailor ``plan_config_*.json`` under a folder,
-predicts each with `jpipe._planner.evaluate` (the schedule simulated) and with
+predicts each with `jpipe.planner._search.evaluate` (the schedule simulated) and with
 the closed form on the same inputs, and returns one `Row` per plan with the
 measured seconds per iteration and peak memory. Plans whose model has no
 usable profile are kept as rows with the reason, not dropped silently.
@@ -20,8 +20,8 @@ import json
 import os
 import statistics
 
-from jpipe._planner import evaluate, load_sailor_plan
-from jpipe._profile import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
+from jpipe.planner._profiles import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
+from jpipe.planner._search import evaluate, load_sailor_plan
 
 # Sailor's folder names for models, as its profiles name them.
 _MODEL_ALIASES = {"OPT-350": "OPT-350", "GPT-NEO": "GPT-Neo-2.7", "LLAMA": "LLAMA-3-8"}

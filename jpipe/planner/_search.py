@@ -40,7 +40,7 @@ Metis, Sailor, FlashFlex) use on the same inputs:
 
 `plan` searches device orderings (types in contiguous blocks), tensor-,
 data- and pipeline-parallel degrees, microbatch sizes and schedules; for each
-shape it splits layers with the exact partitioner (`jpipe._partition`, memory
+shape it splits layers with the exact partitioner (`jpipe.planner._partition`, memory
 a hard limit), then simulates. Candidates are visited in order of a lower
 bound (the busiest rank's work, which no schedule beats), so the search stops
 simulating once no remaining candidate can enter the best ``top``.
@@ -56,11 +56,11 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from jpipe._partition import partition, proportional_partition, uniform_partition
-from jpipe._profile import Profile
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
+from jpipe.planner._partition import partition, proportional_partition, uniform_partition
+from jpipe.planner._profiles import Profile
 
 PLAN_FORMAT = "jpipe-plan/1"
 OPTIMIZER_COPIES = 4  # fp32 weights, gradients, Adam first and second moments

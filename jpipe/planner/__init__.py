@@ -1,0 +1,92 @@
+"""Planning for mixed devices: profiles, exact layer splits, plans scored by simulation.
+
+The public face of the planner (see ``python -m jpipe.plan`` and
+docs/planner-validation.md). Its passes, one module each:
+
+- `jpipe.planner._profiles`: the profile format (per-layer forward, backward and update
+  times per device type, microbatch size and tensor-parallel degree; bytes;
+  links), the importer of the published Sailor profiles, and profiles made
+  from the trainer's measured stage times;
+- `jpipe.planner._partition`: the contiguous split of layers over stages of given
+  speeds that minimises the slowest stage, exactly (with a brute-force
+  reference and the uniform and speed-proportional baselines);
+- `jpipe.planner._search`: a plan's step time and memory by simulating the schedule
+  that will run, the search over device orders, degrees, microbatches and
+  schedules, and plan files the trainer reads (``config.plan``);
+- `jpipe.planner._validation`: the measured Sailor plans against jpipe's prediction
+  and the closed form.
+"""
+
+from jpipe.planner._partition import (
+    Partition,
+    brute_force_partition,
+    partition,
+    proportional_partition,
+    speed_costs,
+    uniform_partition,
+)
+from jpipe.planner._profiles import (
+    SAILOR_DIR,
+    LayerTimes,
+    Link,
+    Profile,
+    load_profile,
+    load_sailor_profile,
+    monotone_in_batch,
+    profile_from_json,
+    profile_from_stage_times,
+    profile_to_json,
+    save_profile,
+)
+from jpipe.planner._search import (
+    ClusterPlan,
+    DeviceGroup,
+    Evaluation,
+    TrainerSettings,
+    evaluate,
+    load_sailor_plan,
+    median_abs_error,
+    parse_devices,
+    plan,
+    plan_file,
+    plan_from_sailor,
+    read_plan_file,
+)
+from jpipe.planner._validation import markdown as validation_markdown
+from jpipe.planner._validation import medians, picks, validate_directory
+
+__all__ = [
+    "SAILOR_DIR",
+    "ClusterPlan",
+    "DeviceGroup",
+    "Evaluation",
+    "LayerTimes",
+    "Link",
+    "Partition",
+    "Profile",
+    "TrainerSettings",
+    "brute_force_partition",
+    "evaluate",
+    "load_profile",
+    "load_sailor_plan",
+    "load_sailor_profile",
+    "median_abs_error",
+    "medians",
+    "monotone_in_batch",
+    "parse_devices",
+    "partition",
+    "picks",
+    "plan",
+    "plan_file",
+    "plan_from_sailor",
+    "profile_from_json",
+    "profile_from_stage_times",
+    "profile_to_json",
+    "proportional_partition",
+    "read_plan_file",
+    "save_profile",
+    "speed_costs",
+    "uniform_partition",
+    "validate_directory",
+    "validation_markdown",
+]

@@ -1,0 +1,269 @@
+"""Plan for mixed devices: split layers, choose meshes and schedules by simulating them.
+
+Usage::
+
+    python -m jpipe.plan --model OPT-350 --devices A100-40:4,V100-16:4 --global-batch 256
+        [--schedules 1f1b,zb_h1,my.py:fn] [--microbatch-sizes 1,2,4] [--top 3]
+        [--profiles DIR_OR_FILE] [--raw-profiles] [--save plan.json] [--svg FILE] [--json]
+    python -m jpipe.plan --layer-costs 3,1,4,1,5 --speeds 1,1,0.5 [--json]
+    python -m jpipe.plan --validate PLAN_CONFIG.json [--profiles DIR] [--model M] [--json]
+    python -m jpipe.plan --validate-all DIR [--profiles DIR] [--markdown | --json]
+
+Planning (``--model``) searches tensor-, data- and pipeline-parallel degrees,
+device orderings, microbatch sizes and schedules; each candidate's layers are
+split by the exact partitioner and its schedule simulated with the profile's
+per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`). It
+prints the best plans with their predicted step time, per-device peak memory
+and why each was chosen, and a chart of the winner; ``--save`` writes the
+winner as a plan file that the trainer reads (`read_plan_file`).
+
+``--layer-costs`` splits layers over devices of the given relative speeds
+(a stage's time is its layers' sum over its speed) and prints the optimal
+``partition`` and ``bottleneck`` with the uniform and speed-proportional
+baselines.
+
+``--validate`` simulates a Sailor plan file as given (its stages, layers,
+devices, data- and tensor-parallel degrees, microbatch size and global batch)
+and prints ``predicted_seconds`` per iteration and
+``predicted_max_mem_bytes``, with the closed form and, when the file has them,
+the measured figures. ``--validate-all`` does every plan under a folder and
+``--markdown`` writes the report in docs/planner-validation.md.
+
+Profiles default to the published Sailor ones inside jpipe; ``--profiles``
+takes another Sailor data folder or a jpipe profile JSON file. Sailor times
+are made non-decreasing in microbatch size unless ``--raw-profiles``.
+Bad input exits with status 2 and one line ``error: ...`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jpipe._chart import draw_gantt, text_chart
+from jpipe.planner._partition import (
+    partition,
+    proportional_partition,
+    speed_costs,
+    uniform_partition,
+)
+from jpipe.planner._profiles import SAILOR_DIR, load_profile, load_sailor_profile, monotone_in_batch
+from jpipe.planner._search import evaluate, load_sailor_plan, parse_devices, plan, plan_file
+from jpipe.planner._validation import markdown, model_of, validate_directory
+
+
+class _Usage(ValueError):
+    """A bad command line; the message names the flag."""
+
+
+def _numbers(text: str, flag: str, kind=float) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _Usage(f"{flag} expects comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise _Usage(f"{flag} is empty")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jpipe.plan",
+        description="Plan pipeline parallelism on mixed devices by simulating the schedule.",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model", help="plan this model (a profile name such as OPT-350)")
+    mode.add_argument("--layer-costs", metavar="C1,C2,...", help="split these layer costs")
+    mode.add_argument("--validate", metavar="PLAN_CONFIG.json", help="predict a Sailor plan")
+    mode.add_argument("--validate-all", metavar="DIR", help="predict every Sailor plan under DIR")
+    p.add_argument("--devices", metavar="TYPE:N,...", help="devices to plan for")
+    p.add_argument("--global-batch", type=int, help="sequences per step")
+    p.add_argument("--schedules", default="1f1b", help="schedule SPECs to try, comma-separated")
+    p.add_argument("--microbatch-sizes", metavar="B1,B2", help="microbatch sizes to try")
+    p.add_argument("--top", type=int, default=3, help="how many plans to print")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one type per node")
+    p.add_argument("--speeds", metavar="S1,S2,...", help="relative device speed of each stage")
+    p.add_argument("--profiles", metavar="DIR|FILE", help="Sailor data folder or jpipe profile")
+    p.add_argument("--raw-profiles", action="store_true", help="use Sailor times as published")
+    p.add_argument("--sender-only", action="store_true", help="transfers occupy the sender only")
+    p.add_argument("--schedule", default="1f1b", help="schedule a validated plan ran")
+    p.add_argument("--save", metavar="FILE", help="write the best plan as a plan file")
+    p.add_argument("--svg", metavar="FILE", help="draw the best plan's schedule to FILE")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--markdown", action="store_true", help="--validate-all: a markdown report")
+    return p
+
+
+def _load(args, model: str):
+    source = args.profiles
+    if source and os.path.isfile(source):
+        profile = load_profile(source)
+        if profile.model != model:
+            raise _Usage(f"--profiles {source} is for model {profile.model!r}, not {model!r}")
+        return profile
+    if source and not os.path.isdir(source):
+        raise _Usage(f"--profiles {source!r} is neither a folder nor a file")
+    profile = load_sailor_profile(model, source or SAILOR_DIR)
+    return profile if args.raw_profiles else monotone_in_batch(profile)
+
+
+def _layer_costs(args) -> dict:
+    costs = _numbers(args.layer_costs, "--layer-costs")
+    speeds = _numbers(args.speeds, "--speeds") if args.speeds else [1.0]
+    if any(c < 0 for c in costs):
+        raise _Usage("--layer-costs must be non-negative")
+    if any(s <= 0 for s in speeds):
+        raise _Usage("--speeds must be positive")
+    if len(speeds) > len(costs):
+        raise _Usage(
+            f"--speeds gives {len(speeds)} stages but --layer-costs only {len(costs)} layers"
+        )
+    rows = speed_costs(costs, speeds)
+    best = partition(rows)
+    return {
+        **best.to_json(),
+        "speeds": speeds,
+        "uniform": uniform_partition(rows).to_json(),
+        "proportional": proportional_partition(rows).to_json(),
+    }
+
+
+def _validate(args) -> dict:
+    path = args.validate
+    if not os.path.isfile(path):
+        raise _Usage(f"--validate {path!r}: no such file")
+    plan_, raw = load_sailor_plan(path, args.schedule)
+    num_layers = sum(len(s) for s in plan_.stage_layers)
+    model = args.model or model_of(path, num_layers, args.profiles or SAILOR_DIR)
+    profile = _load(args, model)
+    ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
+    out = {"model": model, **ev.summary()}
+    if "real" in raw:
+        out["measured_seconds"] = raw["real"]
+        out["error"] = ev.step_seconds / raw["real"] - 1
+        out["closed_form_error"] = ev.closed_form_seconds / raw["real"] - 1
+    if "max_mem" in raw:
+        out["measured_max_mem_bytes"] = raw["max_mem"]
+    return out
+
+
+def _plan(args) -> tuple[dict, str]:
+    if not args.devices:
+        raise _Usage("--model needs --devices TYPE:N[,TYPE:N...]")
+    if not args.global_batch or args.global_batch < 1:
+        raise _Usage("--model needs --global-batch N (a positive whole number)")
+    if args.top < 1:
+        raise _Usage("--top must be at least 1")
+    try:
+        devices = parse_devices(args.devices)
+    except ValueError as e:
+        raise _Usage(f"--devices: {e}") from None
+    profile = _load(args, args.model)
+    sizes = (
+        _numbers(args.microbatch_sizes, "--microbatch-sizes", int)
+        if args.microbatch_sizes
+        else None
+    )
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    result = plan(
+        profile,
+        devices,
+        args.global_batch,
+        schedules=schedules,
+        microbatch_sizes=sizes,
+        gpus_per_node=args.gpus_per_node,
+        top=args.top,
+    )
+    best = result.best[0].evaluation
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(plan_file(best, profile), f, indent=1)
+    if args.svg:
+        draw_gantt(best.simulation, args.svg)
+    out = {
+        "model": profile.model,
+        "devices": dict(devices),
+        "global_batch": args.global_batch,
+        "plans": [{**c.evaluation.summary(), "why": list(c.reasons)} for c in result.best],
+        "candidates": result.considered,
+        "simulated": result.simulated,
+        "skipped": len(result.skipped),
+        "seconds": result.seconds,
+        "derived_profile_entries": sorted(map(list, profile.derived)),
+    }
+    text = [
+        f"{profile.model} on {args.devices}, global batch {args.global_batch}: "
+        f"{result.considered} candidates, {result.simulated} simulated, "
+        f"{len(result.skipped)} skipped, {result.seconds:.2f} s",
+        "",
+    ]
+    for i, c in enumerate(result.best):
+        ev = c.evaluation
+        text.append(
+            f"#{i + 1}  {ev.step_seconds:.4g} s/step, peak {ev.max_peak_bytes / 1e9:.2f} GB"
+        )
+        text += [f"    {line}" for line in c.reasons]
+        text.append(f"    layers per stage: {[list(s) for s in ev.plan.stage_layers]}")
+        text.append("")
+    text.append("chart of the best plan's slowest replica (time in seconds):")
+    text.append(text_chart(best.simulation, width=100))
+    if profile.derived:
+        text.append(f"profile entries derived (not measured): {sorted(profile.derived)}")
+    return out, "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0, or 2 on an error)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.layer_costs:
+            out = _layer_costs(args)
+            text = (
+                f"partition  {out['partition']}\nbottleneck {out['bottleneck']:g}\n"
+                f"stage times {out['stage_times']}\n"
+                f"uniform split bottleneck {out['uniform']['bottleneck']:g}, "
+                f"speed-proportional {out['proportional']['bottleneck']:g}"
+            )
+        elif args.validate:
+            out = _validate(args)
+            text = "\n".join(f"{k}: {v}" for k, v in out.items())
+        elif args.validate_all:
+            if not os.path.isdir(args.validate_all):
+                raise _Usage(f"--validate-all {args.validate_all!r}: no such folder")
+            rows = validate_directory(
+                args.validate_all,
+                args.profiles,
+                clean=not args.raw_profiles,
+                receiver_busy=not args.sender_only,
+                schedule=args.schedule,
+            )
+            ablation = None
+            if args.markdown:
+                ablation = {
+                    f"clean={c}, receiver busy={b}": validate_directory(
+                        args.validate_all,
+                        args.profiles,
+                        clean=c,
+                        receiver_busy=b,
+                        schedule=args.schedule,
+                    )
+                    for c in (True, False)
+                    for b in (True, False)
+                }
+            out = {"plans": [r.__dict__ | {"error": r.error} for r in rows]}
+            text = markdown(rows, ablation)
+        else:
+            out, text = _plan(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(text)
+    return 0
