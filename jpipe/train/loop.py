@@ -28,8 +28,8 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
-from jpipe.planner import save_profile
 from jpipe.models import gpt
+from jpipe.planner import save_profile
 from jpipe.train import optimizer as optimizer_lib
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
 from jpipe.train.config import ConfigError, TrainConfig

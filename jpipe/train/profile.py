@@ -18,8 +18,8 @@ from typing import NamedTuple
 import jax
 
 import jpipe
-from jpipe.planner import Profile, profile_from_stage_times
 from jpipe._stage import stage_pieces
+from jpipe.planner import Profile, profile_from_stage_times
 from jpipe.train.metrics import say
 
 
