@@ -10,10 +10,17 @@ take it, is one of:
 - a path to a PyTorch schedule CSV, such as ``my_schedule.csv``;
 - ``path/to/file.py:function`` for a function in a user's own file, which need
   not be registered.
+
+Options for the schedule function (its keyword arguments, such as ZB-H1's
+``lag``) follow a last colon, as Python keyword arguments whose values are
+literals: ``zb_h1:lag=3``, ``my.py:my_1f1b:warmup=6``, ``x:a=1,b=(2, 3)``. A
+bare word is a string (``mode=fast``). The command lines also take them one
+at a time, ``--option lag=3`` (`parse_options`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -51,18 +58,84 @@ def register_schedule(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
 
     def decorate(fn: ScheduleFn) -> ScheduleFn:
         existing = _REGISTRY.get(name)
-        if existing is not None and (
-            existing.fn.__module__,
-            existing.fn.__qualname__,
-        ) != (fn.__module__, fn.__qualname__):
+        # The same function of the same file registering again is no clash: the
+        # file was imported under another module name (``import my_schedule``,
+        # then ``my_schedule.py:fn``), or reloaded after an edit.
+        if existing is not None and _origin(existing.fn) != _origin(fn):
             raise ValueError(
-                f"a schedule named {name!r} is already registered (by "
-                f"{existing.fn.__module__}.{existing.fn.__qualname__}); choose another name"
+                f"two different functions register a schedule named {name!r}: "
+                f"{_describe(existing.fn)} and {_describe(fn)}; rename one of them"
             )
         _REGISTRY[name] = _Entry(fn, inspect.getdoc(fn) or "")
         return fn
 
     return decorate
+
+
+def _origin(fn: ScheduleFn) -> tuple[str, str]:
+    """Where `fn` is written: its file (or module, where it has no file) and qualified name."""
+    code = getattr(fn, "__code__", None)
+    where = os.path.realpath(code.co_filename) if code is not None else fn.__module__
+    return where, getattr(fn, "__qualname__", repr(fn))
+
+
+def _describe(fn: ScheduleFn) -> str:
+    code = getattr(fn, "__code__", None)
+    name = f"{fn.__module__}.{getattr(fn, '__qualname__', repr(fn))}"
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def parse_options(items) -> dict[str, Any]:
+    """Reads schedule options from ``"key=value"`` texts; values are Python literals.
+
+    Each text may hold several, separated by commas as in a call
+    (``"lag=3, warmup=(1, 2)"``); a bare word is a string. `ValueError`
+    names a text that is not of this form.
+    """
+    options: dict[str, Any] = {}
+    for text in [items] if isinstance(items, str) else items:
+        try:
+            call = ast.parse(f"f({text})", mode="eval").body
+        except SyntaxError:
+            call = None
+        if not isinstance(call, ast.Call) or call.args or not call.keywords:
+            raise ValueError(
+                f"schedule option {text!r} is not of the form key=value (a Python literal, "
+                "such as lag=3, scale=0.5, order='zigzag' or sizes=(2, 3))"
+            )
+        for kw in call.keywords:
+            if kw.arg is None:
+                raise ValueError(f"schedule option {text!r}: ** is not an option")
+            if isinstance(kw.value, ast.Name):
+                value = kw.value.id  # a bare word: the string
+            else:
+                try:
+                    value = ast.literal_eval(kw.value)
+                except ValueError:
+                    raise ValueError(
+                        f"schedule option {kw.arg}= in {text!r}: "
+                        f"{ast.get_source_segment(f'f({text})', kw.value)!r} is not a "
+                        "Python literal (a number, string, tuple, list, dict, True, False "
+                        "or None)"
+                    ) from None
+            if kw.arg in options:
+                raise ValueError(f"schedule option {kw.arg}= is given twice")
+            options[kw.arg] = value
+    return options
+
+
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Splits ``"zb_h1:lag=3"`` into the schedule ``"zb_h1"`` and its options ``{"lag": 3}``."""
+    colons = [i for i, c in enumerate(spec) if c == ":" and i > 0]
+    for i in colons:  # the first colon after which come options (a value may hold one)
+        if "=" in spec[i + 1 :]:
+            try:
+                return spec[:i], parse_options(spec[i + 1 :])
+            except ValueError:
+                continue
+    if colons and "=" in spec[colons[-1] + 1 :]:
+        parse_options(spec[colons[-1] + 1 :])  # raises, naming what is wrong
+    return spec, {}
 
 
 def _load_builtins() -> None:
@@ -180,12 +253,19 @@ def get_schedule(
     `num_chunks` (stages per rank) goes to the schedule function when given;
     `None` leaves the function's own default.
 
+    `spec` may end in options (``"zb_h1:lag=3"``, see the module docstring);
+    they and `options` go to the schedule function as keyword arguments, and
+    one it does not take is refused with the list of those it does.
+
     For a CSV file the ranks and microbatches come from the file; if given they
     must agree with it.
     """
     if isinstance(spec, Schedule):
         return spec
-    spec = str(spec)
+    spec, spec_options = split_spec(str(spec))
+    for key in spec_options.keys() & options.keys():
+        raise ValueError(f"schedule option {key}= is given twice (in the spec and as an option)")
+    options = {**spec_options, **options}
     if spec.lower().endswith(".csv"):
         if options:
             raise ValueError(

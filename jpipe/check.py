@@ -9,7 +9,9 @@ Under ``python -m jpipe.launch -n N --cpu_devices K`` the mesh spans the N
 processes (N x K devices) and each process checks the result.
 
 SPEC is a registered schedule name, a PyTorch ``.csv`` file (its ranks and
-microbatches come from the file), or ``path/to/file.py:function``. The tool
+microbatches come from the file), or ``path/to/file.py:function``, with the
+schedule function's options after a last colon (``my.py:fn:warmup=6``) or one
+per ``--option warmup=6``. The tool
 fakes as many CPU devices as the mesh needs, runs the schedule on jpipe's
 small built-in model (embedding first, head and loss last), compares the loss
 and every gradient with the model without a pipeline, prints the largest
@@ -31,7 +33,7 @@ import argparse
 import json
 import sys
 
-from jpipe._registry import get_schedule
+from jpipe._registry import get_schedule, parse_options
 from jpipe._validate import ScheduleError
 
 
@@ -66,6 +68,14 @@ def main(argv=None) -> int:
         default=None,
         help="stages per rank (V); default: the schedule's own",
     )
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the schedule function, a Python literal (lag=3); repeatable",
+    )
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
     parser.add_argument("--fsdp", type=int, default=1, help="size of the fsdp axis")
     parser.add_argument("--tensor", type=int, default=1, help="size of the tensor axis")
@@ -93,7 +103,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
-        schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
+        schedule = get_schedule(
+            args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
+        )
         for flag in ("data", "fsdp", "tensor"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")

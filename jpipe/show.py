@@ -2,14 +2,16 @@
 
 Usage::
 
-    python -m jpipe.show SPEC [--ranks R] [--microbatches M] [--chunks V]
+    python -m jpipe.show SPEC [--ranks R] [--microbatches M] [--chunks V] [--option KEY=VALUE]
         [--cost F=1,I=1,W=1,comm=0] [--bytes activation=0,carry=0,params=0]
         [--width 120]
         [--json] [--svg FILE] [--png FILE] [--trace FILE] [--csv FILE]
 
 SPEC is a registered schedule name (``gpipe``), a PyTorch schedule CSV
 (``my.csv``, whose ranks and microbatches come from the file), or
-``path/to/file.py:function``. For example::
+``path/to/file.py:function``; options of the schedule function follow a last
+colon (``zb_h1:lag=3``) or come one per ``--option lag=3``, as Python
+literals. For example::
 
     python -m jpipe.show gpipe --ranks 4 --microbatches 8 --svg gpipe.svg
     python -m jpipe.show my.csv --cost F=1,I=1,W=1,comm=0.2 --trace my.json
@@ -42,7 +44,7 @@ import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
 from jpipe._plan import make_plan
-from jpipe._registry import get_schedule
+from jpipe._registry import get_schedule, parse_options
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
 
 __all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
@@ -84,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="chunks (stages) per rank V; default: the schedule's own",
+    )
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the schedule function, a Python literal (lag=3); repeatable",
     )
     parser.add_argument(
         "--cost",
@@ -153,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{ext[1:]} needs a file name ending in {ext}, got {path!r}")
         costs = Costs.parse(args.cost)
         sizes = None if args.bytes is None else Sizes.parse(args.bytes)
-        schedule = get_schedule(args.spec, args.ranks, args.microbatches, args.chunks)
+        schedule = get_schedule(
+            args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
+        )
         sim = simulate(schedule, costs, sizes)  # validates first
         program = _program_figures(make_plan(schedule))
         written = []
