@@ -92,8 +92,17 @@ def make_mesh(
     if across_hosts is None:
         if n > len(devices):
             described = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "pipe")
+            hint = ""
+            if all(d.platform == "cpu" for d in devices):
+                hint = (
+                    f". To fake {n} CPU devices, call jax.config.update('jax_num_cpu_devices', "
+                    f"{n}) (or jpipe.use_cpu_devices({n})) right after importing JAX, before "
+                    "any JAX work, or set "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python"
+                )
             raise ValueError(
-                f"a mesh of {described} needs {n} devices, but only {len(devices)} are present"
+                f"a mesh of {described} needs {n} devices, but only {len(devices)} are "
+                f"present{hint}"
             )
         grid = np.array(devices[:n]).reshape(shape)
     else:

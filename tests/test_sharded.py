@@ -104,8 +104,11 @@ def test_make_mesh_axes():
     assert dict(mesh.shape) == {"pipe": 2, "data": 1, "fsdp": 2, "tensor": 2}
     # Tensor is innermost: its devices are neighbours.
     assert [d.id for d in mesh.devices[0, 0, 0]] == [0, 1]
-    with pytest.raises(ValueError, match="needs 16 devices"):
+    with pytest.raises(ValueError, match="needs 16 devices") as error:
         jpipe.make_mesh(2, 2, fsdp=2, tensor=2)
+    # On CPU it says how to fake enough devices, both ways.
+    assert "jax.config.update('jax_num_cpu_devices', 16)" in str(error.value)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in str(error.value)
     with pytest.raises(ValueError, match="at least 1"):
         jpipe.make_mesh(2, tensor=0)
     np.testing.assert_equal(jpipe.make_mesh(4).devices.shape, (4, 1, 1, 1))
