@@ -101,8 +101,8 @@ def make_mesh(
                     f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python"
                 )
             raise ValueError(
-                f"a mesh of {described} needs {n} devices, but only {len(devices)} are "
-                f"present{hint}"
+                f"a mesh of {described} needs {n} devices, but only {len(devices)} "
+                f"{'is' if len(devices) == 1 else 'are'} present{hint}"
             )
         grid = np.array(devices[:n]).reshape(shape)
     else:
