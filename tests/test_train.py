@@ -457,7 +457,6 @@ def test_train_py_runs(tmp_path):
 
 
 def test_tensorboard_gets_the_same_numbers(reference):
-    pytest.importorskip("tensorboardX")  # optional: written only where it is installed
     import struct
 
     from tensorboardX.proto import event_pb2

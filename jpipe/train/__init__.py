@@ -44,7 +44,7 @@ held-out loss. ``DIR/metrics.jsonl`` gets one JSON object per logged step:
 batch), ``grad_norm``, ``lr``, ``step_time``, ``tokens_per_s``, and
 ``eval_loss`` on evaluated steps; a fresh run starts with a ``step: 0`` line
 that holds only ``eval_loss``, the held-out loss before training. TensorBoard
-gets the same when ``tensorboardX`` or TensorFlow is installed.
+event files in ``DIR/tensorboard/`` get the same (tensorboardX, a dependency).
 
 Several processes: each process builds only the rows of the global batch
 that its devices hold (``jax.make_array_from_process_local_data``), every

@@ -70,13 +70,18 @@ class _ScalarWriter(NamedTuple):
 
 
 def _tensorboard_writer(logdir: str) -> tuple[_ScalarWriter | None, str | None]:
-    """A writer and its library's name, or ``(None, None)`` when neither is installed."""
+    """A writer and its library's name, or ``(None, None)`` when neither is installed.
+
+    tensorboardX is one of jpipe's dependencies, so this is TensorBoard files
+    by default; an install without it (and without TensorFlow) says so once.
+    """
     try:
-        from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional)
+        from tensorboardX import SummaryWriter  # noqa: PLC0415 (a dependency)
     except ImportError:
         try:
             from flax.metrics.tensorboard import SummaryWriter  # noqa: PLC0415 (needs TensorFlow)
         except ImportError:
+            say("TensorBoard files off: neither tensorboardX nor TensorFlow is installed")
             return None, None
         writer = SummaryWriter(logdir)
         return _ScalarWriter(writer.scalar, writer.flush, writer.close), "TensorFlow"
