@@ -19,6 +19,8 @@ See docs/multihost.md.
 """
 
 import os
+import shlex
+import shutil
 import sys
 
 from absl import app, flags, logging
@@ -26,12 +28,16 @@ from ml_collections import config_flags
 
 import jpipe
 from jpipe import train as trainer
+from jpipe.train import config as trainer_config
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "default.py"), "Training config file."
-)
+_DEFAULT_CONFIG = os.path.join(_HERE, "configs", "default.py")
+if __name__ == "__main__":  # a --config.FIELD typo: one line (ml_collections raises at define)
+    _TYPO = trainer_config.unknown_override(sys.argv, _DEFAULT_CONFIG)
+    if _TYPO:
+        sys.exit(f"error: {_TYPO}")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Training config file.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard logs go here."
 )
@@ -70,7 +76,29 @@ def main(argv):
         trainer.train(config, _WORKDIR.value)
     except (trainer.ConfigError, trainer.DivergedError) as e:
         jpipe.exit_distributed(f"error: {e}")  # in a multi-process run: at once, naming the process
+    except trainer.Interrupted as e:
+        print(f"interrupted at step {e.step}, checkpoint saved; resume with: {_command()}")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print(
+            "interrupted before a checkpoint could be saved; the same command resumes from the "
+            f"newest one in {_WORKDIR.value}, if any: {_command()}"
+        )
+        sys.exit(130)
+
+
+def _command() -> str:
+    """This process's command line, to run again."""
+    python = sys.executable
+    if shutil.which("python") and os.path.realpath(shutil.which("python")) == os.path.realpath(
+        python
+    ):
+        python = "python"
+    return shlex.join([python, *sys.argv])
 
 
 if __name__ == "__main__":
-    app.run(main)
+    try:
+        app.run(main)
+    except KeyboardInterrupt:  # before the run started (importing, parsing)
+        sys.exit(130)

@@ -455,6 +455,16 @@ def test_train_py_runs(tmp_path):
     assert bad.returncode == 1
     assert "error: config.schedule='nope': unknown schedule" in bad.stderr
 
+    # A typo in a field's name: one line naming it and the nearest fields.
+    typo = subprocess.run(
+        common + ["--config.lerning_rate=1e-3"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert typo.returncode == 1
+    assert typo.stderr == (
+        f"error: --config.lerning_rate: {ROOT / 'configs' / 'default.py'} has no field "
+        "'lerning_rate'; nearest: config.optimizer.learning_rate\n"
+    )
+
 
 def test_tensorboard_gets_the_same_numbers(reference):
     import struct
@@ -541,3 +551,66 @@ def test_optimizer_state_split_over_data_trains_the_same(tmp_path):
     assert held[True] * 2 == held[False]
     saved = held[(False, "arguments")] - held[(True, "arguments")]
     assert saved == held[False] // 2, held
+
+
+def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
+    """A real ``train.py`` sent SIGINT mid-run, resumed with the command it prints.
+
+    The resumed run's losses equal an unbroken run's, step for step.
+    """
+    import shlex
+    import signal
+    import time
+
+    tiny = [
+        "--config.mesh.pipe=2",
+        "--config.mesh.data=1",
+        "--config.steps=40",
+        "--config.num_microbatches=2",
+        "--config.batch_size=4",
+        "--config.log_every=1",
+        "--config.eval_every=100",
+        "--config.eval_batches=1",
+        "--config.checkpoint_every=100",  # so the only checkpoint before the end is Ctrl-C's
+        "--config.data.max_bytes=32768",
+        "--config.model.seq_len=16",
+        "--config.model.num_layers=2",
+        "--config.model.d_model=32",
+        "--config.model.d_ff=64",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def command(workdir):
+        return [sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *tiny]
+
+    def losses(workdir):
+        return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
+
+    broken = tmp_path / "broken"
+    run = subprocess.Popen(
+        command(broken), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 120
+    while len(losses(broken) if (broken / "metrics.jsonl").exists() else {}) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Traceback" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step "), out[-2000:]
+    step = int(last.split()[3].rstrip(","))
+    assert 2 <= step < 40
+    assert Checkpoints(broken / "checkpoints").latest_step() == step
+    resume = shlex.split(last.split("resume with: ", 1)[1])
+    assert resume[1:] == command(broken)[1:]
+
+    done = subprocess.run(resume, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from the checkpoint of step {step}" in done.stdout
+    unbroken = tmp_path / "unbroken"
+    whole = subprocess.run(command(unbroken), capture_output=True, text=True, env=env, timeout=180)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert losses(broken) == losses(unbroken)  # bit for bit, as resuming promises
+    assert sorted(losses(broken)) == list(range(1, 41))

@@ -35,6 +35,8 @@ devices), `checkpoint`, `metrics`, `profile`, and `loop` (step 4).
    a resumed run sees exactly the batches an uninterrupted one would and
    gives the same losses, bit for bit. A NaN or infinite loss (or gradient
    norm) stops the run with `DivergedError` before any later checkpoint.
+   Ctrl-C (SIGINT) lets the step in flight finish, saves its checkpoint and
+   raises `Interrupted` (``train.py`` prints the command that resumes).
 
 Reported: before the first step the schedule's chart, its simulated bubble
 and peak live activations, and the compiled step's memory; during training a
@@ -61,13 +63,14 @@ from jpipe.train.config import (
     config_from_file,
     use_cpu_devices,
 )
-from jpipe.train.loop import DivergedError, TrainResult, train
+from jpipe.train.loop import DivergedError, Interrupted, TrainResult, train
 from jpipe.train.prepare import Prepared, prepare
 
 __all__ = [
     "ConfigError",
     "DataConfig",
     "DivergedError",
+    "Interrupted",
     "MeshConfig",
     "OptimizerConfig",
     "Prepared",

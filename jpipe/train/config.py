@@ -181,6 +181,63 @@ def config_from_file(path) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+def unknown_override(argv, default_config: str) -> str | None:
+    """The first ``--config.FIELD=...`` in `argv` that names no field, as one line.
+
+    ml_collections raises a bare ``AttributeError`` deep inside flag parsing
+    for such a typo; this names the flag and the config's nearest fields
+    (`difflib`). `default_config` is the file used when `argv` gives no
+    ``--config``. None when every override names a field (or the config
+    file cannot be read, so that its own error shows).
+    """
+    import difflib
+
+    path, overrides = default_config, []
+    args = list(argv[1:])
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(args):
+            path = args[i + 1]
+        elif arg.startswith("--config."):
+            overrides.append(arg.split("=", 1)[0][len("--config.") :])
+        elif arg.startswith("--noconfig."):  # a boolean override
+            overrides.append(arg[len("--noconfig.") :])
+    if not overrides:
+        return None
+    try:
+        config = config_from_file(path)
+    except Exception:
+        return None
+
+    def fields(node, prefix=""):
+        for key, value in node.items():
+            yield prefix + key
+            if isinstance(value, ml_collections.ConfigDict | dict):
+                yield from fields(value, f"{prefix}{key}.")
+
+    known = list(fields(config))
+    for field in overrides:
+        if field in known:
+            continue
+        leaf = field.rsplit(".", 1)[-1]
+        near = difflib.get_close_matches(field, known, n=3, cutoff=0.6)
+        near += [
+            k
+            for k in known
+            if k not in near and difflib.get_close_matches(leaf, [k.split(".")[-1]])
+        ]
+        hint = (
+            f"nearest: {', '.join('config.' + k for k in near[:3])}"
+            if near
+            else "see the file for every field"
+        )
+        return f"--config.{field}: {path} has no field {field!r}; {hint}"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs, checked field by field.

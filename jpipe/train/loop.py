@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -42,6 +44,21 @@ from jpipe.train.step import TrainState, compile_train_step, state_shardings, wi
 
 class DivergedError(FloatingPointError):
     """The loss or the gradient norm became NaN or infinite."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped `train` between steps, after saving a checkpoint.
+
+    Attributes:
+      step: the step reached, whose checkpoint is saved: training again in the
+        same directory resumes from it.
+      directory: the checkpoint directory.
+    """
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"interrupted at step {step}; its checkpoint is in {directory}")
+        self.step = step
+        self.directory = directory
 
 
 class TrainResult(NamedTuple):
@@ -346,6 +363,7 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
         file=sys.stdout,
     )
     loop.clock = time.perf_counter()
+    interrupt = _InterruptRequest()
 
     def finish(step: int, step_metrics: dict) -> dict:
         """Reads a dispatched step's metrics (waiting for it) and checks them."""
@@ -407,5 +425,48 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
                 if saving:
                     run.checkpoints.save(step, loop.state, meta)
                 loop.clock = time.perf_counter()  # evaluation and saving are not step time
+            if interrupt.requested and step < c.steps:
+                if pending is not None:
+                    record = finish(*pending)  # raises before any save, as above
+                    pending = None
+                    if _due(step, c.log_every):
+                        run.metrics.write(record)
+                if not saving:
+                    run.checkpoints.save(step, loop.state, meta)
+                raise Interrupted(step, run.checkpoints.directory)
     finally:
+        interrupt.close()
         bar.close()
+
+
+class _InterruptRequest:
+    """The first Ctrl-C (SIGINT) as a request that the loop serves between steps.
+
+    The step in flight finishes and is checkpointed, then `train` raises
+    `Interrupted`; a second Ctrl-C interrupts at once, saving nothing. Only
+    in the main thread of a single-process run, where Python's own handler
+    is in place: in a run of several processes all would have to stop at the
+    same step (orbax saves together), which one process's signal cannot
+    promise, so there Ctrl-C keeps its usual meaning.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._installed = (
+            threading.current_thread() is threading.main_thread()
+            and jax.process_count() == 1
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if self._installed:
+            signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        say("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again stops at once, unsaved)")
+
+    def close(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._installed = False
