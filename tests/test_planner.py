@@ -17,6 +17,7 @@ from jpipe.planner import (
     DeviceGroup,
     LayerTimes,
     Link,
+    MemoryTerms,
     Profile,
     evaluate,
     load_sailor_plan,
@@ -39,6 +40,10 @@ def opt350():
     return monotone_in_batch(load_sailor_profile("OPT-350"))
 
 
+# 4 bytes a parameter (1 weight, 1 gradient, 2 optimizer), nothing else
+TOY_TERMS = MemoryTerms(1, 1, 2, 0, overhead_bytes=0, working_factor=0, source="toy")
+
+
 def _toy(F, B, U=None, params=0.0, bandwidth=1e9, memory=1e12, kinds=("fast", "slow")):
     """One layer per entry of F/B, on every device kind, slower by the kind's index + 1."""
     n = len(F)
@@ -57,11 +62,12 @@ def _toy(F, B, U=None, params=0.0, bandwidth=1e9, memory=1e12, kinds=("fast", "s
     return Profile(
         model="toy",
         layer_kinds=("block",) * n,
-        params_bytes=(params,) * n,
+        params={1: (params,) * n},
         activation_bytes={1: (0.0,) * n},
-        output_bytes={1: (0.0,) * n},
+        output_bytes=(0.0,) * n,
         times=times,
         memory={k: memory for k in kinds},
+        memory_terms=TOY_TERMS,
         intra={k: {1: link} for k in kinds},
         inter={(a, 1, b, 1): link for a in kinds for b in kinds},
     )
@@ -130,13 +136,22 @@ class StageTimes(NamedTuple):  # the trainer's measure_stages result, by shape
 def test_profile_from_measured_stage_times():
     times = StageTimes(F=(1.0, 2.0), I=(1.5, 2.5), W=(0.5, 0.7), B=(2.0, 3.2))
     prof = profile_from_stage_times(
-        times, "cpu", microbatch_size=4, params_bytes=[10, 20], blocks_per_stage=[3, 5]
+        times,
+        "cpu",
+        microbatch_size=4,
+        params=[10, 20],
+        activation_bytes=[8, 16],
+        output_bytes=[4, 4],
+        blocks_per_stage=[3, 5],
     )
     assert prof.blocks(0) == 3 and prof.blocks(1) == 5
     t = prof.layer_times("cpu", 4, 1)
     assert t.forward == (1.0, 2.0) and t.backward == (2.0, 3.2)
     assert t.split() == ((1.5, 2.5), (0.5, 0.7))
-    assert prof.params_bytes == (10.0, 20.0)
+    assert prof.params == {1: (10.0, 20.0)}
+    # bytes are given per microbatch of 4 and kept per sequence
+    assert prof.activations(4, 1) == (8.0, 16.0) and prof.outputs(1) == (1.0, 1.0)
+    assert prof.memory_terms.overhead_bytes > 0  # not measured: jpipe's defaults, never zero
     assert profile_from_json(json.loads(json.dumps(profile_to_json(prof)))) == prof
     with pytest.raises(ValueError, match="field I has 1 values, expected 2"):
         profile_from_stage_times(times._replace(I=(1.0,)), "cpu", microbatch_size=4)
@@ -185,24 +200,159 @@ def test_data_parallel_all_reduce_and_the_slowest_replica():
     assert ev.step_seconds == pytest.approx(ev.pipeline_seconds + 1.0)
 
 
-def test_transfers_occupy_both_ranks_by_default():
+def test_transfers_occupy_the_sender_by_default():
     prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0)
-    prof = dataclasses.replace(prof, output_bytes={1: (0.5, 0.5)})
+    prof = dataclasses.replace(prof, output_bytes=(0.5, 0.5))
     p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 3)
-    both, sender = evaluate(p, prof), evaluate(p, prof, receiver_busy=False)
+    both, sender = evaluate(p, prof, receiver_busy=True), evaluate(p, prof)
     assert both.transfer_seconds == (0.5,)
     assert both.stage_seconds == (3.0, 3.0)  # 2 compute + 0.5 out + 0.5 back, each side
     assert sender.stage_seconds == (2.5, 2.5)
     assert both.step_seconds > sender.step_seconds
 
 
-def test_memory_is_parameters_and_live_residuals():
-    prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], params=100.0)
-    prof = dataclasses.replace(prof, activation_bytes={1: (10.0, 10.0)})
-    p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 8)
+def test_memory_is_the_runtime_terms_and_live_residuals_in_both_layouts():
+    terms = MemoryTerms(2, 1, 1, 0.5, overhead_bytes=1000, working_factor=0.5)
+    prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0])
+    prof = dataclasses.replace(
+        prof, params={1: (100.0, 50.0)}, activation_bytes={1: (5.0, 10.0)}, memory_terms=terms
+    )
+    # B = 2 sequences: residuals 10 and 20 bytes a microbatch
+    p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("slow", node=1),)), ((0,), (1,)), 2, 16)
     ev = evaluate(p, prof)
-    # 1F1B keeps min(S - r, M) residuals on rank r; 4 copies of the parameters
-    assert ev.peak_bytes == ((400.0 + 2 * 10.0,), (400.0 + 10.0,))
+    per_rank = ev.memory.layouts["per_rank"]
+    # 1F1B keeps min(S - r, M) microbatches on rank r: 2 x 10 on rank 0, 1 x 20 on rank 1
+    assert per_rank[0][0].parts == {
+        "overhead": 1000,
+        "parameters": 4.5 * 100,
+        "values": 2 * 10,
+        "working": 0.5 * 10,
+    }
+    assert per_rank[1][0].footprint_bytes == 1000 + 4.5 * 50 + 20 + 0.5 * 20
+    # one SPMD program: every device holds the largest of each term
+    spmd = [m.footprint_bytes for m in ev.memory.devices("spmd")]
+    assert spmd == [1000 + 450 + 20 + 10] * 2
+    assert ev.plan.memory_layout == "spmd" and ev.max_peak_bytes == 1480
+    assert ev.summary()["devices"][1]["footprint_bytes"] == 1480
+
+
+def _sailor_folder(tmp_path, element=2):
+    """A Sailor data folder whose bytes differ by T and by B in known ways."""
+    layers = 3
+    info = {
+        "toy": {
+            str(t): {
+                str(l): {
+                    "params_floats": 1000 * (l + 1) // t,
+                    "act_mem_floats": 100 * (l + 1) // t + 7,  # not 1/T: some is replicated
+                    "act_output_floats": 50,  # the same under every T
+                    "act_input_floats": 50,
+                }
+                for l in range(layers)
+            }
+            for t in (1, 2)
+        }
+    }
+    (tmp_path / "llm_info.json").write_text(json.dumps(info))
+    times = {
+        str(b): {
+            str(t): {str(l): [0.1 * b / t, 0.2 * b / t, 0.01] for l in range(layers)}
+            for t in (1, 2)
+        }
+        for b in (1, 4)
+    }
+    dev = tmp_path / "profiles" / "toy" / "A100-40"
+    dev.mkdir(parents=True)
+    (dev / "profile.json").write_text(json.dumps(times))
+    net = tmp_path / "network"
+    net.mkdir()
+    (net / "intra_node_bandwidths.json").write_text(json.dumps({"A100-40": {"2": [[1.0], 1e9]}}))
+    link = {
+        "us-central1-a": {"A100-40": {"2": {"us-central1-a": {"A100-40": {"2": [[1.0], 1e9]}}}}}
+    }
+    (net / "multizone_bandwidths.json").write_text(json.dumps(link))
+    (net / "multizone_bandwidths_het.json").write_text(json.dumps({}))
+    return tmp_path
+
+
+def test_sailor_bytes_are_read_by_tensor_degree_and_scaled_by_microbatch(tmp_path):
+    """The importer's key: llm_info is keyed by T, per sequence; a microbatch is B of them."""
+    prof = load_sailor_profile("toy", str(_sailor_folder(tmp_path)))
+    assert prof.memory_terms == jpipe.planner.SAILOR_RUNTIME
+    assert prof.params_per_gpu(2) == (500.0, 1000.0, 1500.0)
+    assert prof.activations(4, 2) == tuple(4 * 2 * (100 * (l + 1) // 2 + 7) for l in range(3))
+    assert prof.activations(4, 1) == tuple(4 * 2 * (100 * (l + 1) + 7) for l in range(3))
+    assert prof.outputs(4) == (4 * 2 * 50,) * 3
+    # a two-stage plan at B = 4, T = 2, checked by hand: 24 bytes a parameter, 5.06 GB
+    # overhead, 1F1B's live microbatches and one more as working memory
+    g = lambda node: DeviceGroup("A100-40", 2, 2, node)  # noqa: E731
+    p = ClusterPlan(((g(0),), (g(1),)), ((0, 1), (2,)), 4, 16, memory_layout="per_rank")
+    ev = evaluate(p, prof)
+    act0 = 4 * 2 * ((100 // 2 + 7) + (200 // 2 + 7))
+    act1 = 4 * 2 * (300 // 2 + 7)
+    first, second = (row[0] for row in ev.memory.layouts["per_rank"])
+    assert first.footprint_bytes == pytest.approx(5.06e9 + 24 * 1500 + 2 * act0 + act0)
+    assert second.footprint_bytes == pytest.approx(5.06e9 + 24 * 1500 + act1 + act1)
+    # the transfer between the stages: B x 2 bytes x 50 floats at the link's 1 GB/s
+    assert ev.transfer_seconds == pytest.approx((4 * 2 * 50 / 1e9,))
+
+
+def test_profile_format_1_is_converted(opt350):
+    old = {
+        "format": "jpipe-profile/1",
+        "model": "m",
+        "layer_kinds": ["block", "block"],
+        "params_bytes": [40.0, 80.0],
+        "activation_bytes": {"2": [10.0, 20.0]},
+        "output_bytes": {"2": [4.0, 4.0]},
+        "devices": {"cpu": {"memory_bytes": 1e9, "times": []}},
+    }
+    prof = profile_from_json(old)
+    assert prof.params == {1: (10.0, 20.0)} and prof.activations(2, 1) == (10.0, 20.0)
+    assert prof.outputs(1) == (2.0, 2.0) and prof.memory_terms == jpipe.planner.JPIPE_RUNTIME
+
+
+def test_spmd_layout_binds_on_the_smallest_device():
+    """A plan whose big stage sits on the big device fits per rank but not as one program."""
+    prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], kinds=("big", "small"))
+    prof = dataclasses.replace(
+        prof,
+        params={1: (50.0, 200.0)},
+        activation_bytes={1: (0.0, 0.0)},
+        memory={"big": 1000.0, "small": 400.0},
+    )
+    devices = [("big", 1), ("small", 1)]
+    per_rank = plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
+    best = per_rank.best[0].evaluation
+    assert best.plan.memory_layout == "per_rank" and best.plan.pipe == 2
+    # per rank: the small device holds 4 x 50, the big one 4 x 200
+    assert sorted(m.footprint_bytes for m in best.memory.devices("per_rank")) == [200, 800]
+    # as one program the small device would hold the big stage: the split refuses it
+    with pytest.raises(ValueError, match="no plan fits.*no split of 2 layers into 2 stages"):
+        plan(prof, devices, 4, gpus_per_node=1, memory_margin=0)
+    # the margin counts: 800 of 1000 fits with 20% kept free, not with 25%
+    plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0.2)
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0.25)
+    assert "(big) binds, 0.00 GB" in per_rank.best[0].reasons[3]
+
+
+def test_spmd_footprint_is_the_sum_of_the_largest_terms():
+    """Each stage fits alone, but one program holds stage 0's parameters and stage 1's
+    residuals on every device: refused after simulation, with the reason."""
+    prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], kinds=("a", "b"))
+    prof = dataclasses.replace(
+        prof,
+        params={1: (100.0, 0.0)},
+        activation_bytes={1: (0.0, 300.0)},
+        memory={"a": 500.0, "b": 500.0},
+    )
+    devices = [("a", 1), ("b", 1)]
+    ok = plan(prof, devices, 2, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
+    assert max(m.footprint_bytes for m in ok.best[0].evaluation.memory.devices("per_rank")) == 400
+    assert ok.best[0].evaluation.memory.max_bytes("spmd") == 700
+    with pytest.raises(ValueError, match=r"out of memory under the spmd layout \(rank 0: 0.0 GB"):
+        plan(prof, devices, 2, gpus_per_node=1, memory_margin=0)
 
 
 def test_plan_errors_name_the_problem(opt350):
@@ -233,8 +383,9 @@ def test_golden_mit_prediction(opt350):
     (docs/planner-validation.md says the command), check the medians, and update both."""
     p, _ = load_sailor_plan(os.path.join(MIT, "N4", "plan_config_N4_D2.json"))
     ev = evaluate(p, opt350)
-    assert ev.step_seconds == pytest.approx(72.1797, rel=1e-4)
-    assert ev.closed_form_seconds == pytest.approx(73.1321, rel=1e-4)
+    assert ev.step_seconds == pytest.approx(67.6780, rel=1e-4)
+    assert ev.closed_form_seconds == pytest.approx(68.3588, rel=1e-4)
+    assert ev.max_peak_bytes == pytest.approx(7.9251e9, rel=1e-4)  # per_rank, as Sailor ran
 
 
 # --- search --------------------------------------------------------------------------------
@@ -369,7 +520,7 @@ def test_public_names():
 
 def test_replicas_crossing_the_same_nodes_share_the_link():
     prof = dataclasses.replace(
-        _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0), output_bytes={1: (0.5, 0.5)}
+        _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0), output_bytes=(0.5, 0.5)
     )
     own = (
         (DeviceGroup("fast", node=0), DeviceGroup("fast", node=1)),
@@ -384,25 +535,40 @@ def test_replicas_crossing_the_same_nodes_share_the_link():
     assert a.transfer_seconds == (0.5,) and b.transfer_seconds == (1.0,)
 
 
-def test_validation_medians_meet_the_targets():
+def test_validation_medians():
     """The figures docs/planner-validation.md reports; rerun its command if this moves."""
-    from jpipe.planner import medians, picks, validate_directory
+    from jpipe.planner import medians, memory_medians, picks, validate_directory
 
     rows = validate_directory(os.path.join(SAILOR_DIR, "validation"))
     ours, closed, n = medians(rows, "clariden")
-    assert n == 12 and ours <= 0.10 and ours == pytest.approx(0.0917, abs=5e-4)
+    assert n == 12 and ours <= 0.092 and ours == pytest.approx(0.0910, abs=5e-4)
     ours, closed, n = medians(rows, "mit")
-    assert n == 5 and ours <= 0.20 and ours < closed
+    assert n == 5 and ours <= 0.093 and ours == pytest.approx(0.0357, abs=5e-4)
+    kept, n_kept, every, n_every = memory_medians(rows, "clariden")
+    assert (n_kept, n_every) == (18, 19) and kept <= 0.15
+    assert kept == pytest.approx(0.1108, abs=5e-4)
+    # mit: 15.6% over its 3 trusted plans, above the 15% the planner aims for (the doc says why)
+    kept, n_kept, every, n_every = memory_medians(rows, "mit")
+    assert (n_kept, n_every) == (3, 5) and kept == pytest.approx(0.1558, abs=5e-4)
+    left_out = {os.path.basename(r.path): r.excluded for r in rows if r.excluded}
+    assert set(left_out) == {
+        "plan_config_N2_D1.json",
+        "plan_config_N2_D2.json",
+        "plan_config_N8_D2.json",
+    }
+    assert all(why for why in left_out.values())
+    repaired = [r for r in rows if "lists layer 29 twice and never 19" in r.note + r.mem_note]
+    assert len(repaired) == 3 and all(r.predicted_mem is not None for r in repaired)
     chosen = {p["setup"]: p for p in picks(rows)}
-    assert chosen["mit/N4"]["jpipe"].path.endswith("N4_D2.json")
-    assert all(p["jpipe"] is p["fastest"] for p in chosen.values())
+    assert all(p["jpipe"] is p["fastest"] for k, p in chosen.items() if k != "mit/N4")
+    assert chosen["mit/N4"]["jpipe"].path.endswith("N4_D1.json")  # measured 26.8% slower
 
 
 def test_measured_stage_times_to_a_plan_file_for_the_trainer(tmp_path):
     # the trainer measured 4 stages of 2 blocks; plan them on 2 devices of that kind
     times = StageTimes(F=(1.0, 1.0, 1.0, 3.0), I=(1.0,) * 4, W=(1.0,) * 4, B=(2.0, 2.0, 2.0, 6.0))
     prof = profile_from_stage_times(
-        times, "cpu", microbatch_size=1, memory_bytes=1e9, blocks_per_stage=[2, 2, 2, 2]
+        times, "cpu", microbatch_size=1, memory_bytes=1e11, blocks_per_stage=[2, 2, 2, 2]
     )
     result = plan(prof, [("cpu", 2)], 8, gpus_per_node=1, top=2)
     data, pipe = (c.evaluation for c in result.best)

@@ -113,7 +113,7 @@ def test_profile_mode_writes_the_planner_format(tmp_path):
     prof = stage_profile(Pipeline(), params, times, 2, (2, 1))
     save_profile(prof, str(tmp_path / "profile.json"))
     measured = load_profile(str(tmp_path / "profile.json"))
-    assert measured == prof and measured.params_bytes == (40.0, 20.0)
+    assert measured == prof and measured.params == {1: (10.0, 4.0)}
     assert [measured.blocks(l) for l in range(2)] == [2, 1]
     t = measured.layer_times(jax.devices()[0].device_kind, 2, 1)
     assert t.forward == (0.1, 0.2) and t.split() == ((0.15, 0.25), (0.05, 0.1))

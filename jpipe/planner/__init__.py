@@ -26,9 +26,12 @@ from jpipe.planner._partition import (
     uniform_partition,
 )
 from jpipe.planner._profiles import (
+    JPIPE_RUNTIME,
     SAILOR_DIR,
+    SAILOR_RUNTIME,
     LayerTimes,
     Link,
+    MemoryTerms,
     Profile,
     load_profile,
     load_sailor_profile,
@@ -39,24 +42,43 @@ from jpipe.planner._profiles import (
     save_profile,
 )
 from jpipe.planner._search import (
+    LAYOUTS,
+    MEMORY_MARGIN,
     ClusterPlan,
     DeviceGroup,
+    DeviceMemory,
     Evaluation,
+    MemoryFootprint,
     TrainerSettings,
     evaluate,
     load_sailor_plan,
     median_abs_error,
+    memory_footprint,
     parse_devices,
     plan,
     plan_file,
     plan_from_sailor,
     read_plan_file,
+    spmd_values,
 )
 from jpipe.planner._validation import markdown as validation_markdown
-from jpipe.planner._validation import medians, picks, validate_directory
+from jpipe.planner._validation import (
+    medians,
+    memory_medians,
+    picks,
+    repair_layers,
+    validate_directory,
+)
 
 __all__ = [
+    "JPIPE_RUNTIME",
+    "LAYOUTS",
+    "MEMORY_MARGIN",
     "SAILOR_DIR",
+    "SAILOR_RUNTIME",
+    "DeviceMemory",
+    "MemoryFootprint",
+    "MemoryTerms",
     "ClusterPlan",
     "DeviceGroup",
     "Evaluation",
@@ -72,6 +94,8 @@ __all__ = [
     "load_sailor_profile",
     "median_abs_error",
     "medians",
+    "memory_footprint",
+    "memory_medians",
     "monotone_in_batch",
     "parse_devices",
     "partition",
@@ -84,8 +108,10 @@ __all__ = [
     "profile_to_json",
     "proportional_partition",
     "read_plan_file",
+    "repair_layers",
     "save_profile",
     "speed_costs",
+    "spmd_values",
     "uniform_partition",
     "validate_directory",
     "validation_markdown",

@@ -38,6 +38,7 @@ Bad input exits with status 2 and one line ``error: ...`` naming the flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,8 +51,23 @@ from jpipe.planner._partition import (
     uniform_partition,
 )
 from jpipe.planner._profiles import SAILOR_DIR, load_profile, load_sailor_profile, monotone_in_batch
-from jpipe.planner._search import evaluate, load_sailor_plan, parse_devices, plan, plan_file
-from jpipe.planner._validation import markdown, model_of, validate_directory
+from jpipe.planner._search import (
+    LAYOUTS,
+    MEMORY_MARGIN,
+    evaluate,
+    load_sailor_plan,
+    parse_devices,
+    plan,
+    plan_file,
+)
+from jpipe.planner._validation import (
+    markdown,
+    medians,
+    memory_medians,
+    model_of,
+    repair_layers,
+    validate_directory,
+)
 
 
 class _Usage(ValueError):
@@ -87,7 +103,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--speeds", metavar="S1,S2,...", help="relative device speed of each stage")
     p.add_argument("--profiles", metavar="DIR|FILE", help="Sailor data folder or jpipe profile")
     p.add_argument("--raw-profiles", action="store_true", help="use Sailor times as published")
-    p.add_argument("--sender-only", action="store_true", help="transfers occupy the sender only")
+    p.add_argument(
+        "--receiver-busy",
+        action="store_true",
+        help="a transfer occupies the receiving GPU too (default: the sender only)",
+    )
+    p.add_argument(
+        "--memory-layout",
+        choices=LAYOUTS,
+        default="spmd",
+        help="memory check: spmd (jpipe's one program, every device holds the largest rank's "
+        "need; the default) or per_rank (each device its own rank's)",
+    )
+    p.add_argument(
+        "--memory-margin",
+        type=float,
+        default=MEMORY_MARGIN,
+        help="share of every device's usable memory kept free (default %(default)s)",
+    )
+    p.add_argument(
+        "--memory",
+        metavar="TYPE:BYTES,...",
+        help="each device type's memory, where the profile lacks it or to override it "
+        "(e.g. cpu:8e9)",
+    )
     p.add_argument("--schedule", default="1f1b", help="schedule a validated plan ran")
     p.add_argument("--save", metavar="FILE", help="write the best plan as a plan file")
     p.add_argument("--svg", metavar="FILE", help="draw the best plan's schedule to FILE")
@@ -102,11 +141,24 @@ def _load(args, model: str):
         profile = load_profile(source)
         if profile.model != model:
             raise _Usage(f"--profiles {source} is for model {profile.model!r}, not {model!r}")
-        return profile
-    if source and not os.path.isdir(source):
+    elif source and not os.path.isdir(source):
         raise _Usage(f"--profiles {source!r} is neither a folder nor a file")
-    profile = load_sailor_profile(model, source or SAILOR_DIR)
-    return profile if args.raw_profiles else monotone_in_batch(profile)
+    else:
+        profile = load_sailor_profile(model, source or SAILOR_DIR)
+        profile = profile if args.raw_profiles else monotone_in_batch(profile)
+    if args.memory:
+        memory = dict(profile.memory)
+        for item in filter(None, (x.strip() for x in args.memory.split(","))):
+            kind, _, value = item.rpartition(":")
+            try:
+                nbytes = float(value)
+            except ValueError:
+                nbytes = 0.0
+            if not kind or not nbytes > 0:
+                raise _Usage(f"--memory: cannot read {item!r}; expected TYPE:BYTES like cpu:8e9")
+            memory[kind] = nbytes
+        profile = dataclasses.replace(profile, memory=memory, derived=set(), _links={})
+    return profile
 
 
 def _layer_costs(args) -> dict:
@@ -138,14 +190,18 @@ def _validate(args) -> dict:
     num_layers = sum(len(s) for s in plan_.stage_layers)
     model = args.model or model_of(path, num_layers, args.profiles or SAILOR_DIR)
     profile = _load(args, model)
-    ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
-    out = {"model": model, **ev.summary()}
+    plan_, repaired = repair_layers(plan_, profile.num_layers)
+    ev = evaluate(plan_, profile, receiver_busy=args.receiver_busy)
+    out = {"model": model, **ev.summary(args.memory_margin)}
+    if repaired:
+        out["note"] = repaired
     if "real" in raw:
         out["measured_seconds"] = raw["real"]
         out["error"] = ev.step_seconds / raw["real"] - 1
         out["closed_form_error"] = ev.closed_form_seconds / raw["real"] - 1
     if "max_mem" in raw:
         out["measured_max_mem_bytes"] = raw["max_mem"]
+        out["mem_error"] = ev.max_peak_bytes / raw["max_mem"] - 1
     return out
 
 
@@ -175,6 +231,9 @@ def _plan(args) -> tuple[dict, str]:
         microbatch_sizes=sizes,
         gpus_per_node=args.gpus_per_node,
         top=args.top,
+        receiver_busy=args.receiver_busy,
+        memory_layout=args.memory_layout,
+        memory_margin=args.memory_margin,
     )
     best = result.best[0].evaluation
     if args.save:
@@ -186,7 +245,11 @@ def _plan(args) -> tuple[dict, str]:
         "model": profile.model,
         "devices": dict(devices),
         "global_batch": args.global_batch,
-        "plans": [{**c.evaluation.summary(), "why": list(c.reasons)} for c in result.best],
+        "memory_terms": profile.memory_terms.to_json(),
+        "plans": [
+            {**c.evaluation.summary(args.memory_margin), "why": list(c.reasons)}
+            for c in result.best
+        ],
         "candidates": result.considered,
         "simulated": result.simulated,
         "skipped": len(result.skipped),
@@ -202,7 +265,8 @@ def _plan(args) -> tuple[dict, str]:
     for i, c in enumerate(result.best):
         ev = c.evaluation
         text.append(
-            f"#{i + 1}  {ev.step_seconds:.4g} s/step, peak {ev.max_peak_bytes / 1e9:.2f} GB"
+            f"#{i + 1}  {ev.step_seconds:.4g} s/step, {ev.max_peak_bytes / 1e9:.2f} GB on the "
+            f"fullest device ({ev.plan.memory_layout} layout)"
         )
         text += [f"    {line}" for line in c.reasons]
         text.append(f"    layers per stage: {[list(s) for s in ev.plan.stage_layers]}")
@@ -239,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.validate_all,
                 args.profiles,
                 clean=not args.raw_profiles,
-                receiver_busy=not args.sender_only,
+                receiver_busy=args.receiver_busy,
                 schedule=args.schedule,
             )
-            ablation = None
+            ablation = working = None
             if args.markdown:
                 ablation = {
                     f"clean={c}, receiver busy={b}": validate_directory(
@@ -253,10 +317,32 @@ def main(argv: list[str] | None = None) -> int:
                         schedule=args.schedule,
                     )
                     for c in (True, False)
-                    for b in (True, False)
+                    for b in (False, True)
                 }
-            out = {"plans": [r.__dict__ | {"error": r.error} for r in rows]}
-            text = markdown(rows, ablation)
+                working = {
+                    f: validate_directory(
+                        args.validate_all, args.profiles, schedule=args.schedule, working_factor=f
+                    )
+                    for f in (0.0, 0.5, 1.0, 2.0)
+                }
+            out = {
+                "plans": [
+                    {k: v for k, v in r.__dict__.items() if k not in ("twin_key", "min_need")}
+                    | {"error": r.error, "mem_error": r.mem_error}
+                    for r in rows
+                ],
+                "memory_medians": {
+                    c: dict(
+                        zip(("kept", "kept_plans", "all", "all_plans"), memory_medians(rows, c))
+                    )
+                    for c in sorted({r.cluster for r in rows})
+                },
+                "time_medians": {
+                    c: dict(zip(("jpipe", "closed_form", "plans"), medians(rows, c)))
+                    for c in sorted({r.cluster for r in rows})
+                },
+            }
+            text = markdown(rows, ablation, working)
         else:
             out, text = _plan(args)
     except (ValueError, OSError) as e:

@@ -1,28 +1,41 @@
-"""Profiles: what a model costs on each kind of device, and how fast the links are.
+"""Profiles: what a model costs on each kind of device, what it holds, and how fast the links are.
 
 A `Profile` is the planner's input, measured once per model and device type:
 
 - per layer, per device type, per (microbatch size B, tensor-parallel degree
   T): forward, backward, and (where known) input-gradient and weight-gradient
   times, and the optimizer-update time, in seconds (`LayerTimes`);
-- per layer: parameter bytes (all tensor-parallel shards together), residual
-  (activation) bytes kept for the backward and output bytes sent to the next
-  stage, per microbatch size;
+- per layer and tensor-parallel degree T, *for one sequence*: parameters held
+  by one GPU (`params`), residual (activation) bytes one GPU keeps from F to
+  the backward (`activation_bytes`); per layer, the bytes of its output sent
+  to the next stage (`output_bytes`, the same under every T). A microbatch of
+  B sequences holds and sends B times these;
+- the runtime's own memory terms (`MemoryTerms`): bytes per parameter
+  (weights, gradients, optimizer state, buffers), a fixed per-device
+  overhead, the working memory of the running piece as a multiple of its
+  stage's residuals, and the fraction of a device's memory the runtime can
+  allocate;
 - per device type: its memory in bytes;
 - links (`Link`): inside a node per device type and GPU count, and between
   nodes per pair of (device type, GPUs per node).
 
 On disk a profile is one JSON object (`save_profile` / `load_profile`, format
-``"jpipe-profile/1"``). `load_sailor_profile` imports the published Sailor
-profiles (vendored in ``jpipe/_data/sailor``), and `profile_from_stage_times`
-turns the trainer's measured per-stage F/I/W times into the same format.
+``"jpipe-profile/2"``; the earlier ``/1``, whose bytes were keyed by B, is
+read and converted). `load_sailor_profile` imports the published Sailor
+profiles (vendored in ``jpipe/_data/sailor``): Sailor's ``llm_info.json`` is
+keyed by T and gives one sequence's floats, which the importer scales by the
+runtime's element size (2 bytes: the measured runs trained in fp16 mixed
+precision), and the profile carries Sailor's runtime's memory terms
+(`SAILOR_RUNTIME`). `profile_from_stage_times` turns the trainer's measured
+per-stage F/I/W times and bytes into the same format.
 
 Missing entries are derived, never invented: `Profile.times` takes an absent
 tensor-parallel degree from the nearest present one scaled by the ratio the
 profile itself shows between those degrees at other microbatch sizes (ideal
 ``1/T`` scaling only when the profile has no such pair), and an absent
-microbatch size from the nearest present one scaled linearly in B. What it
-derived is listed in `Profile.derived` so a report can say so.
+microbatch size from the nearest present one scaled linearly in B; an absent
+T in the bytes is the nearest present one scaled by ``1/T``. What it derived
+is listed in `Profile.derived` so a report can say so.
 """
 
 from __future__ import annotations
@@ -34,20 +47,118 @@ import os
 import statistics
 from collections.abc import Sequence
 
-FORMAT = "jpipe-profile/1"
+FORMAT = "jpipe-profile/2"
+OLD_FORMATS = ("jpipe-profile/1",)
 SAILOR_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_data", "sailor")
 
-# Memory of the device types in the Sailor data (nominal, GiB), which the data omits.
+# Memory of the device types in the Sailor data (GiB, as Sailor's own constants give
+# them; the data files omit it). Sailor's "RTX-2080" nodes are 11 GiB cards.
 GIB = 1024**3
 DEVICE_MEMORY = {
     "A100-40": 40 * GIB,
     "A100-80": 80 * GIB,
     "GH-96": 96 * GIB,
     "V100-16": 16 * GIB,
-    "RTX-2080": 8 * GIB,
+    "RTX-2080": 11 * GIB,
     "RTX-3090": 24 * GIB,
     "Titan-RTX": 24 * GIB,
 }
+# The element size of Sailor's floats in its runs (fp16 mixed precision).
+SAILOR_ELEMENT_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerms:
+    """What a training runtime holds on one device besides the model's live values.
+
+    A device's footprint is ``overhead_bytes + bytes_per_param x its parameters
+    + its live residuals and carries (the simulator's peak) + working_factor x
+    the residual bytes of one microbatch of its largest stage`` (the working
+    memory of the piece that runs), against ``usable_fraction x`` its memory.
+
+    Attributes:
+      weight_bytes, gradient_bytes, optimizer_bytes, buffer_bytes: bytes per
+        parameter for the weights, the gradients, the optimizer state and the
+        runtime's other per-parameter buffers (all-reduce buckets, copies).
+      overhead_bytes: fixed per device (the runtime's context, communication
+        libraries, kernels, the allocator's cache).
+      working_factor: working memory of the running piece, in units of the
+        residual bytes one microbatch of its stage keeps.
+      usable_fraction: the share of a device's memory the runtime may allocate
+        (XLA preallocates 75% of a GPU by default).
+      source: where the figures come from, for reports.
+    """
+
+    weight_bytes: float
+    gradient_bytes: float
+    optimizer_bytes: float
+    buffer_bytes: float
+    overhead_bytes: float
+    working_factor: float
+    usable_fraction: float = 1.0
+    source: str = ""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.name == "source":
+                continue
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"memory term {f.name} is {v!r}; it must be a number >= 0")
+        if not 0 < self.usable_fraction <= 1:
+            raise ValueError(
+                f"memory term usable_fraction is {self.usable_fraction!r}; it must be in (0, 1]"
+            )
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.buffer_bytes
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> MemoryTerms:
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"unknown memory terms {unknown}; the terms are {names}")
+        return cls(**{k: (v if k == "source" else float(v)) for k, v in d.items()})
+
+
+# Sailor's runtime (DeepSpeed's pipeline engine, fp16 mixed precision with Adam), as
+# Sailor's own memory model counts it: an fp32 copy of the weights (4), fp32 gradients
+# (4), Adam's two moments (8), the gradient all-reduce buffer (4) and the copy of the
+# model DeepSpeed makes when it starts (4); 4.76 GB of fused kernels and 0.3 GB more
+# per device. Sailor's model has no working-memory term: the backward's working memory
+# is taken as one more microbatch of the stage's residuals (the gradients of the
+# activations it builds beside them), a choice docs/planner-validation.md tests.
+SAILOR_RUNTIME = MemoryTerms(
+    weight_bytes=4,
+    gradient_bytes=4,
+    optimizer_bytes=8,
+    buffer_bytes=8,
+    overhead_bytes=4.76e9 + 0.3e9,
+    working_factor=1.0,
+    usable_fraction=1.0,
+    source="Sailor's runtime (DeepSpeed, fp16 Adam), from Sailor's memory model",
+)
+
+# What jpipe's own runtime holds when nothing was measured: fp32 weights, gradients
+# and Adam's two moments, the step's gradient output (4), 1 GiB per device for the XLA
+# runtime and communication, a working memory of one microbatch's residuals, and XLA's
+# default preallocation of 75% of a GPU. Not validated: `config.profile=True` writes the
+# measured terms.
+JPIPE_RUNTIME = MemoryTerms(
+    weight_bytes=4,
+    gradient_bytes=4,
+    optimizer_bytes=8,
+    buffer_bytes=4,
+    overhead_bytes=float(GIB),
+    working_factor=1.0,
+    usable_fraction=0.75,
+    source="jpipe's runtime, defaults (not measured)",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +237,13 @@ class Profile:
     Attributes:
       model: the model's name.
       layer_kinds: ``"embedding"``, ``"block"`` or ``"head"`` per layer.
-      params_bytes: parameter bytes per layer (all tensor-parallel shards).
-      activation_bytes: ``{B: residual bytes per layer}`` kept from F to backward.
-      output_bytes: ``{B: bytes per layer}`` a layer's output, sent across a stage cut.
+      params: ``{T: parameters per layer held by one GPU}`` at tensor-parallel degree T.
+      activation_bytes: ``{T: residual bytes per layer of one sequence on one GPU}``,
+        kept from F to the backward.
+      output_bytes: bytes per layer of one sequence's output, sent across a stage cut.
       times: ``{device: {(B, T): LayerTimes}}``.
       memory: ``{device: bytes}``.
+      memory_terms: the runtime's own memory terms (`MemoryTerms`).
       intra: ``{device: {gpus: Link}}`` inside one node.
       inter: ``{(device, gpus per node, device, gpus per node): Link}`` between nodes.
       missing: ``{device: why}`` for device files an importer could not use.
@@ -140,11 +253,12 @@ class Profile:
 
     model: str
     layer_kinds: tuple[str, ...]
-    params_bytes: tuple[float, ...]
+    params: dict[int, tuple[float, ...]]
     activation_bytes: dict[int, tuple[float, ...]]
-    output_bytes: dict[int, tuple[float, ...]]
+    output_bytes: tuple[float, ...]
     times: dict[str, dict[tuple[int, int], LayerTimes]]
     memory: dict[str, float]
+    memory_terms: MemoryTerms = JPIPE_RUNTIME
     intra: dict[str, dict[int, Link]] = dataclasses.field(default_factory=dict)
     inter: dict[tuple[str, int, str, int], Link] = dataclasses.field(default_factory=dict)
     derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
@@ -197,19 +311,26 @@ class Profile:
         base = self.layer_times(device, near_b, tp)
         return base.scaled(mbs / near_b)
 
-    def _bytes(self, table: dict[int, tuple[float, ...]], mbs: int) -> tuple[float, ...]:
-        if mbs in table:
-            return table[mbs]
-        near = min(table, key=lambda b: (abs(math.log2(b / mbs)), b))
-        return tuple(x * mbs / near for x in table[near])
+    def _by_tp(self, table: dict[int, tuple[float, ...]], tp: int, what: str):
+        if tp in table:
+            return table[tp]
+        if not table:
+            raise ValueError(f"the {self.model} profile has no {what}")
+        near = min(table, key=lambda t: (abs(math.log2(t / tp)), t))
+        self.derived.add((what, tp))
+        return tuple(x * near / tp for x in table[near])
 
-    def activations(self, mbs: int) -> tuple[float, ...]:
-        """Residual bytes per layer of one microbatch of size `mbs` (scaled if not profiled)."""
-        return self._bytes(self.activation_bytes, mbs)
+    def params_per_gpu(self, tp: int) -> tuple[float, ...]:
+        """Parameters per layer one GPU holds at tensor-parallel degree `tp`."""
+        return self._by_tp(self.params, tp, "parameters")
+
+    def activations(self, mbs: int, tp: int) -> tuple[float, ...]:
+        """Residual bytes per layer one GPU keeps for a microbatch of `mbs` sequences."""
+        return tuple(x * mbs for x in self._by_tp(self.activation_bytes, tp, "activation bytes"))
 
     def outputs(self, mbs: int) -> tuple[float, ...]:
-        """Output bytes per layer of one microbatch of size `mbs`."""
-        return self._bytes(self.output_bytes, mbs)
+        """Output bytes per layer of a microbatch of `mbs` sequences."""
+        return tuple(x * mbs for x in self.output_bytes)
 
     def memory_of(self, device: str) -> float:
         if device not in self.memory:
@@ -273,13 +394,18 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
         info = json.load(f)
     if model not in info:
         raise ValueError(f"{directory}/llm_info.json has no model {model!r}")
-    sizes = {int(b): layers for b, layers in info[model].items()}
-    some = next(iter(sizes.values()))
-    num_layers = len(some)
+    # llm_info is keyed by the tensor-parallel degree T, and its values are for one
+    # sequence: parameters per GPU halve as T doubles, a layer's output is the same
+    # under every T (Sailor's own planner reads it so and multiplies activations by B).
+    by_tp = {int(t): layers for t, layers in info[model].items()}
+    num_layers = len(next(iter(by_tp.values())))
     order = [str(i) for i in range(num_layers)]
-    params = tuple(float(some[i]["params_bytes"]) for i in order)
-    activation = {b: tuple(float(v[i]["act_mem_bytes"]) for i in order) for b, v in sizes.items()}
-    output = {b: tuple(float(v[i]["act_output_bytes"]) for i in order) for b, v in sizes.items()}
+    element = SAILOR_ELEMENT_BYTES
+    params = {t: tuple(float(v[i]["params_floats"]) for i in order) for t, v in by_tp.items()}
+    activation = {
+        t: tuple(element * float(v[i]["act_mem_floats"]) for i in order) for t, v in by_tp.items()
+    }
+    output = tuple(element * float(by_tp[min(by_tp)][i]["act_output_floats"]) for i in order)
     times, missing = {}, {}
     for device in sorted(os.listdir(model_dir)):
         with open(os.path.join(model_dir, device, "profile.json")) as f:
@@ -323,11 +449,12 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
     return Profile(
         model=model,
         layer_kinds=kinds,
-        params_bytes=params,
+        params=params,
         activation_bytes=activation,
         output_bytes=output,
         times=times,
-        memory={d: DEVICE_MEMORY[d] for d in times if d in DEVICE_MEMORY},
+        memory={d: DEVICE_MEMORY[d] for d in os.listdir(model_dir) if d in DEVICE_MEMORY},
+        memory_terms=SAILOR_RUNTIME,
         intra=intra,
         inter=inter,
         missing=missing,
@@ -341,9 +468,10 @@ def profile_to_json(profile: Profile) -> dict:
         "model": profile.model,
         "layer_kinds": list(profile.layer_kinds),
         **({} if profile.layer_blocks is None else {"layer_blocks": list(profile.layer_blocks)}),
-        "params_bytes": list(profile.params_bytes),
-        "activation_bytes": {str(b): list(v) for b, v in profile.activation_bytes.items()},
-        "output_bytes": {str(b): list(v) for b, v in profile.output_bytes.items()},
+        "params": {str(t): list(v) for t, v in profile.params.items()},
+        "activation_bytes": {str(t): list(v) for t, v in profile.activation_bytes.items()},
+        "output_bytes": list(profile.output_bytes),
+        "memory_terms": profile.memory_terms.to_json(),
         "devices": {
             d: {
                 "memory_bytes": profile.memory.get(d),
@@ -379,7 +507,16 @@ def _floats(xs, what: str, n: int | None = None) -> tuple[float, ...]:
 
 
 def profile_from_json(d: dict) -> Profile:
-    """Reads a profile written by `profile_to_json`; errors name the bad field."""
+    """Reads a profile written by `profile_to_json`; errors name the bad field.
+
+    A ``"jpipe-profile/1"`` file (bytes keyed by the microbatch size, parameters
+    as the bytes of all tensor-parallel shards in fp32, no memory terms) is
+    converted: its bytes are divided by their microbatch size and taken at
+    T = 1, its parameters are its bytes over 4, and its memory terms are
+    `JPIPE_RUNTIME`'s.
+    """
+    if d.get("format") in OLD_FORMATS:
+        d = _from_format_1(d)
     if d.get("format") != FORMAT:
         raise ValueError(f"not a jpipe profile: 'format' is {d.get('format')!r}, not {FORMAT!r}")
     try:
@@ -409,16 +546,15 @@ def profile_from_json(d: dict) -> Profile:
         return Profile(
             model=str(d["model"]),
             layer_kinds=kinds,
-            params_bytes=_floats(d["params_bytes"], "params_bytes", n),
+            params={int(t): _floats(v, f"params[{t}]", n) for t, v in d["params"].items()},
             activation_bytes={
-                int(b): _floats(v, f"activation_bytes[{b}]", n)
-                for b, v in d["activation_bytes"].items()
+                int(t): _floats(v, f"activation_bytes[{t}]", n)
+                for t, v in d["activation_bytes"].items()
             },
-            output_bytes={
-                int(b): _floats(v, f"output_bytes[{b}]", n) for b, v in d["output_bytes"].items()
-            },
+            output_bytes=_floats(d["output_bytes"], "output_bytes", n),
             times=times,
             memory=memory,
+            memory_terms=MemoryTerms.from_json(d["memory_terms"]),
             intra=_intra(d.get("intra_node", [])),
             layer_blocks=None
             if d.get("layer_blocks") is None
@@ -432,6 +568,24 @@ def profile_from_json(d: dict) -> Profile:
         )
     except KeyError as e:
         raise ValueError(f"the profile is missing the field {e.args[0]!r}") from None
+
+
+def _from_format_1(d: dict) -> dict:
+    """A ``jpipe-profile/1`` object in the ``/2`` form (see `profile_from_json`)."""
+    try:
+        per_b = {int(b): v for b, v in d["activation_bytes"].items()}
+        out_b = {int(b): v for b, v in d["output_bytes"].items()}
+        b_act, b_out = min(per_b), min(out_b)
+        return {
+            **d,
+            "format": FORMAT,
+            "params": {"1": [float(x) / 4 for x in d["params_bytes"]]},
+            "activation_bytes": {"1": [float(x) / b_act for x in per_b[b_act]]},
+            "output_bytes": [float(x) / b_out for x in out_b[b_out]],
+            "memory_terms": JPIPE_RUNTIME.to_json(),
+        }
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(f"cannot read this jpipe-profile/1 file: {e!r}") from None
 
 
 def _intra(entries) -> dict[str, dict[int, Link]]:
@@ -462,11 +616,12 @@ def profile_from_stage_times(
     *,
     microbatch_size: int,
     tensor_parallel: int = 1,
-    params_bytes: Sequence[float] | None = None,
+    params: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     output_bytes: Sequence[float] | None = None,
     update: Sequence[float] | None = None,
     memory_bytes: float | None = None,
+    memory_terms: MemoryTerms | None = None,
     blocks_per_stage: Sequence[int] | None = None,
     link_bytes_per_s: float = math.inf,
     model: str = "measured",
@@ -482,10 +637,12 @@ def profile_from_stage_times(
         ``StageTimes`` from ``measure_stages``.
       device: the device type the times were measured on.
       microbatch_size, tensor_parallel: the (B, T) they were measured at.
-      params_bytes, activation_bytes, output_bytes: bytes per stage, if known
-        (default 0).
+      params: parameters per stage on one GPU, if known (default 0).
+      activation_bytes, output_bytes: per stage, bytes of one *microbatch*
+        (stored per sequence, divided by `microbatch_size`), if known (default 0).
       update: optimizer-update seconds per stage (default 0).
       memory_bytes: the device's memory, if known.
+      memory_terms: the runtime's memory terms (default `JPIPE_RUNTIME`).
       blocks_per_stage: transformer blocks in each measured stage (the
         trainer's layers per stage), so a plan counts blocks, not stages.
       link_bytes_per_s: bandwidth between devices, inside and across nodes;
@@ -499,18 +656,19 @@ def profile_from_stage_times(
     B = getattr(stage_times, "B", None)
     B = _floats(B, "B", n) if B is not None else tuple(i + w for i, w in zip(I, W))
     zeros = (0.0,) * n
-    b = int(microbatch_size)
+    b, t = int(microbatch_size), int(tensor_parallel)
+    per_sequence = lambda xs, what: tuple(x / b for x in _floats(xs, what, n))  # noqa: E731
     return Profile(
         model=model,
         layer_kinds=("block",) * n,
-        params_bytes=_floats(params_bytes, "params_bytes", n) if params_bytes else zeros,
-        activation_bytes={b: _floats(activation_bytes, "activation_bytes", n)}
-        if activation_bytes
-        else {b: zeros},
-        output_bytes={b: _floats(output_bytes, "output_bytes", n)} if output_bytes else {b: zeros},
+        params={t: _floats(params, "params", n) if params else zeros},
+        activation_bytes={
+            t: per_sequence(activation_bytes, "activation_bytes") if activation_bytes else zeros
+        },
+        output_bytes=per_sequence(output_bytes, "output_bytes") if output_bytes else zeros,
         times={
             device: {
-                (b, int(tensor_parallel)): LayerTimes(
+                (b, t): LayerTimes(
                     forward=F,
                     backward=B,
                     update=_floats(update, "update", n) if update else zeros,
@@ -520,6 +678,7 @@ def profile_from_stage_times(
             }
         },
         memory={} if memory_bytes is None else {device: float(memory_bytes)},
+        memory_terms=memory_terms or JPIPE_RUNTIME,
         layer_blocks=None if blocks_per_stage is None else tuple(int(b) for b in blocks_per_stage),
         intra={device: {1: Link(link_bytes_per_s)}},
         inter={(device, 1, device, 1): Link(link_bytes_per_s)},

@@ -10,14 +10,14 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    derives a missing degree from the profile's own entries). Where the profile
    has only the full backward, schedules that split it get half as ``I`` and
    half as ``W``.
-2. Transfers. A stage's output (its last layer's output bytes) goes to the
-   next stage over the link between their nodes, and the gradient of the same
-   size comes back. Transfers are *blocking*, as in DeepSpeed's pipeline
-   engine that Sailor's measured plans ran: NCCL's send and receive kernels
-   occupy both GPUs, so the sender's action and the receiver's lasts its
-   compute plus the transfer (the latency of the first transfer on the
-   critical path is thereby counted twice, once per side: a small overcount
-   at the pipeline's fill). ``receiver_busy=False`` charges the sender only.
+2. Transfers. A stage's output (its last layer's output bytes for one
+   sequence, times B) goes to the next stage over the link between their
+   nodes, and the gradient of the same size comes back. By default a
+   transfer occupies the sender only: its action lasts its compute plus the
+   send. ``receiver_busy=True`` charges the receiver's action as well (NCCL's
+   send and receive kernels run on both GPUs under DeepSpeed); on Sailor's
+   published plans, with the transfer bytes read right, sender-only has the
+   lower median error on both clusters (docs/planner-validation.md).
 3. The schedule is built for the plan's ranks and microbatches
    (`get_schedule`, built-ins or the user's ``file.py:function``) and
    simulated once per data-parallel replica (replicas may hold different
@@ -28,11 +28,19 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    over the node's links) and then runs the optimizer update (profile
    ``update`` times). The step ends when the last rank has updated:
    ``max over ranks of (latest replica finish + all-reduce + update)``.
-5. Memory per rank: ``4 x`` its parameter bytes over ``T`` (fp32 weights,
-   gradients and two Adam moments) plus the simulator's peak of live residuals
-   (`jpipe.Sizes`, profile activation bytes over ``T``; for schedules that
-   split the backward, an ``I``'s carry is taken as large as the residuals,
-   which overstates it rather than understates it).
+5. Memory per device (`memory_footprint`), from the profile's runtime terms
+   (`MemoryTerms`): a fixed overhead, ``bytes_per_param x`` the parameters
+   one GPU of the rank holds at its T, the simulator's peak of live residuals
+   and carries on the rank (`jpipe.Sizes`: the profile's activation bytes at
+   T, times B; for schedules that split the backward an ``I``'s carry is taken
+   as large as the residuals, which overstates it rather than understates it)
+   and the working memory of the running piece (``working_factor x`` one
+   microbatch of the rank's largest stage). Two layouts (`LAYOUTS`):
+   ``"per_rank"``, each device holding its own rank's need (what a runtime of
+   one program per rank allocates, and what Sailor's runtime ran), and
+   ``"spmd"``, what jpipe's one SPMD program allocates on *every* device: the
+   largest rank's parameters, the largest rank's live values and the largest
+   piece's working memory (docs/design.md), so the smallest device binds.
 
 `Evaluation.closed_form_seconds` is the formula the published heterogeneous planners (AMP,
 Metis, Sailor, FlashFlex) use on the same inputs:
@@ -40,10 +48,13 @@ Metis, Sailor, FlashFlex) use on the same inputs:
 
 `plan` searches device orderings (types in contiguous blocks), tensor-,
 data- and pipeline-parallel degrees, microbatch sizes and schedules; for each
-shape it splits layers with the exact partitioner (`jpipe.planner._partition`, memory
-a hard limit), then simulates. Candidates are visited in order of a lower
-bound (the busiest rank's work, which no schedule beats), so the search stops
-simulating once no remaining candidate can enter the best ``top``.
+shape it splits layers with the exact partitioner (`jpipe.planner._partition`, each
+stage's memory under the plan's layout a hard limit), then simulates, and keeps
+a plan only if every device's footprint under its layout fits the device's
+usable memory less a margin (``memory_margin``, default 10%). Candidates are
+visited in order of a lower bound (the busiest rank's work, which no schedule
+beats), so the search stops simulating once no remaining candidate can enter
+the best ``top``.
 """
 
 from __future__ import annotations
@@ -58,12 +69,13 @@ from collections.abc import Sequence
 
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
-from jpipe._simulate import Costs, Simulation, Sizes, simulate
+from jpipe._simulate import Costs, Simulation, Sizes, peak_bytes, simulate
 from jpipe.planner._partition import partition, proportional_partition, uniform_partition
 from jpipe.planner._profiles import Profile
 
 PLAN_FORMAT = "jpipe-plan/1"
-OPTIMIZER_COPIES = 4  # fp32 weights, gradients, Adam first and second moments
+LAYOUTS = ("spmd", "per_rank")
+MEMORY_MARGIN = 0.10  # kept free on every device until validated on jpipe's own runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +106,8 @@ class ClusterPlan:
       global_batch: sequences per step over all replicas.
       schedule: a schedule SPEC (name or ``file.py:function``).
       num_chunks: stages per rank for the schedule; `None` for its default.
+      memory_layout: ``"spmd"`` (jpipe's one program: every device holds the
+        largest rank's memory) or ``"per_rank"`` (each its own); see `LAYOUTS`.
     """
 
     ranks: tuple[tuple[DeviceGroup, ...], ...]
@@ -102,6 +116,7 @@ class ClusterPlan:
     global_batch: int
     schedule: str = "1f1b"
     num_chunks: int | None = None
+    memory_layout: str = "spmd"
 
     @property
     def pipe(self) -> int:
@@ -119,6 +134,10 @@ class ClusterPlan:
         """Raises `ValueError` naming what is inconsistent."""
         if not self.ranks or any(len(r) != self.data for r in self.ranks):
             raise ValueError("every pipeline rank needs the same number of data-parallel replicas")
+        if self.memory_layout not in LAYOUTS:
+            raise ValueError(
+                f"memory layout {self.memory_layout!r} is not one of {', '.join(LAYOUTS)}"
+            )
         if self.microbatch_size < 1 or self.global_batch < 1:
             raise ValueError("the microbatch size and the global batch must be positive")
         if self.global_batch % (self.microbatch_size * self.data):
@@ -142,12 +161,171 @@ class ClusterPlan:
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
             "num_chunks": self.num_chunks,
+            "memory_layout": self.memory_layout,
             "mesh": {"pipe": self.pipe, "data": self.data, "tensor": self.tensor_parallel},
         }
 
     @property
     def tensor_parallel(self) -> int:
         return max(d.tensor_parallel for r in self.ranks for d in r)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory under a plan: what it has and what it will hold.
+
+    Attributes:
+      rank, replica: where it sits (pipeline rank, data-parallel replica).
+      kind: its device type.
+      memory_bytes: its memory (the profile's figure for the type; `None` if the
+        profile does not give it).
+      usable_bytes: what the runtime may allocate there (`MemoryTerms.usable_fraction`).
+      footprint_bytes: what it holds under the plan's layout.
+      parts: the footprint's terms: ``overhead``, ``parameters`` (weights,
+        gradients, optimizer state, buffers), ``values`` (live residuals and
+        carries) and ``working`` (the running piece's working memory).
+    """
+
+    rank: int
+    replica: int
+    kind: str
+    memory_bytes: float | None
+    usable_bytes: float | None
+    footprint_bytes: float
+    parts: dict[str, float]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFootprint:
+    """Every device's footprint under both layouts (`memory_footprint`).
+
+    ``layouts[name][r][d]`` is a `DeviceMemory` for rank ``r``, replica ``d``.
+    """
+
+    layouts: dict[str, tuple[tuple[DeviceMemory, ...], ...]]
+
+    def devices(self, layout: str) -> list[DeviceMemory]:
+        return [m for row in self.layouts[layout] for m in row]
+
+    def max_bytes(self, layout: str) -> float:
+        return max(m.footprint_bytes for m in self.devices(layout))
+
+    def binding(self, layout: str, margin: float = 0.0) -> DeviceMemory:
+        """The device with the least room left, as a share of what it may use (its usable
+        memory less `margin`)."""
+
+        def room(m):
+            if m.usable_bytes is None:
+                return math.inf
+            usable = m.usable_bytes * (1 - margin)
+            return (usable - m.footprint_bytes) / usable if usable > 0 else -math.inf
+
+        known = [m for m in self.devices(layout) if m.usable_bytes is not None]
+        if not known:
+            return max(self.devices(layout), key=lambda m: m.footprint_bytes)
+        return min(known, key=room)
+
+    def fits(self, layout: str, margin: float = 0.0) -> bool:
+        """Whether every device whose memory is known holds its footprint."""
+        m = self.binding(layout, margin)
+        return m.usable_bytes is None or m.footprint_bytes <= m.usable_bytes * (1 - margin)
+
+    def why(self, layout: str, margin: float = 0.0) -> str:
+        """One line: which device binds, its footprint and what it may use."""
+        m = self.binding(layout, margin)
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in m.parts.items())
+        if m.usable_bytes is None:
+            return (
+                f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) holds "
+                f"the most, {m.footprint_bytes / 1e9:.2f} GB ({parts}); the profile does not "
+                "give the devices' memory"
+            )
+        room = m.usable_bytes * (1 - margin)
+        verdict = "fits" if m.footprint_bytes <= room else "does not fit"
+        return (
+            f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) binds, "
+            f"{m.footprint_bytes / 1e9:.2f} GB ({parts}) of {room / 1e9:.2f} GB usable "
+            f"({m.memory_bytes / 1e9:.2f} GB x {m.usable_bytes / m.memory_bytes:.2f} usable "
+            f"x {1 - margin:.2f} margin): {verdict}"
+        )
+
+
+def _stage_params(profile: Profile, layers, tp: int) -> float:
+    per_gpu = profile.params_per_gpu(tp)
+    return sum(per_gpu[l] for l in layers)
+
+
+def _stage_activations(profile: Profile, layers, mbs: int, tp: int) -> float:
+    acts = profile.activations(mbs, tp)
+    return sum(acts[l] for l in layers)
+
+
+def _values_sizes(schedule: Schedule, act: Sequence[float]) -> Sizes:
+    # W needs the layer inputs: an I's carry is taken as large as the residuals (conservative)
+    return Sizes(activation=list(act), carry=list(act) if schedule.splits_backward else 0.0)
+
+
+def spmd_values(schedule: Schedule, act: Sequence[float]) -> float:
+    """The live residuals and carries every device of an SPMD program holds: the largest
+    rank's peak, with `act` each stage's residual bytes per microbatch."""
+    return max(peak_bytes(schedule, _values_sizes(schedule, act), schedule.num_stages))
+
+
+def memory_footprint(
+    plan: ClusterPlan, profile: Profile, schedule: Schedule | None = None
+) -> MemoryFootprint:
+    """Every device's memory under `plan`, in both layouts (module docstring, item 5).
+
+    Needs no times: a rank's peak of live values depends only on its own
+    actions' order, so this works where a profile has bytes but no times.
+    """
+    plan.check(profile.num_layers)
+    schedule = schedule or _schedule_for(plan)
+    terms = profile.memory_terms
+    S = schedule.num_stages
+    owner = list(schedule.stage_to_rank)
+    mbs = plan.microbatch_size
+    own = [[None] * plan.data for _ in range(plan.pipe)]
+    for d in range(plan.data):
+        dev = [plan.ranks[owner[s]][d] for s in range(S)]
+        act = [
+            _stage_activations(profile, layers, mbs, dev[s].tensor_parallel)
+            for s, layers in enumerate(plan.stage_layers)
+        ]
+        values = peak_bytes(schedule, _values_sizes(schedule, act), S)
+        for r in range(plan.pipe):
+            stages = [s for s in range(S) if owner[s] == r]
+            tp = plan.ranks[r][d].tensor_parallel
+            own[r][d] = {
+                "overhead": terms.overhead_bytes,
+                "parameters": terms.bytes_per_param
+                * sum(_stage_params(profile, plan.stage_layers[s], tp) for s in stages),
+                "values": values[r],
+                "working": terms.working_factor * max((act[s] for s in stages), default=0.0),
+            }
+    largest = {
+        k: max(own[r][d][k] for r in range(plan.pipe) for d in range(plan.data)) for k in own[0][0]
+    }
+
+    def device(r, d, parts):
+        g = plan.ranks[r][d]
+        memory = profile.memory.get(g.kind)
+        usable = None if memory is None else memory * terms.usable_fraction
+        return DeviceMemory(r, d, g.kind, memory, usable, sum(parts.values()), dict(parts))
+
+    return MemoryFootprint(
+        {
+            "per_rank": tuple(
+                tuple(device(r, d, own[r][d]) for d in range(plan.data)) for r in range(plan.pipe)
+            ),
+            "spmd": tuple(
+                tuple(device(r, d, largest) for d in range(plan.data)) for r in range(plan.pipe)
+            ),
+        }
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +337,7 @@ class Evaluation:
       step_seconds: predicted seconds per training step.
       pipeline_seconds: the slowest replica's simulated makespan.
       allreduce_seconds, update_seconds: per rank (slowest replica).
-      peak_bytes: per rank, per replica: predicted peak memory of one GPU.
+      memory: every device's footprint under both layouts.
       stage_seconds: per stage, F + B of one microbatch (slowest replica, with sends).
       transfer_seconds: per stage boundary, one send (slowest replica).
       closed_form_seconds: the closed-form formula on the same inputs.
@@ -171,17 +349,24 @@ class Evaluation:
     pipeline_seconds: float
     allreduce_seconds: tuple[float, ...]
     update_seconds: tuple[float, ...]
-    peak_bytes: tuple[tuple[float, ...], ...]
+    memory: MemoryFootprint
     stage_seconds: tuple[float, ...]
     transfer_seconds: tuple[float, ...]
     closed_form_seconds: float
     simulation: Simulation = dataclasses.field(repr=False, compare=False)
 
     @property
-    def max_peak_bytes(self) -> float:
-        return max(max(r) for r in self.peak_bytes)
+    def peak_bytes(self) -> tuple[tuple[float, ...], ...]:
+        """Per rank, per replica: one device's footprint under the plan's layout."""
+        rows = self.memory.layouts[self.plan.memory_layout]
+        return tuple(tuple(m.footprint_bytes for m in row) for row in rows)
 
-    def summary(self) -> dict:
+    @property
+    def max_peak_bytes(self) -> float:
+        return self.memory.max_bytes(self.plan.memory_layout)
+
+    def summary(self, margin: float = MEMORY_MARGIN) -> dict:
+        layout = self.plan.memory_layout
         return {
             **self.plan.to_json(),
             "predicted_seconds": self.step_seconds,
@@ -190,6 +375,8 @@ class Evaluation:
             "update_seconds": list(self.update_seconds),
             "predicted_max_mem_bytes": self.max_peak_bytes,
             "peak_bytes": [list(r) for r in self.peak_bytes],
+            "devices": [m.to_json() for m in self.memory.devices(layout)],
+            "memory_margin": margin,
             "stage_seconds": list(self.stage_seconds),
             "transfer_seconds": list(self.transfer_seconds),
             "closed_form_seconds": self.closed_form_seconds,
@@ -219,17 +406,19 @@ def _sharing(ranks, owner) -> list[list[int]]:
     return out
 
 
-def _allreduce_seconds(profile: Profile, group: Sequence[DeviceGroup], nbytes: float) -> float:
-    """Ring all-reduce of `nbytes` (all TP shards) among replicas, over the slowest link."""
+def _allreduce_seconds(profile: Profile, group: Sequence[DeviceGroup], per_gpu: float) -> float:
+    """Ring all-reduce among replicas of `per_gpu` gradient bytes, over the slowest link.
+
+    Each of the T tensor-parallel shards has its own ring, all crossing the same
+    pair of nodes, so the link carries T of them.
+    """
     d = len(group)
-    if d < 2 or nbytes <= 0:
+    if d < 2 or per_gpu <= 0:
         return 0.0
-    per_gpu = nbytes / max(x.tensor_parallel for x in group)
-    slowest = 0.0
-    for a, b in itertools.combinations(group, 2):
-        # one shard's time over the pair's link; every shard's ring runs at once
-        t = _link_seconds(profile, a, b, per_gpu)
-        slowest = max(slowest, t * nbytes / per_gpu)
+    tp = max(x.tensor_parallel for x in group)
+    slowest = max(
+        _link_seconds(profile, a, b, per_gpu) * tp for a, b in itertools.combinations(group, 2)
+    )
     return 2 * (d - 1) / d * slowest
 
 
@@ -247,7 +436,7 @@ def evaluate(
     profile: Profile,
     schedule: Schedule | None = None,
     *,
-    receiver_busy: bool = True,
+    receiver_busy: bool = False,
 ) -> Evaluation:
     """Predicts `plan`'s step time and memory by simulating its schedule (module docstring).
 
@@ -269,14 +458,12 @@ def evaluate(
         )
     owner = list(schedule.stage_to_rank)
     mbs = plan.microbatch_size
-    outputs, acts = profile.outputs(mbs), profile.activations(mbs)
+    outputs = profile.outputs(mbs)
     finish = [[0.0] * plan.data for _ in range(plan.pipe)]
     updates = [[0.0] * plan.data for _ in range(plan.pipe)]
-    peaks = [[0.0] * plan.data for _ in range(plan.pipe)]
     stage_seconds = [0.0] * S
     transfer = [0.0] * max(S - 1, 0)
     worst = None
-    uses_w = schedule.splits_backward
     sharing = _sharing(plan.ranks, owner)
     for d in range(plan.data):
         dev = [plan.ranks[owner[s]][d] for s in range(S)]
@@ -304,29 +491,20 @@ def evaluate(
                 B[s] += c
         for s in range(S):
             stage_seconds[s] = max(stage_seconds[s], F[s] + B[s])
-        tp = [dev[s].tensor_parallel for s in range(S)]
-        act = [sum(acts[l] for l in layers) / tp[s] for s, layers in enumerate(plan.stage_layers)]
-        sizes = Sizes(
-            activation=act,
-            carry=act if uses_w else 0.0,  # W needs the layer inputs: keep them all (conservative)
-            params=[
-                OPTIMIZER_COPIES * sum(profile.params_bytes[l] for l in layers) / tp[s]
-                for s, layers in enumerate(plan.stage_layers)
-            ],
-        )
-        sim = simulate(schedule, Costs(F=F, I=I, W=W, B=B), sizes)
+        sim = simulate(schedule, Costs(F=F, I=I, W=W, B=B))
         for r in range(plan.pipe):
             finish[r][d] = max(sim.ends[r], default=0.0)
             updates[r][d] = sum(U[s] for s in range(S) if owner[s] == r)
-            peaks[r][d] = sim.peak_bytes[r]
         if worst is None or sim.makespan > worst.makespan:
             worst = sim
     allreduce = []
     for r in range(plan.pipe):
-        nbytes = sum(
-            profile.params_bytes[l] for s in range(S) if owner[s] == r for l in plan.stage_layers[s]
+        tp = max(g.tensor_parallel for g in plan.ranks[r])
+        params = sum(
+            _stage_params(profile, plan.stage_layers[s], tp) for s in range(S) if owner[s] == r
         )
-        allreduce.append(_allreduce_seconds(profile, plan.ranks[r], nbytes))
+        grads = params * profile.memory_terms.gradient_bytes  # one GPU's shard
+        allreduce.append(_allreduce_seconds(profile, plan.ranks[r], grads))
     update = [max(u) for u in updates]
     step = max(max(finish[r]) + allreduce[r] + update[r] for r in range(plan.pipe))
     M = plan.num_microbatches
@@ -337,7 +515,7 @@ def evaluate(
         pipeline_seconds=worst.makespan,
         allreduce_seconds=tuple(allreduce),
         update_seconds=tuple(update),
-        peak_bytes=tuple(tuple(p) for p in peaks),
+        memory=memory_footprint(plan, profile, schedule),
         stage_seconds=tuple(stage_seconds),
         transfer_seconds=tuple(transfer),
         closed_form_seconds=closed,
@@ -383,6 +561,7 @@ def plan_from_sailor(config: dict, schedule: str = "1f1b") -> ClusterPlan:
             microbatch_size=int(config["mbs"]),
             global_batch=int(config["gbs"]),
             schedule=schedule,
+            memory_layout="per_rank",  # Sailor's runtime: one program per rank
         )
     except (KeyError, TypeError, IndexError) as e:
         raise ValueError(f"not a Sailor plan file: cannot read {e!r}") from None
@@ -416,6 +595,7 @@ class SearchResult:
     simulated: int
     skipped: tuple[str, ...]
     seconds: float
+    memory_margin: float = MEMORY_MARGIN
 
 
 def parse_devices(text: str) -> list[tuple[str, int]]:
@@ -444,25 +624,54 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _live_counts(schedule: Schedule) -> list[int]:
+    """Per stage, the most microbatches whose residuals it holds at once (its rank's order)."""
+    most = [0] * schedule.num_stages
+    for r in range(schedule.num_ranks):
+        live = [0] * schedule.num_stages
+        for a in schedule.actions(r):
+            if a.kind == "F":
+                live[a.stage] += 1
+                most[a.stage] = max(most[a.stage], live[a.stage])
+            elif a.kind in ("B", "W"):
+                live[a.stage] -= 1
+    return most
+
+
 def _split_layers(
     profile: Profile,
     devs: Sequence[DeviceGroup],
     mbs: int,
-    microbatches: int,
-    receiver_busy: bool = True,
+    live: Sequence[int],
+    capacity: Sequence[float],
+    receiver_busy: bool = False,
     share: Sequence[int] | None = None,
 ) -> tuple[tuple[int, ...], ...]:
-    """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit."""
-    outputs, acts = profile.outputs(mbs), profile.activations(mbs)
+    """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit.
+
+    A stage fits when its own footprint (the runtime's overhead, its
+    parameters, `live` microbatches of its residuals and one piece's working
+    memory) is within ``capacity[s]``: its own device's usable memory under
+    the ``per_rank`` layout, the smallest device's under ``spmd`` (where this
+    is necessary but not sufficient: the plan's footprint is checked again
+    after simulation).
+    """
+    terms = profile.memory_terms
+    outputs = profile.outputs(mbs)
     share = share or [1] * len(devs)
-    rows, memory = [], []
+    rows = []
     for d in devs:
         t = profile.layer_times(d.kind, mbs, d.tensor_parallel)
         rows.append([f + b for f, b in zip(t.forward, t.backward)])
-        memory.append(profile.memory_of(d.kind))
     S = len(devs)
-    pbytes = list(itertools.accumulate(profile.params_bytes, initial=0.0))
-    abytes = list(itertools.accumulate(acts, initial=0.0))
+    pcount = [
+        list(itertools.accumulate(profile.params_per_gpu(d.tensor_parallel), initial=0.0))
+        for d in devs
+    ]
+    abytes = [
+        list(itertools.accumulate(profile.activations(mbs, d.tensor_parallel), initial=0.0))
+        for d in devs
+    ]
 
     # send[s][l]: seconds to move layer l's output across the cut after stage s
     send = [
@@ -479,10 +688,13 @@ def _split_layers(
         return both * (out + back)
 
     def fits(s, a, b):
-        tp = devs[s].tensor_parallel
-        live = min(S - s, microbatches)  # 1F1B's in-flight microbatches on stage s
-        need = (OPTIMIZER_COPIES * (pbytes[b] - pbytes[a]) + live * (abytes[b] - abytes[a])) / tp
-        return need <= memory[s]
+        act = abytes[s][b] - abytes[s][a]
+        need = (
+            terms.overhead_bytes
+            + terms.bytes_per_param * (pcount[s][b] - pcount[s][a])
+            + (live[s] + terms.working_factor) * act
+        )
+        return need <= capacity[s]
 
     return partition(rows, fits, extra).layers
 
@@ -496,7 +708,9 @@ def plan(
     microbatch_sizes: Sequence[int] | None = None,
     gpus_per_node: int = 8,
     top: int = 3,
-    receiver_busy: bool = True,
+    receiver_busy: bool = False,
+    memory_layout: str = "spmd",
+    memory_margin: float = MEMORY_MARGIN,
 ) -> SearchResult:
     """Searches placements of `devices` and returns the `top` plans by predicted step time.
 
@@ -510,8 +724,18 @@ def plan(
       gpus_per_node: GPUs of one type share a node up to this many.
       top: how many plans to return.
       receiver_busy: see `evaluate`.
+      memory_layout: the layout the plans will run under (`LAYOUTS`): ``"spmd"``
+        for jpipe's one-program lowering, ``"per_rank"`` for one program per rank.
+      memory_margin: the share of every device's usable memory kept free.
     """
     start = time.perf_counter()
+    if memory_layout not in LAYOUTS:
+        raise ValueError(f"memory layout {memory_layout!r} is not one of {', '.join(LAYOUTS)}")
+    if not 0 <= memory_margin < 1:
+        raise ValueError(f"the memory margin must be in [0, 1), got {memory_margin!r}")
+    usable = lambda kind: (  # noqa: E731
+        profile.memory_of(kind) * profile.memory_terms.usable_fraction * (1 - memory_margin)
+    )
     for kind, _ in devices:
         if kind not in profile.times:
             raise ValueError(
@@ -564,13 +788,29 @@ def plan(
                         owner = schedule.stage_to_rank
                         # the slowest replica's devices decide the split
                         devs = [ranks[owner[s]][0] for s in range(S)]
+                        if memory_layout == "spmd":  # every device holds the largest need
+                            capacity = [min(usable(g.kind) for row in ranks for g in row)] * S
+                        else:
+                            capacity = [
+                                min(usable(g.kind) for g in ranks[owner[s]]) for s in range(S)
+                            ]
                         try:
                             share = [x[0] for x in _sharing(ranks, owner)]
-                            layers = _split_layers(profile, devs, mbs, M, receiver_busy, share)
+                            layers = _split_layers(
+                                profile,
+                                devs,
+                                mbs,
+                                _live_counts(schedule),
+                                capacity,
+                                receiver_busy,
+                                share,
+                            )
                         except ValueError as e:
                             skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
                             continue
-                        candidate = ClusterPlan(ranks, layers, mbs, global_batch, spec)
+                        candidate = ClusterPlan(
+                            ranks, layers, mbs, global_batch, spec, memory_layout=memory_layout
+                        )
                         shapes.append(
                             (_lower_bound(profile, candidate, owner), candidate, schedule)
                         )
@@ -582,16 +822,18 @@ def plan(
             break  # no candidate left can beat the top plans
         ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
         simulated += 1
-        if ev.max_peak_bytes > min(profile.memory_of(d.kind) for r in candidate.ranks for d in r):
+        if not ev.memory.fits(memory_layout, memory_margin):
             too_big = [
-                f"rank {r}: {ev.peak_bytes[r][j] / 1e9:.1f} GB on {dev.kind}"
-                for r, row in enumerate(candidate.ranks)
-                for j, dev in enumerate(row)
-                if ev.peak_bytes[r][j] > profile.memory_of(dev.kind)
+                f"rank {m.rank}: {m.footprint_bytes / 1e9:.1f} GB on {m.kind} "
+                f"({m.usable_bytes * (1 - memory_margin) / 1e9:.1f} GB usable)"
+                for m in ev.memory.devices(memory_layout)
+                if m.footprint_bytes > m.usable_bytes * (1 - memory_margin)
             ]
-            if too_big:
-                skipped.append(f"{_describe(candidate)}: out of memory ({'; '.join(too_big)})")
-                continue
+            skipped.append(
+                f"{_describe(candidate)}: out of memory under the {memory_layout} layout "
+                f"({'; '.join(dict.fromkeys(too_big))})"
+            )
+            continue
         found.append(ev)
         found.sort(key=lambda e: e.step_seconds)
         del found[top:]
@@ -599,8 +841,12 @@ def plan(
         raise ValueError(
             "no plan fits: " + ("; ".join(skipped[:5]) or "no candidate shapes for these devices")
         )
-    best = tuple(Candidate(ev, _reasons(profile, ev, found, receiver_busy)) for ev in found)
-    return SearchResult(best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start)
+    best = tuple(
+        Candidate(ev, _reasons(profile, ev, found, receiver_busy, memory_margin)) for ev in found
+    )
+    return SearchResult(
+        best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start, memory_margin
+    )
 
 
 def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> float:
@@ -629,7 +875,11 @@ def _describe(p: ClusterPlan) -> str:
 
 
 def _reasons(
-    profile: Profile, ev: Evaluation, found: Sequence[Evaluation], receiver_busy: bool = True
+    profile: Profile,
+    ev: Evaluation,
+    found: Sequence[Evaluation],
+    receiver_busy: bool = False,
+    memory_margin: float = MEMORY_MARGIN,
 ) -> tuple[str, ...]:
     """Why this plan: its bottleneck, its cost breakdown, and how it compares."""
     p = ev.plan
@@ -644,6 +894,7 @@ def _reasons(
         f"{[len(x) for x in p.stage_layers]} layers",
         f"closed-form estimate {ev.closed_form_seconds:.4g} s "
         f"({(ev.closed_form_seconds / ev.step_seconds - 1) * 100:+.1f}% vs simulated)",
+        ev.memory.why(p.memory_layout, memory_margin),
     ]
     if found and ev is not found[0]:
         out.append(f"{(ev.step_seconds / found[0].step_seconds - 1) * 100:+.1f}% vs the best plan")
@@ -713,6 +964,7 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
         "blocks_per_stage": [sum(profile.blocks(l) for l in s) for s in p.stage_layers],
         "predicted_seconds": ev.step_seconds,
         "predicted_max_mem_bytes": ev.max_peak_bytes,
+        "devices": [m.to_json() for m in ev.memory.devices(p.memory_layout)],
     }
 
 

@@ -3,8 +3,19 @@
 `validate_directory` reads every Sailor ``plan_config_*.json`` under a folder,
 predicts each with `jpipe.planner._search.evaluate` (the schedule simulated) and with
 the closed form on the same inputs, and returns one `Row` per plan with the
-measured seconds per iteration and peak memory. Plans whose model has no
-usable profile are kept as rows with the reason, not dropped silently.
+measured seconds per iteration and peak memory. Memory is predicted under the
+``per_rank`` layout (Sailor's runtime ran one program per rank), and also
+where the profile has the model's bytes but no times for the device
+(`memory_footprint` needs no times). Plans whose model has no usable profile
+are kept as rows with the reason, not dropped silently.
+
+The data's known flaws (`flaws`) are handled in the open: a plan file that
+lists a layer twice and omits one in its place is read with the omitted layer
+(a note says so); a plan whose measured memory is below what its own runtime
+must hold (its parameters' state plus one microbatch of residuals on its
+busiest device), or more than 20% below a twin with the same per-GPU setup
+(model, stage layers, device types, T, B and live microbatches), is left out
+of the memory medians with the reason beside it.
 
 `markdown` writes the report in docs/planner-validation.md: the table per
 cluster, the median absolute errors, an ablation of the two global modelling
@@ -21,7 +32,7 @@ import os
 import statistics
 
 from jpipe.planner._profiles import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
-from jpipe.planner._search import evaluate, load_sailor_plan
+from jpipe.planner._search import ClusterPlan, evaluate, load_sailor_plan, memory_footprint
 
 # Sailor's folder names for models, as its profiles name them.
 _MODEL_ALIASES = {"OPT-350": "OPT-350", "GPT-NEO": "GPT-Neo-2.7", "LLAMA": "LLAMA-3-8"}
@@ -43,6 +54,16 @@ class Row:
     predicted_mem: float | None = None
     shape: str = ""
     note: str = ""
+    mem_note: str = ""
+    excluded: str = ""  # why the plan is left out of the memory medians
+    twin_key: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    min_need: float | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def mem_error(self) -> float | None:
+        if self.predicted_mem is None:
+            return None
+        return self.predicted_mem / self.measured_mem - 1
 
     @property
     def error(self) -> float | None:
@@ -74,15 +95,48 @@ def model_of(path: str, num_layers: int, profiles_dir: str) -> str:
     return matches[0]
 
 
+def repair_layers(plan: ClusterPlan, num_layers: int) -> tuple[ClusterPlan, str]:
+    """Reads a stage list that names one layer twice and omits one in its place.
+
+    Sailor's GPT-Neo plan files list ``[16, 17, 18, 29, 20, ...]``: layer 29
+    twice, 19 never. Where exactly one layer is missing, exactly one is
+    listed twice, and putting the missing one at one of the duplicate's places
+    makes the stages hold every layer in order, that is the reading, with a
+    note; anything else is left as it is (and `ClusterPlan.check` refuses it).
+    """
+    flat = [l for st in plan.stage_layers for l in st]
+    missing = sorted(set(range(num_layers)) - set(flat))
+    twice = sorted({l for l in flat if flat.count(l) > 1})
+    if len(missing) != 1 or len(twice) != 1 or len(flat) != num_layers:
+        return plan, ""
+    for at in (i for i, l in enumerate(flat) if l == twice[0]):
+        fixed = flat[:at] + missing + flat[at + 1 :]
+        if fixed == list(range(num_layers)):
+            stages, k = [], 0
+            for st in plan.stage_layers:
+                stages.append(tuple(fixed[k : k + len(st)]))
+                k += len(st)
+            note = (
+                f"the file lists layer {twice[0]} twice and never {missing[0]}; "
+                f"read as {missing[0]}"
+            )
+            return dataclasses.replace(plan, stage_layers=tuple(stages)), note
+    return plan, ""
+
+
 def validate_directory(
     directory: str,
     profiles_dir: str | None = None,
     *,
     clean: bool = True,
-    receiver_busy: bool = True,
+    receiver_busy: bool = False,
     schedule: str = "1f1b",
+    working_factor: float | None = None,
 ) -> list[Row]:
-    """Predicts every plan file under `directory` (see the module docstring)."""
+    """Predicts every plan file under `directory` (see the module docstring).
+
+    `working_factor`, if given, replaces the profiles' own (for the ablation).
+    """
     profiles_dir = profiles_dir or SAILOR_DIR
     paths = sorted(glob.glob(os.path.join(directory, "**", "plan_config_*.json"), recursive=True))
     if not paths:
@@ -121,21 +175,81 @@ def validate_directory(
         if isinstance(profile, str):
             rows.append(Row(**base, shape=shape, note=profile))
             continue
+        if working_factor is not None:
+            terms = dataclasses.replace(profile.memory_terms, working_factor=working_factor)
+            profile = dataclasses.replace(profile, memory_terms=terms, derived=set(), _links={})
+        plan, repaired = repair_layers(plan, profile.num_layers)
+        mem, mem_note, min_need = None, repaired, None
+        try:
+            footprint = memory_footprint(plan, profile)
+            mem = footprint.max_bytes("per_rank")
+            min_need = max(
+                m.parts["parameters"] + m.parts["values"] / max(_live(plan, m.rank), 1)
+                for m in footprint.devices("per_rank")
+            )
+        except ValueError as e:
+            mem_note = str(e)
+        twin = (
+            model,
+            plan.stage_layers,
+            tuple(tuple((d.kind, d.tensor_parallel) for d in r[:1]) for r in plan.ranks),
+            plan.microbatch_size,
+            min(plan.num_microbatches, plan.pipe),
+        )
+        extra = dict(
+            shape=shape, predicted_mem=mem, mem_note=mem_note, twin_key=twin, min_need=min_need
+        )
         try:
             ev = evaluate(plan, profile, receiver_busy=receiver_busy)
         except ValueError as e:
-            rows.append(Row(**base, shape=shape, note=str(e)))
+            rows.append(Row(**base, note=str(e), **extra))
             continue
         rows.append(
             Row(
                 **base,
                 predicted_seconds=ev.step_seconds,
                 closed_form_seconds=ev.closed_form_seconds,
-                predicted_mem=ev.max_peak_bytes,
-                shape=shape,
+                note=repaired,
+                **extra,
             )
         )
-    return rows
+    return flaws(rows)
+
+
+def _live(plan: ClusterPlan, rank: int) -> int:
+    """1F1B's most live microbatches on `rank` (Sailor's runtime ran 1F1B)."""
+    return min(plan.pipe - rank, plan.num_microbatches)
+
+
+def flaws(rows: list[Row]) -> list[Row]:
+    """The rows with `Row.excluded` set where the measured memory cannot be trusted.
+
+    Two rules, each applied to every plan: the measurement is below the state
+    of its parameters plus one microbatch of residuals on its busiest device
+    (under the profile's own runtime terms, without the overhead), which no
+    run of that plan can hold less than; or it is more than 20% below a twin
+    (same model, stage layers, device types and T, B, and 1F1B live
+    microbatches) measured in the same data.
+    """
+    out = []
+    for r in rows:
+        why = ""
+        if r.min_need is not None and r.measured_mem < r.min_need:
+            why = (
+                f"measures {r.measured_mem / 1e9:.1f} GB, below its parameters' state plus "
+                f"one microbatch of residuals ({r.min_need / 1e9:.1f} GB)"
+            )
+        else:
+            twins = [t for t in rows if t.twin_key == r.twin_key and t is not r and r.twin_key]
+            high = max(twins, key=lambda t: t.measured_mem, default=None)
+            if high is not None and r.measured_mem < 0.8 * high.measured_mem:
+                why = (
+                    f"measures {(1 - r.measured_mem / high.measured_mem) * 100:.0f}% below "
+                    f"{os.path.basename(high.path)} ({high.measured_mem / 1e9:.1f} GB), a twin "
+                    "with the same per-GPU setup"
+                )
+        out.append(dataclasses.replace(r, excluded=why) if why else r)
+    return out
 
 
 def medians(rows: list[Row], cluster: str) -> tuple[float, float, int]:
@@ -148,6 +262,15 @@ def medians(rows: list[Row], cluster: str) -> tuple[float, float, int]:
         statistics.median(abs(r.closed_form_error) for r in done),
         len(done),
     )
+
+
+def memory_medians(rows: list[Row], cluster: str) -> tuple[float, int, float, int]:
+    """Median absolute memory error on `cluster`: (over the plans not excluded, their
+    count, over every predicted plan, its count)."""
+    done = [r for r in rows if r.cluster == cluster and r.mem_error is not None]
+    kept = [r for r in done if not r.excluded]
+    med = lambda rs: statistics.median(abs(r.mem_error) for r in rs) if rs else float("nan")  # noqa: E731
+    return med(kept), len(kept), med(done), len(done)
 
 
 def picks(rows: list[Row]) -> list[dict]:
@@ -183,42 +306,68 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:+.1f}%"
 
 
-def markdown(rows: list[Row], ablation: dict[str, list[Row]] | None = None) -> str:
-    """The validation report (tables, medians, ablation, picks)."""
+def markdown(
+    rows: list[Row],
+    ablation: dict[str, list[Row]] | None = None,
+    working: dict[float, list[Row]] | None = None,
+) -> str:
+    """The validation report (tables, medians, ablations of the time and memory
+    choices, picks)."""
     lines = []
     for cluster in sorted({r.cluster for r in rows}):
         lines += [
             f"### {cluster}",
             "",
             "| plan | shape | measured s | jpipe s | error | closed form s | error "
-            "| measured GB | jpipe GB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| measured GB | jpipe GB | error |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in (r for r in rows if r.cluster == cluster):
+            mem = (
+                "- | -"
+                if r.predicted_mem is None
+                else f"{r.predicted_mem / 1e9:.1f} | {_pct(r.mem_error)}"
+                + (" (left out)" if r.excluded else "")
+            )
             if r.error is None:
                 lines.append(
                     f"| {r.path} | {r.shape} | {r.measured_seconds:.4g} | - | - | - | - "
-                    f"| {r.measured_mem / 1e9:.1f} | - |"
+                    f"| {r.measured_mem / 1e9:.1f} | {mem} |"
                 )
                 continue
             lines.append(
                 f"| {r.path} | {r.shape} | {r.measured_seconds:.4g} | {r.predicted_seconds:.4g} "
                 f"| {_pct(r.error)} | {r.closed_form_seconds:.4g} | {_pct(r.closed_form_error)} "
-                f"| {r.measured_mem / 1e9:.1f} | {r.predicted_mem / 1e9:.1f} |"
+                f"| {r.measured_mem / 1e9:.1f} | {mem} |"
             )
         ours, closed, n = medians(rows, cluster)
+        kept, n_kept, every, n_every = memory_medians(rows, cluster)
         lines += [
             "",
             f"Median absolute time error on {cluster} ({n} plans predicted): "
             f"jpipe {ours * 100:.1f}%, closed form {closed * 100:.1f}%.",
             "",
+            f"Median absolute memory error on {cluster}: {kept * 100:.1f}% over the {n_kept} "
+            f"plans not left out ({every * 100:.1f}% over all {n_every} predicted).",
+            "",
         ]
-        skipped = [r for r in rows if r.cluster == cluster and r.error is None]
-        if skipped:
-            lines.append("Not predicted:")
+        notes = [r for r in rows if r.cluster == cluster and (r.note or r.mem_note or r.excluded)]
+        if notes:
+            lines.append("Notes, left out and not predicted:")
             lines.append("")
-            for r in skipped:
-                lines.append(f"- {r.path}: {r.note}")
+            for r in notes:
+                said = []
+                if r.error is None:
+                    said.append(f"time not predicted: {r.note}")
+                elif r.note:
+                    said.append(r.note)
+                if r.predicted_mem is None:
+                    said.append(f"memory not predicted: {r.mem_note}")
+                elif r.mem_note and r.mem_note != r.note:
+                    said.append(r.mem_note)
+                if r.excluded:
+                    said.append(f"left out of the memory median: {r.excluded}")
+                lines.append(f"- {r.path}: " + "; ".join(dict.fromkeys(said)))
             lines.append("")
     if ablation:
         clusters = sorted({r.cluster for r in rows})
@@ -234,6 +383,24 @@ def markdown(rows: list[Row], ablation: dict[str, list[Row]] | None = None) -> s
                 ours, closed, _ = medians(variant, c)
                 cells.append(f"{ours * 100:.1f}% | {closed * 100:.1f}%")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if working:
+        clusters = sorted({r.cluster for r in rows})
+        lines += [
+            "### The working-memory factor, switched",
+            "",
+            "Median absolute memory error over the plans not left out (over all predicted "
+            "in brackets).",
+            "",
+            "| working factor | " + " | ".join(clusters) + " |",
+            "|---|" + "---:|" * len(clusters),
+        ]
+        for factor, variant in working.items():
+            cells = []
+            for c in clusters:
+                kept, _, every, _ = memory_medians(variant, c)
+                cells.append(f"{kept * 100:.1f}% ({every * 100:.1f}%)")
+            lines.append(f"| {factor:g} | " + " | ".join(cells) + " |")
         lines.append("")
     chosen = picks(rows)
     if chosen:

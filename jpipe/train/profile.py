@@ -11,16 +11,20 @@ simulator's predictions from those times with the measured train step, and
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import statistics
 import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 import jpipe
 from jpipe._stage import stage_pieces
-from jpipe.planner import Profile, profile_from_stage_times
-from jpipe.train.metrics import say
+from jpipe.planner import MemoryTerms, Profile, profile_from_stage_times, spmd_values
+from jpipe.train.metrics import mib, say
 
 
 class StageTimes(NamedTuple):
@@ -75,6 +79,61 @@ def measure_stages(
     return StageTimes(tuple(F), tuple(I), tuple(W), B)
 
 
+def _nbytes(avals) -> float:
+    return float(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals))
+
+
+def measured_memory_terms(
+    pipeline: jpipe.Pipeline, params: dict, opt_state, kernels, memory, device
+) -> MemoryTerms:
+    """The runtime's memory terms as this run measures them (`jpipe.planner.MemoryTerms`).
+
+    Bytes per parameter from the arrays: the weights' (the packed rows' bytes
+    over their elements), gradients the same (the step accumulates them in the
+    weights' dtype), the optimizer state's bytes over the weights' elements, no
+    other buffers (the step donates its state). The working factor from the
+    compiled step's temp (`memory_analysis()`): what is left once the
+    residual and carry buffers the planner counts (`jpipe.planner.spmd_values`)
+    and the gradient accumulators are taken away, in units of the largest
+    stage's residuals per microbatch. The overhead is 0: XLA's pool holds only
+    the program's buffers, and what the platform keeps outside it is the
+    usable fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set, on
+    GPUs that preallocate; all of a CPU's or TPU's).
+    """
+    leaves = jax.tree.leaves(params)
+    elements = sum(leaf.size for leaf in leaves)
+    weight = sum(leaf.nbytes for leaf in leaves) / max(elements, 1)
+    optimizer = sum(leaf.nbytes for leaf in jax.tree.leaves(opt_state)) / max(elements, 1)
+    acts = [_nbytes(k.res_avals) for k in kernels]
+    owner = pipeline.schedule.stage_to_rank
+    stage_elements = [sum(x.size for x in jax.tree.leaves(t)) for t in pipeline.unpack(params)]
+    per_rank = [
+        sum(n for s, n in enumerate(stage_elements) if owner[s] == r)
+        for r in range(pipeline.schedule.num_ranks)
+    ]
+    values = spmd_values(pipeline.schedule, acts)
+    left = memory.temp_size_in_bytes - values - weight * max(per_rank)
+    working = max(0.0, left) / max(max(acts), 1.0)
+    platform = device.platform
+    preallocates = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false"
+    fraction = (
+        float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+        if platform == "gpu" and preallocates
+        else 1.0
+    )
+    return MemoryTerms(
+        weight_bytes=weight,
+        gradient_bytes=weight,
+        optimizer_bytes=optimizer,
+        buffer_bytes=0.0,
+        overhead_bytes=0.0,
+        working_factor=working,
+        usable_fraction=fraction,
+        source="jpipe's runtime, measured by train.py --config.profile=True on "
+        + device.device_kind,
+    )
+
+
 def stage_profile(
     pipeline: jpipe.Pipeline,
     params: dict,
@@ -82,26 +141,46 @@ def stage_profile(
     microbatch_size: int,
     layers_per_stage,
     model: str = "gpt",
+    *,
+    opt_state=None,
+    pieces_batch=None,
+    compiled=None,
 ) -> Profile:
     """The measured stage times as a planner profile (`jpipe.planner.Profile`).
 
-    Each stage is one profile layer holding its blocks; its parameter bytes
-    are the stage's own, its device type and memory those of rank 0's device.
+    Each stage is one profile layer holding its blocks; its parameters are the
+    stage's own, its device type and memory those of rank 0's device. With
+    `opt_state`, `pieces_batch` (what the pieces were traced for) and the
+    `compiled` step, it also carries the stages' residual and output bytes
+    per microbatch (from `jpipe.Pipeline.stage_kernels`) and the runtime's
+    measured memory terms (`measured_memory_terms`).
     """
     device = pipeline.mesh.devices.flat[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     memory = (stats or {}).get("bytes_limit")
-    params_bytes = [
-        float(sum(leaf.nbytes for leaf in jax.tree.leaves(p))) for p in pipeline.unpack(params)
-    ]
+    counts = [float(sum(leaf.size for leaf in jax.tree.leaves(p))) for p in pipeline.unpack(params)]
+    extra = {}
+    analysis = compiled.memory_analysis() if compiled is not None else None
+    if opt_state is not None and pieces_batch is not None and analysis is not None:
+        kernels = pipeline.stage_kernels(pieces_batch)
+        extra = dict(
+            activation_bytes=[_nbytes(k.res_avals) for k in kernels],
+            output_bytes=[_nbytes(jax.tree.leaves(k.y)) for k in kernels],
+            memory_terms=measured_memory_terms(
+                pipeline, params, opt_state, kernels, analysis, device
+            ),
+        )
+        if memory is not None:  # the device's memory, not the share JAX may take
+            memory = memory / extra["memory_terms"].usable_fraction
     return profile_from_stage_times(
         times,
         device.device_kind,
         microbatch_size=microbatch_size,
-        params_bytes=params_bytes,
+        params=counts,
         memory_bytes=memory,
         blocks_per_stage=layers_per_stage,
         model=model,
+        **extra,
     )
 
 
@@ -152,3 +231,36 @@ def print_profile(
             "  (fake CPU devices share the host's cores, so the measured step cannot overlap ranks)"
         )
     return times
+
+
+def compiled_bytes(memory) -> float:
+    """What one device holds for the compiled step: its arguments, temporaries and the
+    outputs that do not reuse a donated argument's buffer."""
+    return float(
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+
+
+def plan_memory_line(plan_path: str, memory) -> str:
+    """One line: the compiled step's per-device bytes beside the plan file's footprint."""
+    with open(plan_path) as f:
+        devices = json.load(f).get("devices") or []
+    have = compiled_bytes(memory)
+    parts = (
+        f"arguments {mib(memory.argument_size_in_bytes)}, temporaries "
+        f"{mib(memory.temp_size_in_bytes)}, outputs {mib(memory.output_size_in_bytes)} "
+        f"({mib(memory.alias_size_in_bytes)} reusing donated arguments)"
+    )
+    if not devices:
+        return (
+            f"memory: the compiled step holds {mib(have)} per device ({parts}); the plan file "
+            "has no footprint (written by an older jpipe.plan)"
+        )
+    planned = max(d["footprint_bytes"] for d in devices)
+    return (
+        f"memory: the compiled step holds {mib(have)} per device ({parts}); the plan's "
+        f"footprint is {mib(planned)} (planner / compiled = {planned / max(have, 1):.2f})"
+    )
