@@ -15,6 +15,14 @@ allowed, and compound cells ``(0F7;7B3)OVERLAP_F_B`` for a forward and a
 backward run together on one rank. Older PyTorch files write an input-gradient
 step as ``B`` when a ``W`` of the same stage and microbatch follows it on the
 same rank; `Schedule.from_csv` reads such a ``B`` as the ``I`` it means.
+
+PyTorch's runtime form (what its ``_dump_csv`` writes by default) also has
+cells that are not compute: transfers ``{stage}SEND_F{microbatch}``,
+``RECV_F``, ``SEND_B``, ``RECV_B``, FSDP's ``{stage}UNSHARD`` and
+``{stage}RESHARD``, and ``{stage}REDUCE_GRAD`` after a stage's last backward.
+jpipe makes its own transfers and reductions, so `Schedule.from_csv` reads
+these and drops them, after checking that each names a stage its rank
+computes (PyTorch writes them so); what remains is the compute order.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ BACKWARD_KINDS = ("B", "I")  # the kinds that pass a gradient upstream
 
 _CELL_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 _OVERLAP_RE = re.compile(r"^\s*\((.+?);(.+?)\)\s*OVERLAP_F_B\s*$")
+# PyTorch's cells that jpipe reads and drops (see the module docstring).
+DROPPED_CSV_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+_DROPPED_RE = re.compile(rf"^\s*(\d+)\s*({'|'.join(DROPPED_CSV_KINDS)})\s*(\d*)\s*$")
+_ANY_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -248,14 +260,26 @@ class Schedule:
         """Reads PyTorch's CSV form from a string; see `from_csv`."""
         rows = []
         for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
-            cells = []
+            cells, dropped = [], []
             for col, cell in enumerate(row, start=1):
                 if not cell.strip():
                     continue
                 try:
-                    cells.append(parse_action(cell))
+                    step, names = _read_csv_cell(cell)
                 except ValueError as e:
                     raise ValueError(f"{name or 'CSV'} row {lineno} column {col}: {e}") from None
+                if step is not None:
+                    cells.append(step)
+                dropped.extend((col, stage, text) for stage, text in names)
+            held = sorted({a.stage for step in cells for a in step.parts})
+            for col, stage, cell in dropped:
+                if stage not in held:
+                    raise ValueError(
+                        f"{name or 'CSV'} row {lineno} column {col}: {cell!r} names stage "
+                        f"{stage}, which this rank does not compute (its stages: "
+                        f"{', '.join(map(str, held)) or 'none'}); PyTorch writes a rank's "
+                        "transfer, FSDP and gradient cells for its own stages"
+                    )
             rows.append(cells)
         while rows and not rows[-1]:
             rows.pop()  # a trailing empty line is not a rank
@@ -267,7 +291,9 @@ class Schedule:
 
         Blank cells are skipped. A ``B`` followed later on the same rank by a
         ``W`` of the same stage and microbatch is read as ``I`` (the older
-        PyTorch convention).
+        PyTorch convention). Transfer, FSDP and gradient-reduction cells
+        (`DROPPED_CSV_KINDS`) are dropped once checked to name a stage of
+        their rank, so positions in errors count compute cells only.
         """
         try:
             with open(path, newline="", encoding="utf-8") as f:
@@ -282,6 +308,29 @@ class Schedule:
         for r, row in enumerate(self.ranks):
             lines.append(f"  rank {r}: " + " ".join(f"{str(s):>{width}}" for s in row))
         return "\n".join(lines)
+
+
+def _read_csv_cell(text: str) -> tuple[Step | None, list[tuple[int, str]]]:
+    """One CSV cell: its compute step (or None) and the ``(stage, text)`` of cells dropped.
+
+    An ``OVERLAP_F_B`` cell may hold dropped cells among its parts; with one
+    compute part left it is that part.
+    """
+    match = _DROPPED_RE.match(text)
+    if match:
+        return None, [(int(match.group(1)), text.strip())]
+    match = _ANY_OVERLAP_RE.match(text)
+    if match:
+        parts = [p.strip() for p in match.group(1).split(";")]
+        dropped = [(int(m.group(1)), p) for p in parts if (m := _DROPPED_RE.match(p))]
+        if dropped:
+            kept = [p for p in parts if not _DROPPED_RE.match(p)]
+            if not kept:
+                return None, dropped
+            if len(kept) == 1:
+                return parse_action(kept[0]), dropped
+            return parse_action(f"({';'.join(kept)})OVERLAP_F_B"), dropped
+    return parse_action(text), []
 
 
 def _undo_legacy_b(rows: Sequence[Sequence[Step]]) -> list[list[Step]]:

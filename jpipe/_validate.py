@@ -198,6 +198,8 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
 
     # 4. completeness
     f_at, b_at, i_at, w_at = where["F"], where["B"], where["I"], where["W"]
+    if num_microbatches is None:
+        _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
     for s in range(S):
         r = owner[s]
         for m in range(M):
@@ -264,6 +266,31 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     )
                 live -= a.kind in ("B", "W")
     return Analysis(S, M, tuple(owner), tuple(order), tuple(peak))
+
+
+def _refuse_a_stray_microbatch(rows, cell_pos, S: int, M: int, where) -> None:
+    """Names an index past the others when the count was read from the highest one.
+
+    Where the highest microbatch, ``M - 1``, is on at most half of the stages,
+    the likelier mistake is that index (PyTorch's 1F1B orders for some sizes
+    have one: the last rank's forwards run 1..M instead of 0..M-1), not all
+    the other stages missing a microbatch; so the error names the first
+    action with it, rather than the first stage without it.
+    """
+    m = M - 1
+    having = [s for s in range(S) if any(slots[s * M + m] is not None for slots in where.values())]
+    if len(having) == S or len(having) > S - len(having):
+        return
+    r, i = min(slots[s * M + m] for s in having for slots in where.values() if slots[s * M + m])
+    others = [s for s in range(S) if s not in having]
+    shown = ", ".join(map(str, others[:8])) + (", ..." if len(others) > 8 else "")
+    raise ScheduleError(
+        f"{_where(r, cell_pos[r][i], rows[r][i])}: stray microbatch {m}: only stage"
+        f"{'s' if len(having) > 1 else ''} {', '.join(map(str, having))} "
+        f"{'have' if len(having) > 1 else 'has'} it, stage{'s' if len(others) > 1 else ''} "
+        f"{shown} {'do' if len(others) > 1 else 'does'} not; the number of microbatches, "
+        f"{M}, is read from the highest index, so each stage must run microbatches 0..{m}"
+    )
 
 
 def _walk(rows, cell_pos, S, M, owner):
