@@ -39,12 +39,20 @@ lives in a slot of one of three arenas:
 
 A value's lifetime is an interval of (tick, phase) positions; assigning slots
 is colouring intervals on a line, which the greedy sweep does optimally.
+
+Both layouts are computed first as numbers, the tick of every piece (one
+pass over the schedule in dependency order), and the table of `Piece`s only
+for the layout chosen. `program_shape` reads the program's figures (ticks,
+channels, transfers) from those numbers alone, without the table or the
+slots: ``python -m jpipe.show`` prints them for 64 ranks x 1,024
+microbatches in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -176,22 +184,9 @@ class Plan:
 
     def transfers(self) -> Transfers:
         """What the program's transfers between ranks carry (see `Transfers`)."""
-        owner = self.stage_to_rank
-        S = self.schedule.num_stages
-        when = {piece: t for t, _, piece in self.pieces()}
-        sent = exposed = 0
-        busy = set()  # (tick, channel index) that some rank sends on
-        index = {c: i for i, c in enumerate(self.channels)}
-        for (kind, s, m), t in when.items():
-            nxt = s + 1 if kind == "F" else s - 1
-            if kind == "W" or not 0 <= nxt < S or owner[nxt] == owner[s]:
-                continue
-            sent += 1
-            exposed += when[(kind, nxt, m)] == t + 1
-            shift = (owner[nxt] - owner[s]) % self.num_ranks
-            busy.add((t, index.get((None, shift), index.get((kind, shift)))))
-        total = self.num_ticks * len(self.channels)
-        return Transfers(sent, exposed, total, total - len(busy))
+        info = analyze(self.schedule)
+        when = _when(self.ticks, info.num_stages, info.num_microbatches)
+        return _transfers(self.schedule, when, self.num_ticks, self.stage_to_rank, self.channels)
 
     def predicted_time(self, costs: Costs | None = None) -> float:
         """Time of the lock-step program on devices that run independently.
@@ -202,9 +197,45 @@ class Plan:
         return _lockstep_time(self.schedule, self.ticks, costs)
 
 
+def _transfers(schedule: Schedule, when, num_ticks: int, owner, channels) -> Transfers:
+    """`Plan.transfers` from the tick of every piece (`_Layout.when`) and the channels."""
+    info = analyze(schedule)
+    S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
+    index = {c: i for i, c in enumerate(channels)}
+    sent = exposed = 0
+    busy = set()  # (tick, channel index) that some rank sends on
+    for kind, step, base in (("F", 1, 0), ("I", -1, S * M)):
+        for s in range(S):
+            nxt = s + step
+            if not 0 <= nxt < S or owner[nxt] == owner[s]:
+                continue
+            shift = (owner[nxt] - owner[s]) % R
+            channel = index.get((None, shift), index.get((kind, shift)))
+            mine, theirs = base + s * M, base + nxt * M
+            for m in range(M):
+                t = when[mine + m]
+                if t < 0:
+                    continue
+                sent += 1
+                exposed += when[theirs + m] == t + 1
+                busy.add((t, channel))
+    total = num_ticks * len(channels)
+    return Transfers(sent, exposed, total, total - len(busy))
+
+
+def _when(ticks, S: int, M: int) -> list[int]:
+    """The tick of every piece of a tick table, indexed as `_Layout.when`."""
+    when = [-1] * (3 * S * M)
+    for t, row in enumerate(ticks):
+        for pieces in row:
+            for kind, s, m in pieces:
+                when[_KIND_INDEX[kind] * S * M + s * M + m] = t
+    return when
+
+
 def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> float:
     """`Plan.predicted_time` of a tick table (see there)."""
-    cost = (costs or Costs()).table(schedule.num_stages)
+    cost = (costs or Costs()).table(analyze(schedule).num_stages)
     full_b = {a.key for _, _, a in schedule.all_actions() if a.kind == "B"}
     total = 0.0
     for row in ticks:
@@ -222,42 +253,67 @@ def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> flo
     return total
 
 
-def _pieces_of(action) -> list[Piece]:
-    if action.kind == "B":
-        return [
-            Piece("I", action.stage, action.microbatch),
-            Piece("W", action.stage, action.microbatch),
-        ]
-    return [Piece(action.kind, action.stage, action.microbatch)]
+_UNIT_COSTS = Costs(F=1, I=1, W=1, B=2, comm=0)
+_KIND_INDEX = {"F": 0, "I": 1, "W": 2}
 
 
-def _needs(piece: Piece, num_stages: int) -> list[Piece]:
-    """The pieces whose outputs `piece` consumes."""
-    kind, s, m = piece
-    if kind == "F":
-        return [Piece("F", s - 1, m)] if s > 0 else []
-    if kind == "I":
-        return [Piece("F", s, m)] + ([Piece("I", s + 1, m)] if s + 1 < num_stages else [])
-    return [Piece("I", s, m)]
+class _Layout(NamedTuple):
+    """Where every piece of a schedule runs, as numbers (before any table is built).
+
+    Attributes:
+      name: ``"unit"`` or ``"packed"``.
+      when: the tick of every piece, at ``k * S * M + s * M + m`` where `k`
+        is 0, 1, 2 for F, I, W; -1 where there is no such piece.
+      num_ticks: the ticks of the table.
+      lockstep: `Plan.predicted_time` with unit costs: each tick costs as
+        many pieces as its fullest rank runs.
+      shared: whether no rank runs both an F and an I in one tick, so that
+        F and I outputs can share one collective per shift.
+      kinds: the kinds of piece laid out.
+    """
+
+    name: str
+    when: list
+    num_ticks: int
+    lockstep: float
+    shared: bool
+    kinds: tuple[str, ...]
 
 
-def _unit_ticks(schedule: Schedule):
-    """Places every piece at its start in the unit-cost simulation."""
-    sim = simulate(schedule, Costs(F=1, I=1, W=1, B=2, comm=0))
-    R = schedule.num_ranks
-    placed = {}
-    for ev in sim.timeline:
-        t = int(round(ev.start))
-        for i, piece in enumerate(_pieces_of(ev.action)):
-            if (t + i, ev.rank) in placed:
-                raise AssertionError("two pieces in one tick on one rank")
-            placed[(t + i, ev.rank)] = (piece,)
-    first = min(t for t, _ in placed)
-    last = max(t for t, _ in placed)
-    return tuple(tuple(placed.get((t, r), ()) for r in range(R)) for t in range(first, last + 1))
+def _unit_layout(schedule: Schedule, sim=None) -> _Layout:
+    """Every piece at its start in the unit-cost simulation (a B's W one tick after its I).
+
+    `sim` is a simulation of `schedule` to use instead of simulating again,
+    where its costs are the unit ones (F = I = W = 1, B = 2, no latency).
+    """
+    info = analyze(schedule)
+    S, M = info.num_stages, info.num_microbatches
+    unit = _UNIT_COSTS.table(S), _UNIT_COSTS.comm_table(S)
+    if (
+        sim is None
+        or sim.schedule is not schedule
+        or (sim.costs.table(S), sim.costs.comm_table(S)) != unit
+    ):
+        sim = simulate(schedule, _UNIT_COSTS)
+    first = min((round(row[0]) for row in sim.starts if row), default=0)
+    when = [-1] * (3 * S * M)
+    used = set()
+    for r in range(schedule.num_ranks):
+        for a, start in zip(schedule.actions(r), sim.starts[r]):
+            t = round(start) - first
+            key = a.stage * M + a.microbatch
+            if a.kind == "B":
+                when[S * M + key] = t
+                when[2 * S * M + key] = t + 1
+                used.add(t + 1)
+            else:
+                when[_KIND_INDEX[a.kind] * S * M + key] = t
+            used.add(t)
+    num_ticks = max(used) + 1 if used else 0
+    return _Layout("unit", when, num_ticks, float(len(used)), True, KINDS)
 
 
-def _packed_ticks(schedule: Schedule, kinds: tuple[str, ...] = KINDS):
+def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layout:
     """Each rank runs its next pieces in list order, one of each kind per tick.
 
     In tick t a rank takes its next piece if the piece's kind comes later in
@@ -265,106 +321,196 @@ def _packed_ticks(schedule: Schedule, kinds: tuple[str, ...] = KINDS):
     everything the piece consumes is ready: made on another rank in an
     earlier tick, or on this rank earlier (in this tick, by program order).
     A valid schedule always makes progress, so this ends.
+
+    That greedy is a longest path, computed in one pass in the schedule's
+    dependency order: what a piece consumes on its own rank comes earlier in
+    the rank's list (validation refuses the rest as a deadlock), so only its
+    one input from another rank, if any, and the piece before it on its rank
+    bound its tick. It runs in the tick of the piece before if its kind
+    comes later and its input is in by then, else in the first later tick
+    where its input is in.
     """
     info = analyze(schedule)
     owner = info.stage_to_rank
-    S, R = info.num_stages, schedule.num_ranks
+    S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
+    SM = S * M
     order = {k: i for i, k in enumerate(kinds)}
-    lists = [
-        [p for a in schedule.actions(r) for p in _pieces_of(a) if p[0] in order] for r in range(R)
-    ]
-    done: dict = {}
-    pc = [0] * R
-    remaining = sum(len(x) for x in lists)
-    ticks = []
-    while remaining:
-        t = len(ticks)
-        row = []
-        for r in range(R):
-            taken: list[Piece] = []
-            while pc[r] < len(lists[r]):
-                piece = lists[r][pc[r]]
-                if taken and order[piece[0]] <= order[taken[-1][0]]:
-                    break
-                ready = all(
-                    d in done and (done[d] < t or owner[d[1]] == r) for d in _needs(piece, S)
-                )
-                if not ready:
-                    break
-                taken.append(piece)
-                done[piece] = t
-                pc[r] += 1
-            row.append(tuple(taken))
-        if not any(row):
-            raise AssertionError(f"packing made no progress at tick {t}")
-        remaining -= sum(len(x) for x in row)
-        ticks.append(tuple(row))
-    return tuple(ticks)
+    when = [-1] * (3 * SM)
+    last_tick = [-1] * R  # tick and kind order of each rank's last piece
+    last_kind = [len(kinds)] * R
+    in_tick = [0] * R  # pieces the rank runs in its last tick
+    fullest: list[int] = []  # per tick, the most pieces one rank runs in it
+    shared = True
+    rows = [schedule.actions(r) for r in range(R)]
+    for r, i in info.order:
+        a = rows[r][i]
+        s, m = a.stage, a.microbatch
+        for kind in ("I", "W") if a.kind == "B" else (a.kind,):
+            k = order.get(kind)
+            if k is None:
+                continue
+            ready = 0  # the first tick its input from another rank is in
+            if kind == "F":
+                if s > 0 and owner[s - 1] != r:
+                    ready = when[(s - 1) * M + m] + 1
+            elif kind == "I":
+                if s + 1 < S and owner[s + 1] != r:
+                    ready = when[SM + (s + 1) * M + m] + 1
+            t = last_tick[r]
+            if k <= last_kind[r] or ready > t:
+                t = max(t + 1, ready)
+                in_tick[r] = 0
+            elif kind == "I":
+                shared = False  # after an F of this rank, in its tick
+            when[_KIND_INDEX[kind] * SM + s * M + m] = t
+            last_tick[r], last_kind[r] = t, k
+            in_tick[r] += 1
+            while len(fullest) <= t:
+                fullest.append(0)
+            if in_tick[r] > fullest[t]:
+                fullest[t] = in_tick[r]
+    if 0 in fullest:
+        raise AssertionError(f"packing made no progress at tick {fullest.index(0)}")
+    return _Layout("packed", when, len(fullest), float(sum(fullest)), shared, kinds)
 
 
-def _colour(intervals):
-    """Assigns slots to `(start, end, key)` intervals; returns (count, {key: slot})."""
+def _choose_layout(schedule: Schedule, layout: str, sim=None) -> _Layout:
+    """The `_Layout` that `make_plan` lays `schedule` out in (see there)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout == "unit":
+        return _unit_layout(schedule, sim)
+    packed = _packed_layout(schedule)
+    if layout == "packed":
+        return packed
+    unit = _unit_layout(schedule, sim)
+    return packed if packed.lockstep <= unit.lockstep else unit
+
+
+def _ticks(schedule: Schedule, layout: _Layout):
+    """The tick table of `layout`: ``ticks[t][r]``, each rank's pieces in program order."""
+    info = analyze(schedule)
+    S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
+    SM = S * M
+    when, T = layout.when, layout.num_ticks
+    new = tuple.__new__  # Piece(kind, s, m) without its Python-level __new__: 2x faster
+    cells = [()] * (T * R)  # cells[t * R + r]: the pieces of rank r in tick t
+    for r in range(R):
+        for a in schedule.actions(r):
+            s, m = a.stage, a.microbatch
+            for kind in ("I", "W") if a.kind == "B" else (a.kind,):
+                if kind in layout.kinds:
+                    i = when[_KIND_INDEX[kind] * SM + s * M + m] * R + r
+                    cells[i] = (*cells[i], new(Piece, (kind, s, m)))
+    if layout.name == "unit" and any(len(p) > 1 for p in cells):
+        raise AssertionError("two pieces in one tick on one rank")
+    return tuple(tuple(cells[t * R : (t + 1) * R]) for t in range(T))
+
+
+def _channels(schedule: Schedule, layout: _Layout) -> tuple[tuple[str | None, int], ...]:
+    """`Plan.channels`: a collective per kind of output and shift that some piece sends on."""
+    info = analyze(schedule)
+    owner, R = info.stage_to_rank, schedule.num_ranks
+    channels = set()
+    for kind, step in (("F", 1), ("I", -1)):
+        if kind not in layout.kinds:
+            continue
+        for s in range(info.num_stages):
+            if 0 <= s + step < info.num_stages and owner[s + step] != owner[s]:
+                channels.add((None if layout.shared else kind, (owner[s + step] - owner[s]) % R))
+    return tuple(sorted(channels, key=lambda c: (c[0] or "", c[1])))
+
+
+def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
+    """The shape of the program `make_plan` lays out, without building its table.
+
+    ``{"tick_layout", "ticks", "channels", **Plan.transfers()}``, what
+    ``python -m jpipe.show`` prints; `sim`, a unit-cost simulation of
+    `schedule` where one is at hand, saves simulating it again.
+    """
+    chosen = _choose_layout(schedule, layout, sim)
+    owner = analyze(schedule).stage_to_rank
+    channels = _channels(schedule, chosen)
+    return {
+        "tick_layout": chosen.name,
+        "ticks": chosen.num_ticks,
+        "channels": len(channels),
+        **_transfers(schedule, chosen.when, chosen.num_ticks, owner, channels)._asdict(),
+    }
+
+
+def _colour(intervals, arena: str, slot: dict) -> int:
+    """Puts the slot of each `(start, end, key)` in ``slot[(arena, key)]``; returns the count.
+
+    In order of start (then end), each value takes the lowest slot free of
+    values that ended before it starts: optimal for intervals on a line.
+    """
     free: list[int] = []
     busy: list[tuple[int, int]] = []  # (end, slot)
     count = 0
-    out = {}
-    for start, end, key in sorted(intervals, key=lambda iv: (iv[0], iv[1])):
+    push, pop = heapq.heappush, heapq.heappop
+    for start, end, key in sorted(intervals, key=operator.itemgetter(0, 1)):
         while busy and busy[0][0] < start:
-            heapq.heappush(free, heapq.heappop(busy)[1])
+            push(free, pop(busy)[1])
         if free:
-            s = heapq.heappop(free)
+            s = pop(free)
         else:
             s = count
             count += 1
-        out[key] = s
-        heapq.heappush(busy, (end, s))
-    return count, out
+        slot[(arena, key)] = s
+        push(busy, (end, s))
+    return count
 
 
-def _slots(ticks, owner, R: int):
-    """Colours every value's lifetime: ``(slot, counts, channels, lifetimes)``.
+def _slots(ticks, when, owner, R: int, M: int):
+    """Colours every value's lifetime: ``(slot, counts, lifetimes)``.
 
-    `counts` is ``(num_io, num_res, num_carry)``.
+    `when` is the tick of every piece (`_Layout.when`) and `counts` is
+    ``(num_io, num_res, num_carry)``.
 
     Works for any tick table: a forward's residuals live until its ``W``
     piece when there is one (a forward-only plan keeps none).
     """
     S = len(owner)
-    when = {p: t for t, row in enumerate(ticks) for pieces in row for p in pieces}
-    # Where no rank sends more than one value a tick, F and I outputs can
-    # share one collective per shift.
-    shared_channels = all(
-        sum(1 for p in pieces if p[0] != "W") <= 1 for row in ticks for pieces in row
-    )
-    intervals = {arena: [[] for _ in range(R)] for arena in ("io", "res", "carry")}
-    channels = set()
-    for (kind, s, m), t in when.items():
-        if kind == "W":
-            continue
-        nxt = s + 1 if kind == "F" else s - 1
-        if 0 <= nxt < S:  # the output goes to the next stage's piece of the same kind
-            consumer = (kind, nxt, m)
-            dst = owner[nxt]
-            intervals["io"][dst].append(
-                (_pos(t, _PH_SEND), _pos(when[consumer], _READ_PHASE[kind]), consumer)
-            )
-            if dst != owner[s]:
-                channels.add((None if shared_channels else kind, (dst - owner[s]) % R))
-        end = when.get(("W", s, m))
-        if end is not None:
-            arena, phase = ("res", _PH_F_WRITE_RES) if kind == "F" else ("carry", _PH_I_WRITE_CARRY)
-            intervals[arena][owner[s]].append((_pos(t, phase), _pos(end, _PH_W_READ), (s, m)))
+    SM = S * M
+    io = [[] for _ in range(R)]
+    res = [[] for _ in range(R)]
+    carry = [[] for _ in range(R)]
+    # In the order of the table (the lifetimes keep it): a value lives from
+    # the position (tick, phase) it is made at to the one it is read at.
+    for t, row in enumerate(ticks):
+        for pieces in row:
+            for kind, s, m in pieces:
+                if kind == "W":
+                    continue
+                if kind == "F":
+                    nxt = s + 1
+                    if nxt < S:  # the output goes to the next stage's F
+                        dst = owner[nxt]
+                        end = _pos(when[nxt * M + m], _PH_F_READ)
+                        io[dst].append((_pos(t, _PH_SEND), end, ("F", nxt, m)))
+                    w = when[2 * SM + s * M + m]
+                    if w >= 0:
+                        res[owner[s]].append(
+                            (_pos(t, _PH_F_WRITE_RES), _pos(w, _PH_W_READ), (s, m))
+                        )
+                else:
+                    nxt = s - 1
+                    if nxt >= 0:  # the input gradient goes to the previous stage's I
+                        dst = owner[nxt]
+                        end = _pos(when[SM + nxt * M + m], _PH_I_READ)
+                        io[dst].append((_pos(t, _PH_SEND), end, ("I", nxt, m)))
+                    w = when[2 * SM + s * M + m]
+                    if w >= 0:
+                        carry[owner[s]].append(
+                            (_pos(t, _PH_I_WRITE_CARRY), _pos(w, _PH_W_READ), (s, m))
+                        )
+    intervals = {"io": io, "res": res, "carry": carry}
     slot, counts = {}, []
     for arena, per_rank in intervals.items():
-        most = 0
-        for ivs in per_rank:
-            n, assign = _colour(ivs)
-            most = max(most, n)
-            slot.update({(arena, k): v for k, v in assign.items()})
-        counts.append(most)
-    order = sorted(channels, key=lambda c: (c[0] or "", c[1]))
+        counts.append(max((_colour(ivs, arena, slot) for ivs in per_rank), default=0))
     lifetimes = {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in ("res", "carry")}
-    return slot, tuple(counts), tuple(order), lifetimes
+    return slot, tuple(counts), lifetimes
 
 
 def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
@@ -411,18 +557,9 @@ def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = 
         return make_forward_plan(schedule)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    owner = analyze(schedule).stage_to_rank
-    R = schedule.num_ranks
-    if layout == "auto":  # compare the tick tables; assign slots for the chosen one only
-        unit, packed = _unit_ticks(schedule), _packed_ticks(schedule)
-        better = _lockstep_time(schedule, packed) <= _lockstep_time(schedule, unit)
-        layout, ticks = ("packed", packed) if better else ("unit", unit)
-    else:
-        ticks = _packed_ticks(schedule) if layout == "packed" else _unit_ticks(schedule)
-    slot, (num_io, num_res, num_carry), channels, lifetimes = _slots(ticks, owner, R)
-    return Plan(
-        schedule, layout, ticks, tuple(owner), channels, num_io, num_res, num_carry, slot, lifetimes
-    )
+    info = analyze(schedule)
+    chosen = _choose_layout(schedule, layout)  # slots for the chosen layout only
+    return _plan_of(schedule, chosen, info)
 
 
 def make_forward_plan(schedule: Schedule) -> Plan:
@@ -432,14 +569,32 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     soon as the forward it depends on has run; nothing is kept for a backward
     (every residual write goes to the spare slot).
     """
-    owner = analyze(schedule).stage_to_rank
-    R = schedule.num_ranks
-    ticks = _packed_ticks(schedule, kinds=("F",))
-    slot, (num_io, num_res, num_carry), channels, lifetimes = _slots(ticks, owner, R)
-    for piece in (p for row in ticks for pieces in row for p in pieces):
-        slot[("res", piece[1:])] = num_res  # the spare slot: nothing is kept
+    info = analyze(schedule)
+    plan = _plan_of(schedule, _packed_layout(schedule, kinds=("F",)), info)
+    for piece in (p for row in plan.ticks for pieces in row for p in pieces):
+        plan.slot[("res", piece[1:])] = plan.num_res  # the spare slot: nothing is kept
+    return dataclasses.replace(plan, layout="unit")
+
+
+def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
+    """The `Plan` of a `_Layout`: its table and its slots."""
+    owner, R = info.stage_to_rank, schedule.num_ranks
+    ticks = _ticks(schedule, layout)
+    slot, (num_io, num_res, num_carry), lifetimes = _slots(
+        ticks, layout.when, owner, R, info.num_microbatches
+    )
+    channels = _channels(schedule, layout)
     return Plan(
-        schedule, "unit", ticks, tuple(owner), channels, num_io, num_res, num_carry, slot, lifetimes
+        schedule,
+        layout.name,
+        ticks,
+        tuple(owner),
+        channels,
+        num_io,
+        num_res,
+        num_carry,
+        slot,
+        lifetimes,
     )
 
 

@@ -43,7 +43,7 @@ import json
 import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
-from jpipe._plan import make_plan
+from jpipe._plan import program_shape
 from jpipe._registry import get_schedule, parse_options
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
 
@@ -138,16 +138,6 @@ def _figures(sim: Simulation) -> str:
     return "\n".join(lines)
 
 
-def _program_figures(plan) -> dict:
-    """The lock-step program's shape (`jpipe.make_plan`): its ticks and transfers."""
-    return {
-        "tick_layout": plan.layout,
-        "ticks": plan.num_ticks,
-        "channels": len(plan.channels),
-        **plan.transfers()._asdict(),
-    }
-
-
 _MAX_CHART_ACTIONS = 20_000  # a terminal chart of more is slow and unreadable
 
 
@@ -167,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
         )
         sim = simulate(schedule, costs, sizes)  # validates first
-        program = _program_figures(make_plan(schedule))
+        # The shape of the program `jpipe.make_plan` would lay out, without its table.
+        program = program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)

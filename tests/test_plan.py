@@ -9,8 +9,11 @@ lowering, for every built-in and for random schedules, in both layouts.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
+import plan_reference
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,3 +204,73 @@ def test_the_table_is_as_narrow_as_it_can_be():
     # It is the one part of the program that grows with M.
     assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 128)).table().dtype == np.int8
     assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 129)).table().dtype == np.int16
+
+
+# -- the plan equals the first implementation's ---------------------------------------
+
+PYTORCH_FILES = ("zb1p_2rank_2stagep_compute.csv", "dualpipev_4rank_10mb.csv")
+
+
+def _reference_cases():
+    for name, chunks in [*BUILTINS, ("interleaved_1f1b", 3), ("looped_bfs", 3)]:
+        for ranks, microbatches in [(1, 1), (1, 3), (2, 2), (2, 5), (3, 7), (4, 8), (4, 13)]:
+            try:
+                yield jpipe.get_schedule(name, ranks, microbatches, chunks)
+            except (jpipe.ScheduleError, ValueError):
+                continue  # this schedule needs other sizes
+    for filename in PYTORCH_FILES:
+        yield jpipe.Schedule.from_csv(
+            Path(__file__).parent / "data" / "pytorch-schedules" / filename
+        )
+    for seed in range(120):  # ranks may hold no stage, or several in any order
+        yield random_schedule(seed, 1 + seed % 4, 1 + seed % 6, 1 + seed % 5)
+
+
+def test_plans_equal_the_first_implementations():
+    """`make_plan` now lays ticks out in one pass; the tables and slots are unchanged."""
+    checked = 0
+    for schedule in _reference_cases():
+        for layout in ("auto", "unit", "packed", "forward"):
+            if layout == "forward":
+                plan = jpipe.make_plan(schedule, forward_only=True)
+                want = plan_reference.plan(schedule, forward_only=True)
+            else:
+                plan = jpipe.make_plan(schedule, layout)
+                want = plan_reference.plan(schedule, layout)
+            got = (
+                plan.layout,
+                plan.ticks,
+                plan.channels,
+                (plan.num_io, plan.num_res, plan.num_carry),
+                plan.slot,
+                plan.lifetimes,
+            )
+            assert got == want, (schedule.name, schedule.num_ranks, layout)
+            assert all(type(p).__name__ == "Piece" for _, _, p in plan.pieces())
+            owner, R = schedule.stage_to_rank, schedule.num_ranks
+            assert tuple(plan.transfers()) == plan_reference.transfers(
+                plan.ticks, owner, plan.channels, R
+            )
+            checked += 1
+    assert checked > 500
+
+
+def test_show_prints_the_figures_of_make_plan(capsys):
+    from jpipe.show import main
+
+    for name, chunks, cost in [
+        ("1f1b", None, ""),
+        ("gpipe", None, "F=1,B=3,comm=0.5"),
+        ("zbv", 2, ""),
+        ("interleaved_1f1b", 3, "F=2,I=1,W=1"),
+    ]:
+        argv = [name, "-r", "4", "-m", "12", "--json", "--cost", cost]
+        assert main([*argv, *(["--chunks", str(chunks)] if chunks else [])]) == 0
+        shown = json.loads(capsys.readouterr().out)["program"]
+        plan = jpipe.make_plan(jpipe.get_schedule(name, 4, 12, chunks))
+        assert shown == {
+            "tick_layout": plan.layout,
+            "ticks": plan.num_ticks,
+            "channels": len(plan.channels),
+            **plan.transfers()._asdict(),
+        }
