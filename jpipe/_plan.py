@@ -477,7 +477,9 @@ def _slots(ticks, when, owner, R: int, M: int):
     res = [[] for _ in range(R)]
     carry = [[] for _ in range(R)]
     # In the order of the table (the lifetimes keep it): a value lives from
-    # the position (tick, phase) it is made at to the one it is read at.
+    # the position (tick, phase) it is made at to the one it is read at,
+    # `_pos` written out (it is called twice a piece).
+    P = _NUM_PHASES
     for t, row in enumerate(ticks):
         for pieces in row:
             for kind, s, m in pieces:
@@ -487,23 +489,21 @@ def _slots(ticks, when, owner, R: int, M: int):
                     nxt = s + 1
                     if nxt < S:  # the output goes to the next stage's F
                         dst = owner[nxt]
-                        end = _pos(when[nxt * M + m], _PH_F_READ)
-                        io[dst].append((_pos(t, _PH_SEND), end, ("F", nxt, m)))
+                        end = P * when[nxt * M + m] + _PH_F_READ
+                        io[dst].append((P * t + _PH_SEND, end, ("F", nxt, m)))
                     w = when[2 * SM + s * M + m]
                     if w >= 0:
-                        res[owner[s]].append(
-                            (_pos(t, _PH_F_WRITE_RES), _pos(w, _PH_W_READ), (s, m))
-                        )
+                        res[owner[s]].append((P * t + _PH_F_WRITE_RES, P * w + _PH_W_READ, (s, m)))
                 else:
                     nxt = s - 1
                     if nxt >= 0:  # the input gradient goes to the previous stage's I
                         dst = owner[nxt]
-                        end = _pos(when[SM + nxt * M + m], _PH_I_READ)
-                        io[dst].append((_pos(t, _PH_SEND), end, ("I", nxt, m)))
+                        end = P * when[SM + nxt * M + m] + _PH_I_READ
+                        io[dst].append((P * t + _PH_SEND, end, ("I", nxt, m)))
                     w = when[2 * SM + s * M + m]
                     if w >= 0:
                         carry[owner[s]].append(
-                            (_pos(t, _PH_I_WRITE_CARRY), _pos(w, _PH_W_READ), (s, m))
+                            (P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m))
                         )
     intervals = {"io": io, "res": res, "carry": carry}
     slot, counts = {}, []
