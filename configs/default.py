@@ -57,15 +57,24 @@ def get_config() -> ml_collections.ConfigDict:
     config.profile = False  # measure per-stage F/B/I/W times and predict the step time
     config.seed = 0  # fixes the initial weights and the order of the data
 
-    # Data: bytes, so the vocabulary is 256.
+    # Data: bytes by default, so the vocabulary is 256 (data.tokenizer="bpe" for BPE tokens).
     config.batch_size = 32  # global batch, in sequences of model.seq_len tokens
     config.data = ml_collections.ConfigDict()
+    # "" = the text corpus below; or a function giving batches, path/to/file.py:function
+    # or a registered name (jpipe.train.sources); the section's other fields are its options.
+    config.data.source = ""
     config.data.path = ""  # text files / directories, comma-separated; "" = Python's stdlib source
     config.data.max_bytes = 4 * 2**20  # read at most this much of the corpus; 0 = all of it
     config.data.eval_fraction = 0.1  # the last this share of the corpus's bytes is held out
+    # "bytes" (vocabulary 256) or "bpe": a BPE tokenizer of model.vocab_size tokens trained
+    # here on the training text (jpipe.train.tokens; configs/bpe_8k.py), loaded with Grain.
+    config.data.tokenizer = "bytes"
 
     # Model (jpipe.models.GPTConfig).
     config.model = ml_collections.ConfigDict()
+    # "gpt", or path/to/file.py:function building a jpipe.models.StagedModel from
+    # jpipe.models.BuildArgs (the fields below are then that model's own).
+    config.model.name = "gpt"
     config.model.vocab_size = 256  # bytes
     config.model.seq_len = 64  # L, tokens per sequence
     config.model.num_layers = 8  # transformer blocks over all stages

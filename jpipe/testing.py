@@ -701,3 +701,105 @@ def check_schedule(
         tensor=tensor,
         model=model.name,
     )
+
+
+def check_model(
+    model,
+    batch,
+    schedule: str | Schedule = "1f1b",
+    num_microbatches: int = 4,
+    num_ranks: int | None = None,
+    num_chunks: int | None = None,
+    *,
+    data: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    seed: int = 0,
+    rtol: float = 1e-5,
+    tick_layout: str = "auto",
+    control: str = "auto",
+    **options,
+) -> CheckResult:
+    """Checks your own stages the way `check_schedule` checks a schedule.
+
+    Runs `model` pipelined under `schedule` on fake CPU devices and compares
+    its loss and every gradient with `jax.value_and_grad` of the same stages
+    run one after the other on the whole batch (`jpipe.run_stages`).
+
+    Args:
+      model: a `jpipe.models.StagedModel` (from `split_flax_model`,
+        `split_nnx_model`, a trainer's model builder or your own), whose
+        weights come from ``model.init(seed)``, or a `CheckModel`.
+      batch: one global batch, a dict of arrays whose leading axis is cut
+        into `num_microbatches` x `data` x `fsdp` equal parts (for a
+        `CheckModel`, None uses its ``make_batch``).
+      schedule: a `jpipe.Schedule`, a registered name, a ``.csv`` file or
+        ``path/to/file.py:function``.
+      num_microbatches: M.
+      num_ranks: R; default the model's number of stages over `num_chunks`.
+      num_chunks: stages per rank, for the schedules that take it.
+      data, fsdp, tensor: mesh axes besides ``pipe`` (see `check_schedule`);
+        with `tensor`, the stages split their arrays as ``model.specs`` says
+        and the reference is the stages under `jax.shard_map`.
+      seed: the weights' seed.
+      rtol: the largest accepted per-array relative error (see `CheckResult`).
+      tick_layout, control: see `jpipe.Pipeline`.
+      **options: passed to the schedule function.
+
+    An array whose gradient is zero in exact arithmetic (a key bias in
+    attention, which the softmax cancels) has only rounding for a gradient,
+    on both sides, and fails the relative measure: leave such parameters
+    out of the model.
+
+    Returns:
+      A `CheckResult`; `passed` says whether it matched.
+
+    Raises:
+      ValueError: the batch does not split into the microbatches and shards,
+        or the schedule's stages are not the model's.
+    """
+    import jax
+
+    ways = num_microbatches * data * fsdp
+    if isinstance(model, CheckModel):
+        checked = model
+        if batch is not None:
+            checked = dataclasses.replace(model, make_batch=lambda rows, seed: batch)
+    else:
+        params = model.init(seed)
+        specs = model.specs(params) if model.specs is not None and tensor > 1 else None
+        checked = CheckModel(
+            stages=tuple(model.stages),
+            params=params,
+            make_batch=lambda rows, seed: batch,
+            specs=specs,
+            reference=None if specs is not None else tuple(model.stages),
+        )
+    rows = 2
+    if batch is not None:
+        rows_total = jax.tree.leaves(batch)[0].shape[0]
+        if rows_total % ways:
+            raise ValueError(
+                f"the batch has {rows_total} rows, which do not split into {num_microbatches} "
+                f"microbatches x data {data} x fsdp {fsdp} = {ways} equal parts"
+            )
+        rows = rows_total // ways
+    S = len(checked.stages)
+    if num_ranks is None:
+        num_ranks = S // (num_chunks or 1)
+    return check_schedule(
+        schedule,
+        num_ranks,
+        num_microbatches,
+        num_chunks,
+        data=data,
+        fsdp=fsdp,
+        tensor=tensor,
+        model=checked,
+        rows_per_microbatch=rows,
+        rtol=rtol,
+        seed=seed,
+        tick_layout=tick_layout,
+        control=control,
+        **options,
+    )

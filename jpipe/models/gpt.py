@@ -56,7 +56,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe._stage import WeightedLoss
-from jpipe.models.staged import StagedModel, fold_row_keys, row_dropout, split_flax_model
+from jpipe.models.registry import BuildArgs, register_model
+from jpipe.models.staged import (
+    StagedModel,
+    fold_row_keys,
+    row_dropout,
+    split_flax_model,
+    split_layers,
+)
 
 Params = Any  # a pytree of arrays
 
@@ -356,6 +363,17 @@ def tensor_specs(config: GPTConfig, params_list: Sequence[Params], axis: str = "
         return P(*stacked, *(axis if e == "T" else None for e in split))
 
     return [jax.tree_util.tree_map_with_path(spec, p) for p in params_list]
+
+
+@register_model("gpt", GPTConfig)
+def build(args: BuildArgs) -> StagedModel:
+    """The trainer's ``config.model.name="gpt"``: `make_stages` with `tensor_specs`."""
+    c = args.config
+    layers = split_layers(c.num_layers, args.num_stages, args.layers_per_stage or None)
+    model = make_stages(c, layers, tensor_axis=args.tensor_axis)
+    if args.tensor_axis is None:
+        return model
+    return model._replace(specs=lambda params: tensor_specs(c, params, args.tensor_axis))
 
 
 def weight_decay_mask(params: Params) -> Params:

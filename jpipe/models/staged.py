@@ -76,6 +76,13 @@ class StagedModel(NamedTuple):
       layers_per_stage: blocks held by each stage.
       scan_layers: whether each stage runs its blocks in one ``nn.scan``, its
         ``"blocks"`` then being one tree of arrays stacked over its blocks.
+      specs: how the stages split their parameters over mesh axes such as
+        ``tensor`` (for `Pipeline.pack` and `Pipeline.init`): a function of
+        the parameter list (arrays or shape structs) returning one tree of
+        `PartitionSpec` per stage, or None when nothing is split.
+      keys: the name of the batch leaf of per-row keys the stages draw random
+        numbers from (`row_keys`; the trainer adds it as ``"keys"``), or None
+        for a deterministic model.
     """
 
     stages: tuple[StageFn, ...]
@@ -83,6 +90,8 @@ class StagedModel(NamedTuple):
     loss: Callable[[list, Any], jax.Array]
     layers_per_stage: tuple[int, ...]
     scan_layers: bool = False
+    specs: Callable[[list], list] | None = None
+    keys: str | None = None
 
 
 def split_layers(
@@ -155,6 +164,28 @@ def split_layers(
             f"layer; only the first and last stages may have 0 ({hint})"
         )
     return tuple(counts)
+
+
+def stage_counts(
+    num_layers: int, layers_per_stage: str | Sequence[int] | None, num_stages: int | None
+) -> tuple[int, ...]:
+    """`split_layers` where the counts, if given, fix the number of stages.
+
+    Args:
+      num_layers: blocks in the model.
+      layers_per_stage: the counts (``"3,4,4,3"`` or a sequence), or None or
+        ``""`` for a balanced split over `num_stages`.
+      num_stages: the number of stages; needed only for a balanced split, and
+        checked against the counts when both are given.
+    """
+    if layers_per_stage is None or (
+        isinstance(layers_per_stage, str) and not layers_per_stage.strip()
+    ):
+        if num_stages is None:
+            raise ValueError("give layers_per_stage, or num_stages for a balanced split")
+        return split_layers(num_layers, num_stages)
+    parsed = _parse_counts(layers_per_stage)
+    return split_layers(num_layers, num_stages or len(parsed), parsed)
 
 
 def _parse_counts(layers_per_stage: str | Sequence[int]) -> list[int]:
@@ -414,15 +445,7 @@ def split_flax_model(
     Raises:
       ValueError: the counts do not fit `num_layers` (see `split_layers`).
     """
-    if layers_per_stage is None or (
-        isinstance(layers_per_stage, str) and not layers_per_stage.strip()
-    ):
-        if num_stages is None:
-            raise ValueError("give layers_per_stage, or num_stages for a balanced split")
-        counts = split_layers(num_layers, num_stages)
-    else:
-        parsed = _parse_counts(layers_per_stage)
-        counts = split_layers(num_layers, len(parsed), parsed)
+    counts = stage_counts(num_layers, layers_per_stage, num_stages)
     S = len(counts)
     stages = []
     for s in range(S):
@@ -504,5 +527,10 @@ def split_flax_model(
         return params_list
 
     return StagedModel(
-        stages, init, functools.partial(run_stages, stages), counts, bool(scan_layers)
+        stages,
+        init,
+        functools.partial(run_stages, stages),
+        counts,
+        bool(scan_layers),
+        keys=keys,
     )

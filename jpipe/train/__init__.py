@@ -1,4 +1,4 @@
-"""The trainer: a GPT, a pipeline schedule and a mesh, trained from a config.
+"""The trainer: a model (the GPT unless config.model.name says otherwise), a schedule, a mesh.
 
 One module per concern, in the order a run uses them: `config` (the
 config's dataclasses and their checks), `prepare` (step 1), `optimizer`

@@ -24,6 +24,7 @@ orbax decides which process writes what.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -131,14 +132,25 @@ class Checkpoints:
 def layout_record(prepared: Prepared) -> dict:
     """What fixes the packed layout of the parameters, as JSON: a checkpoint must match it."""
     c = prepared.config
-    model = dataclasses.asdict(c.model)
-    del model["dtype"]  # the compute dtype does not change the parameters
+    if dataclasses.is_dataclass(c.model):
+        model = dataclasses.asdict(c.model)
+        model.pop("dtype", None)  # the compute dtype does not change the parameters
+    else:  # a builder's own fields, as JSON can hold them
+        model = json.loads(json.dumps(c.model.to_dict(), default=repr))
+    if c.model_name != "gpt":  # checkpoints of the GPT stay as they were
+        model["name"] = _model_name(c.model_name)
     return {
         "model": model,
         "layers_per_stage": list(prepared.layers_per_stage),
         "stage_to_rank": list(prepared.schedule.stage_to_rank),
         "mesh.pipe": c.mesh.pipe,
     }
+
+
+def _model_name(name: str) -> str:
+    """A builder's name without the directories of its file, which a moved run may change."""
+    path, sep, function = name.rpartition(":")
+    return f"{os.path.basename(path)}:{function}" if sep and path.endswith(".py") else name
 
 
 def checkpoint_meta(pipeline, prepared: Prepared) -> dict:

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -113,15 +114,38 @@ class MeshConfig:
         return self.data * self.fsdp
 
 
+TOKENIZERS = ("bytes", "bpe")  # config.data.tokenizer
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where the text comes from and how much is held out (see `jpipe.data`)."""
+    """Where the batches come from.
+
+    ``source`` ``""`` is the text corpus (`jpipe.train.data`): ``path``,
+    ``max_bytes`` and ``eval_fraction`` say which text and how much is held
+    out, ``tokenizer`` whether its tokens are bytes or BPE tokens
+    (`jpipe.train.tokens`: a tokenizer of ``model.vocab_size`` tokens
+    trained on the training text, batches loaded with Grain). Any other
+    ``source`` names a function of `jpipe.train.sources.DataArgs` (a
+    registered name or ``path/to/file.py:function``); the section's other
+    fields are then its own options (``options``), passed to it as they are.
+    """
 
     path: str = ""
     max_bytes: int = 0
     eval_fraction: float = 0.1
+    source: str = ""
+    tokenizer: str = "bytes"
+    options: Mapping = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if self.tokenizer not in TOKENIZERS:
+            raise config_error(
+                "data.tokenizer", self.tokenizer, f"must be one of {', '.join(TOKENIZERS)}"
+            )
+        _check_type(
+            "data.source", self.source, str, "'' (the text corpus) or path/to/file.py:function"
+        )
         _check_type("data.path", self.path, str, "a string (files/directories, comma-separated)")
         _check_int("data.max_bytes", self.max_bytes, 0)
         _check_float("data.eval_fraction", self.eval_fraction, 0, 1, lo_open=True, hi_open=True)
@@ -258,7 +282,7 @@ class TrainConfig:
     batch_size: int
     mesh: MeshConfig
     data: DataConfig
-    model: gpt.GPTConfig
+    model: Any  # the model's config: gpt.GPTConfig, a registered model's, or a FrozenConfigDict
     optimizer: OptimizerConfig
     chunks: int = 0  # 0: the schedule's own default
     tick_layout: str = "auto"  # "auto", "unit" or "packed" (see jpipe.Pipeline)
@@ -266,6 +290,7 @@ class TrainConfig:
     cpu_devices: int = 0
     profile: bool = False
     plan: str = ""  # a jpipe plan file; its settings were applied by from_config
+    model_name: str = "gpt"  # config.model.name: a registered model or path/to/file.py:function
 
     def __post_init__(self):
         _check_type(
@@ -297,7 +322,11 @@ class TrainConfig:
                 f"mesh.tensor={self.mesh.tensor} cannot run on; accepted: profile=False "
                 "with mesh.tensor > 1",
             )
-        if self.model.vocab_size < data_lib.VOCAB_SIZE:
+        byte_text = not self.data.source and self.data.tokenizer == "bytes"
+        if (
+            byte_text
+            and getattr(self.model, "vocab_size", data_lib.VOCAB_SIZE) < data_lib.VOCAB_SIZE
+        ):
             raise config_error(
                 "model.vocab_size",
                 self.model.vocab_size,
@@ -318,14 +347,24 @@ class TrainConfig:
             "optimizer": OptimizerConfig,
             "model": gpt.GPTConfig,
         }
-        kwargs = _fields(cls, raw, "")
+        kwargs = _fields(cls, {k: v for k, v in raw.items() if k != "model_name"}, "")
         if kwargs.get("plan"):
             kwargs = _apply_plan(kwargs)
         for name, kind in sections.items():
             sub = kwargs.get(name)
             if not isinstance(sub, Mapping):
                 raise config_error(name, sub, "must be a section (a ConfigDict)")
-            sub_kwargs = _fields(kind, dict(sub), f"{name}.")
+            sub = dict(sub)
+            if name == "model":
+                kwargs["model_name"], kind = _model_kind(sub.pop("name", "gpt"))
+                if kind is None:  # a builder from a file: its fields as they are
+                    kwargs[name] = ml_collections.FrozenConfigDict(sub)
+                    continue
+            if name == "data" and sub.get("source"):  # a source function: the rest is its own
+                known = {f.name for f in dataclasses.fields(DataConfig)}
+                sub["options"] = {k: v for k, v in sub.items() if k not in known}
+                sub = {k: v for k, v in sub.items() if k in known}
+            sub_kwargs = _fields(kind, sub, f"{name}.")
             try:
                 kwargs[name] = kind(**sub_kwargs)
             except ConfigError:
@@ -333,6 +372,17 @@ class TrainConfig:
             except (ValueError, TypeError) as e:  # GPTConfig's own checks
                 raise ConfigError(f"config.{name}: {e}") from None
         return cls(**kwargs)
+
+
+def _model_kind(name) -> tuple[str, type | None]:
+    """``config.model.name`` checked: the name and its config class (None for a file's)."""
+    _check_type("model.name", name, str, "a registered model name or path/to/file.py:function")
+    from jpipe.models import registry
+
+    try:
+        return name, registry.get_model(name)[1]
+    except ValueError as e:
+        raise config_error("model.name", name, str(e)) from None
 
 
 def _read_plan(path):

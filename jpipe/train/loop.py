@@ -30,7 +30,6 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
-from jpipe.models import gpt
 from jpipe.planner import save_profile
 from jpipe.train import optimizer as optimizer_lib
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
@@ -39,7 +38,13 @@ from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
 from jpipe.train.prepare import Prepared, prepare
 from jpipe.train.profile import print_profile, stage_profile
-from jpipe.train.step import TrainState, compile_train_step, state_shardings, with_row_keys
+from jpipe.train.step import (
+    ROW_KEYS,
+    TrainState,
+    compile_train_step,
+    state_shardings,
+    with_row_keys,
+)
 
 
 class DivergedError(FloatingPointError):
@@ -223,14 +228,19 @@ def _run(
             )
             return TrainResult({}, {}, start, start, time.perf_counter() - wall_start, None, None)
 
-    tensor_axis = "tensor" if c.mesh.tensor > 1 else None
-    model = gpt.make_stages(c.model, prepared.layers_per_stage, tensor_axis=tensor_axis)
+    model = prepared.model  # the stages config.model.name builds (jpipe.models.build_model)
+    if model.keys not in (None, ROW_KEYS):
+        raise ConfigError(
+            f"config.model.name={c.model_name!r}: its stages read per-row keys from the batch "
+            f"leaf {model.keys!r}, but the trainer adds them as {ROW_KEYS!r}; build the model "
+            f"with keys={ROW_KEYS!r}"
+        )
     pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
 
     # Each rank's devices make only that rank's parameters, each device its
     # own block of them (`Pipeline.init`): no device or host holds the model.
     key = jax.random.key(c.seed)
-    specs = gpt.tensor_specs(c.model, jax.eval_shape(model.init, key)) if tensor_axis else None
+    specs = model.specs(jax.eval_shape(model.init, key)) if model.specs is not None else None
     params = pipeline.init(model.init, key, specs)
     optimizer = optimizer_lib.make_optimizer(
         c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
@@ -260,7 +270,7 @@ def _run(
     )
     say(
         f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "
-        f"{c.model.num_layers} blocks as {prepared.layers_per_stage} over "
+        f"{sum(prepared.layers_per_stage)} blocks as {prepared.layers_per_stage} over "
         f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
     )
     say(text_chart(sim))
@@ -272,7 +282,7 @@ def _run(
     batch = device_batch(prepared.train_data, start, pipeline.batch_sharding)
     compile_start = time.perf_counter()
     # A model with dropout: the step adds the batch's per-row keys from the seed.
-    keys_seed = c.seed if c.model.dropout else None
+    keys_seed = c.seed if model.keys else None
     compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed, zero1)
     memory = compiled.memory_analysis()
     line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
@@ -311,7 +321,7 @@ def _run(
     _loop(run, loop, batch, start)
     metrics.close()
     step_seconds = statistics.median(loop.step_times) if loop.step_times else None
-    tokens = c.batch_size * c.model.seq_len
+    tokens = c.batch_size * _tokens_per_row(batch)
     tps = tokens / step_seconds if step_seconds else None
     wall = time.perf_counter() - wall_start
     eval_losses = loop.eval_losses
@@ -333,12 +343,18 @@ def _run(
     return TrainResult(loop.losses, eval_losses, start, final, wall, step_seconds, tps)
 
 
+def _tokens_per_row(batch: dict) -> int:
+    """Tokens in each row of a batch: the length of its ``"tokens"``, else 1 (a row is an item)."""
+    tokens = batch.get("tokens")
+    return int(tokens.shape[1]) if tokens is not None and tokens.ndim >= 2 else 1
+
+
 def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
     """The training loop, from `start` to ``config.steps``; fills `loop`."""
     from tqdm import tqdm  # noqa: PLC0415 (only the loop needs it)
 
     c = run.prepared.config
-    tokens = c.batch_size * c.model.seq_len
+    tokens = c.batch_size * _tokens_per_row(batch)
     meta = checkpoint_meta(run.pipeline, run.prepared)
     bar = None
 

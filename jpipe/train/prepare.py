@@ -16,7 +16,9 @@ import ml_collections
 
 import jpipe
 from jpipe import models
+from jpipe.models import registry
 from jpipe.train import data as data_lib
+from jpipe.train import sources, tokens
 from jpipe.train.config import ConfigError, TrainConfig, config_error
 
 
@@ -28,15 +30,18 @@ class Prepared(NamedTuple):
       schedule: the validated schedule.
       layers_per_stage: blocks per stage (``schedule.num_stages`` entries).
       mesh: the ``(pipe, data, fsdp, tensor)`` mesh.
-      train_data, eval_data: the corpus, served by step.
+      train_data, eval_data: the batches, served by step (`data.Batches`,
+        `tokens.GrainBatches` or `sources.SourceBatches`).
+      model: the model cut into the schedule's stages (`jpipe.models.build_model`).
     """
 
     config: TrainConfig
     schedule: jpipe.Schedule
     layers_per_stage: tuple[int, ...]
     mesh: jax.sharding.Mesh
-    train_data: data_lib.Batches
-    eval_data: data_lib.Batches
+    train_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
+    eval_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
+    model: models.StagedModel | None = None
 
 
 def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=None) -> Prepared:
@@ -73,7 +78,16 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"accepted: {' * '.join(a for a, _ in axes)} <= {len(devices)}{cpu_hint}"
         )
     t = c.mesh.tensor
-    if c.model.num_heads % t or c.model.d_ff % t:
+    heads, d_ff = getattr(c.model, "num_heads", 1), getattr(c.model, "d_ff", 1)
+    kv_heads = getattr(c.model, "num_kv_heads", None)  # a Llama's
+    if isinstance(kv_heads, int) and kv_heads % t:
+        raise config_error(
+            "mesh.tensor",
+            t,
+            f"must divide model.num_kv_heads={kv_heads} (each device of the tensor axis holds "
+            "whole groups of key/value heads)",
+        )
+    if isinstance(heads, int) and isinstance(d_ff, int) and (heads % t or d_ff % t):
         raise config_error(
             "mesh.tensor",
             t,
@@ -106,14 +120,26 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         ) from None
 
     S = schedule.num_stages
-    try:
-        layers = models.split_layers(c.model.num_layers, S, c.layers_per_stage or None)
+    num_layers = getattr(c.model, "num_layers", None)
+    if isinstance(num_layers, int):
+        try:
+            models.split_layers(num_layers, S, c.layers_per_stage or None)
+        except ValueError as e:
+            raise config_error(
+                "layers_per_stage",
+                c.layers_per_stage,
+                f"{e} (the schedule has {S} stages; model.num_layers={num_layers})",
+            ) from None
+    tensor_axis = "tensor" if t > 1 else None
+    try:  # stage functions only: no arrays are made
+        model = models.build_model(
+            c.model_name, registry.BuildArgs(c.model, S, c.layers_per_stage, tensor_axis)
+        )
     except ValueError as e:
         raise config_error(
-            "layers_per_stage",
-            c.layers_per_stage,
-            f"{e} (the schedule has {S} stages; model.num_layers={c.model.num_layers})",
+            "model.name", c.model_name, f"{e} (the schedule has {S} stages)"
         ) from None
+    layers = tuple(model.layers_per_stage)
 
     rows = M * c.mesh.replicas
     if c.batch_size % rows:
@@ -133,14 +159,27 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         )
 
     try:
-        train_data, eval_data = data_lib.make_datasets(
-            path=c.data.path,
-            max_bytes=c.data.max_bytes,
-            eval_fraction=c.data.eval_fraction,
-            seq_len=c.model.seq_len,
-            batch_size=c.batch_size,
-            seed=c.seed,
-        )
+        if c.data.source:
+            train_data, eval_data = _source_batches(c)
+        elif c.data.tokenizer == "bpe":
+            train_data, eval_data = tokens.make_datasets(
+                path=c.data.path,
+                max_bytes=c.data.max_bytes,
+                eval_fraction=c.data.eval_fraction,
+                vocab_size=c.model.vocab_size,
+                seq_len=c.model.seq_len,
+                batch_size=c.batch_size,
+                seed=c.seed,
+            )
+        else:
+            train_data, eval_data = data_lib.make_datasets(
+                path=c.data.path,
+                max_bytes=c.data.max_bytes,
+                eval_fraction=c.data.eval_fraction,
+                seq_len=c.model.seq_len,
+                batch_size=c.batch_size,
+                seed=c.seed,
+            )
     except ValueError as e:
         raise ConfigError(f"config.data: {e}") from None
 
@@ -163,4 +202,17 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             ) from None
     else:
         mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
-    return Prepared(c, schedule, layers, mesh, train_data, eval_data)
+    return Prepared(c, schedule, layers, mesh, train_data, eval_data, model)
+
+
+def _source_batches(c: TrainConfig) -> tuple[sources.SourceBatches, sources.SourceBatches]:
+    """The train and eval batches of ``config.data.source``'s function."""
+    fn = sources.get_source(c.data.source)
+    fields = {f: getattr(c.data, f) for f in ("path", "max_bytes", "eval_fraction", "source")}
+    options = ml_collections.FrozenConfigDict({**fields, **c.data.options})
+    seq_len = getattr(c.model, "seq_len", None)
+    made = []
+    for split in ("train", "eval"):
+        args = sources.DataArgs(options, split, c.batch_size, c.seed, seq_len=seq_len)
+        made.append(sources.SourceBatches(fn, args, c.data.source))
+    return made[0], made[1]

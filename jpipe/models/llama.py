@@ -1,0 +1,361 @@
+"""A Llama-style decoder, cut into pipeline stages like the GPT.
+
+Llama (Touvron et al. 2023; Llama 3, Grattafiori et al. 2024) differs from
+GPT-2 (`jpipe.models.gpt`) in four places, all here:
+
+- **RMSNorm** instead of LayerNorm: ``x / rms(x) * scale``, no mean taken
+  away and no bias, computed in float32;
+- **rotary positions** (RoPE, Su et al. 2021) instead of a learned position
+  table: each query and key is rotated by an angle proportional to its
+  position, pair by pair of its dimensions, so their dot product depends
+  only on the distance between them; the embedding has no position part;
+- **SwiGLU** MLP: ``down(silu(gate(x)) * up(x))``, three matrices;
+- **grouped-query attention**: ``num_kv_heads`` key/value heads, each shared
+  by ``num_heads / num_kv_heads`` query heads (``num_kv_heads = num_heads``
+  is ordinary multi-head attention, 1 is multi-query).
+
+No linear layer has a bias. The stages, the batch and the parameter layout
+are the GPT's: the first stage embeds ``inputs["tokens"]``, every boundary
+carries ``x_BxLxD`` in ``LlamaConfig.dtype``, the last stage returns the
+mean token cross-entropy against ``inputs["targets"]`` (a
+`jpipe.WeightedLoss` with ``inputs["weights"]``), parameters are float32 and
+``{"embed", "blocks", "head"}`` per stage, and initialization does not
+depend on the split (`split_flax_model`).
+
+Tensor parallelism (`make_stages(..., tensor_axis=...)`, `tensor_specs`),
+Megatron-style as the GPT's: the query, key and value projections and the
+gate and up matrices split by columns (whole heads: each device holds
+``num_heads / T`` query heads and ``num_kv_heads / T`` key/value heads, the
+same groups), the output and down projections by rows, one all-reduce
+after attention and one after the MLP. T must divide ``num_kv_heads`` and
+``d_ff``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jpipe._stage import WeightedLoss
+from jpipe.models.registry import BuildArgs, register_model
+from jpipe.models.staged import StagedModel, split_flax_model, split_layers
+
+Params = Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The sizes of a Llama-style decoder.
+
+    Attributes:
+      vocab_size: number of token ids.
+      seq_len: the longest sequence L (rotary positions have no table, so
+        this only bounds the batches).
+      num_layers: decoder blocks, over all stages.
+      num_heads: query heads; must divide `d_model`.
+      num_kv_heads: key/value heads; must divide `num_heads`.
+      d_model: model width D.
+      d_ff: hidden width of each SwiGLU MLP.
+      rope_theta: the rotary base (10,000 in Llama 2, 500,000 in Llama 3).
+      norm_eps: RMSNorm's epsilon.
+      dtype: compute and activation dtype, ``"float32"``, ``"bfloat16"`` or
+        ``"float16"``; parameters, the norms and the loss are float32.
+      scan_layers: run each stage's blocks in one ``nn.scan`` (the same
+        weights and model).
+      remat_logits: recompute the head's logits in the backward instead of
+        keeping them (see `GPTConfig.remat_logits`).
+    """
+
+    vocab_size: int
+    seq_len: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    d_model: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat_logits: bool = False
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "d_model",
+            "d_ff",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"LlamaConfig.d_model={self.d_model} must be divisible by "
+                f"num_heads={self.num_heads}"
+            )
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"LlamaConfig: the head width d_model / num_heads = "
+                f"{self.d_model // self.num_heads} must be even (rotary positions turn pairs)"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads} (each key/value head serves a group of query heads)"
+            )
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("scan_layers", "remat_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"LlamaConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LlamaConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+
+def _linear(features: int, name: str, dtype, std: float = _INIT_STD):
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(std),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale``, in float32, returned in `dtype`."""
+
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * scale).astype(self.dtype)
+
+
+def rotary(x_BxLxHxK: jax.Array, theta: float) -> jax.Array:
+    """Rotates each position's pairs of dimensions by its angles (RoPE).
+
+    Pair ``i`` of a head (dimensions ``i`` and ``i + K/2``) at position ``t``
+    turns by ``t * theta^(-2i/K)``; computed in float32.
+    """
+    _, length, _, k = x_BxLxHxK.shape
+    half = k // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / k)
+    angles_LxH = jnp.arange(length, dtype=jnp.float32)[:, None] * frequencies
+    cos = jnp.cos(angles_LxH)[None, :, None, :]
+    sin = jnp.sin(angles_LxH)[None, :, None, :]
+    x = x_BxLxHxK.astype(jnp.float32)
+    first, second = x[..., :half], x[..., half:]
+    turned = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return turned.astype(x_BxLxHxK.dtype)
+
+
+class _RowSplitLinear(nn.Module):
+    """A bias-free linear layer whose input features may be split over a tensor axis.
+
+    Each device multiplies its slice of the features by its rows of the
+    kernel and the partial products are summed over the axis; without an
+    axis it is `_linear`'s layer, with the same parameters.
+    """
+
+    features: int
+    dtype: Any
+    std: float
+    tensor_axis: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param(
+            "kernel", nn.initializers.normal(self.std), (x.shape[-1], self.features), jnp.float32
+        )
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return y if self.tensor_axis is None else lax.psum(y, self.tensor_axis)
+
+
+class _Embed(nn.Module):
+    """The token embedding (positions come in as rotations, in attention)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, inputs: dict) -> jax.Array:
+        c = self.config
+        token_VxD = self.param(
+            "token", nn.initializers.normal(_INIT_STD), (c.vocab_size, c.d_model)
+        )
+        return jnp.take(token_VxD, inputs["tokens"], axis=0).astype(c.dtype)
+
+
+class _Block(nn.Module):
+    """``x + attn(norm(x))`` then ``x + swiglu(norm(x))``, its heads split over `tensor_axis`."""
+
+    config: LlamaConfig
+    tensor_axis: str | None = None
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        b, length, d = x_BxLxD.shape
+        axis = self.tensor_axis
+        t = 1 if axis is None else lax.axis_size(axis)
+        if c.num_kv_heads % t or c.d_ff % t:
+            raise ValueError(
+                f"a {t}-way tensor axis must divide num_kv_heads={c.num_kv_heads} and d_ff={c.d_ff}"
+            )
+        k = c.d_model // c.num_heads
+        heads, kv_heads = c.num_heads // t, c.num_kv_heads // t  # this device's
+        residual_std = _INIT_STD / math.sqrt(2 * c.num_layers)
+
+        y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_attn")(x_BxLxD)
+        q = _linear(heads * k, "q", dtype)(y_BxLxD).reshape(b, length, heads, k)
+        kk = _linear(kv_heads * k, "k", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
+        v = _linear(kv_heads * k, "v", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
+        q, kk = rotary(q, c.rope_theta), rotary(kk, c.rope_theta)
+        # Fewer key/value heads than query heads: grouped-query attention.
+        attn_BxLxHxK = jax.nn.dot_product_attention(q, kk, v, is_causal=True)
+        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="attn_out")(
+            attn_BxLxHxK.reshape(b, length, heads * k)
+        )
+        x_BxLxD = x_BxLxD + y_BxLxD
+
+        y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_mlp")(x_BxLxD)
+        gate_BxLxF = _linear(c.d_ff // t, "gate", dtype)(y_BxLxD)
+        up_BxLxF = _linear(c.d_ff // t, "up", dtype)(y_BxLxD)
+        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="down")(
+            nn.silu(gate_BxLxF) * up_BxLxF
+        )
+        return x_BxLxD + y_BxLxD
+
+
+class _Head(nn.Module):
+    """Final RMSNorm, untied head and mean token cross-entropy."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array, inputs: dict) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_final")(x_BxLxD)
+        unembed = _linear(c.vocab_size, "unembed", dtype)
+
+        def token_losses(unembed, y_BxLxD, targets_BxL):
+            logits_BxLxV = unembed(y_BxLxD)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits_BxLxV.astype(jnp.float32), targets_BxL
+            )
+
+        if c.remat_logits:
+            token_losses = nn.remat(token_losses)
+        losses_BxL = token_losses(unembed, y_BxLxD, inputs["targets"])
+        if "weights" in inputs:
+            weights_BxL = inputs["weights"].astype(jnp.float32)
+            return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
+        return losses_BxL.mean()
+
+
+def make_stages(
+    config: LlamaConfig, layers_per_stage: str | Sequence[int], tensor_axis: str | None = None
+) -> StagedModel:
+    """The stage functions, initializer and reference loss of a Llama-style decoder.
+
+    Args:
+      config: the model's sizes.
+      layers_per_stage: blocks per stage, e.g. ``(3, 4, 4, 3)`` or ``"3,4,4,3"``.
+      tensor_axis: a mesh axis to split each block over (see the module
+        docstring); `init` and `loss` stay the whole model's, the
+        reference, and `StagedModel.specs` says how to pack.
+
+    Returns:
+      A `StagedModel`.
+    """
+
+    def split(axis):
+        return split_flax_model(
+            _Embed(config),
+            _Block(config, axis),
+            _Head(config),
+            num_layers=config.num_layers,
+            layers_per_stage=layers_per_stage,
+            scan_layers=config.scan_layers,
+            example_inputs={
+                "tokens": jnp.zeros((1, 1), jnp.int32),
+                "targets": jnp.zeros((1, 1), jnp.int32),
+            },
+        )
+
+    whole = split(None)
+    if tensor_axis is None:
+        return whole
+    return whole._replace(
+        stages=split(tensor_axis).stages,
+        specs=lambda params: tensor_specs(config, params, tensor_axis),
+    )
+
+
+# Megatron-style splits of a block's matrices: columns of the first matrix
+# of attention and of the MLP, rows of the second.
+_BLOCK_SPLITS = {
+    ("q", "kernel"): (None, "T"),
+    ("k", "kernel"): (None, "T"),
+    ("v", "kernel"): (None, "T"),
+    ("attn_out", "kernel"): ("T", None),
+    ("gate", "kernel"): (None, "T"),
+    ("up", "kernel"): (None, "T"),
+    ("down", "kernel"): ("T", None),
+}
+
+
+def tensor_specs(config: LlamaConfig, params_list: Sequence[Params], axis: str = "tensor") -> list:
+    """How `make_stages(..., tensor_axis=axis)` splits each parameter, for `Pipeline.pack`.
+
+    The embedding, the head and the norms are whole on every device of the axis.
+    """
+
+    def spec(path, leaf):
+        names = tuple(getattr(k, "key", None) for k in path)
+        split = _BLOCK_SPLITS.get(names[-2:]) if names[0] == "blocks" else None
+        if split is None:
+            return P()
+        stacked = (None,) * int(config.scan_layers)
+        return P(*stacked, *(axis if e == "T" else None for e in split))
+
+    return [jax.tree_util.tree_map_with_path(spec, p) for p in params_list]
+
+
+@register_model("llama", LlamaConfig)
+def build(args: BuildArgs) -> StagedModel:
+    """The trainer's ``config.model.name="llama"``."""
+    c = args.config
+    layers = split_layers(c.num_layers, args.num_stages, args.layers_per_stage or None)
+    return make_stages(c, layers, tensor_axis=args.tensor_axis)

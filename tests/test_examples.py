@@ -1,0 +1,148 @@
+"""examples/: each model, pipelined, against itself unpipelined; through train.py; in its own loop.
+
+The three examples (a ViT in Flax linen, the same in Flax NNX, an MLP-Mixer
+in plain JAX) each give `build(BuildArgs)` and a config for ``train.py``,
+and a `train_own_loop` around `jpipe.Pipeline` with optax. Tolerances are
+float32 ones (`jpipe.testing.check_model`'s 1e-5, about 100 ulps); if one
+fails, look for a bug in the split (a stage's parameters, the order of the
+blocks) before anything else, and do not loosen it.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from jpipe import models, testing
+from jpipe import train as trainer
+from jpipe.train import loop as train_loop
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NAMES = ("vit_linen", "vit_nnx", "mixer_jax")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def images():
+    return load("images")
+
+
+def tiny(config, steps: int):
+    """The example's config shrunken: a few steps, checkpoints at 2."""
+    config.steps = steps
+    config.log_every = 1
+    config.eval_every = 2
+    config.eval_batches = 1
+    config.checkpoint_every = 2
+    config.batch_size = 16
+    config.mesh.pipe = 2  # two ranks compile in half the time of four
+    config.num_microbatches = 2
+    return config
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pipelined_stages_match_the_model(name):
+    example = load(name)
+    config = ml_collections.FrozenConfigDict(example.get_config().model)
+    model = example.build(models.BuildArgs(config, num_stages=4))
+    batch = images().make_batch(0, "train", 0, 16)
+    result = testing.check_model(model, batch, "1f1b", num_microbatches=4, data=2)
+    assert result.passed, result.summary()
+    assert result.stages == 4 and result.data == 2
+
+
+def test_zero_bubble_and_uneven_split():
+    example = load("vit_nnx")
+    config = ml_collections.FrozenConfigDict(example.get_config().model)
+    model = example.build(models.BuildArgs(config, 4, layers_per_stage="0,2,2,0"))
+    assert model.layers_per_stage == (0, 2, 2, 0)
+    batch = images().make_batch(0, "train", 1, 8)
+    result = testing.check_model(model, batch, "zb_h1", num_microbatches=8)
+    assert result.passed, result.summary()
+
+
+def test_every_split_starts_from_the_same_weights():
+    for name in ("vit_nnx", "mixer_jax"):  # split_flax_model's init: tests/test_gpt.py
+        example = load(name)
+        config = ml_collections.FrozenConfigDict(example.get_config().model)
+        split = example.build(models.BuildArgs(config, 4)).init(0)
+        whole = example.build(models.BuildArgs(config, 1)).init(0)
+        merged = models.merge_stage_params(split)
+        jax.tree.map(np.testing.assert_array_equal, merged, models.merge_stage_params(whole))
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_trainer_resumes_to_the_same_losses(tmp_path, monkeypatch):
+    example = load("vit_linen")
+    unbroken = trainer.train(tiny(example.get_config(), 4), tmp_path / "a", progress=False)
+    original = train_loop.device_batch
+
+    def killed_at_step_2(batches, step, sharding):  # after the checkpoint of step 2
+        if step == 2 and batches.args.split == "train":
+            raise _Killed
+        return original(batches, step, sharding)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_loop, "device_batch", killed_at_step_2)
+        with pytest.raises(_Killed):
+            trainer.train(tiny(example.get_config(), 4), tmp_path / "b", progress=False)
+    resumed = trainer.train(tiny(example.get_config(), 4), tmp_path / "b", progress=False)
+    assert resumed.start_step == 2
+    assert resumed.losses == {s: unbroken.losses[s] for s in (3, 4)}
+    assert resumed.eval_losses[4] == unbroken.eval_losses[4]
+
+
+def test_own_loop_starts_from_the_model():
+    # Key 0 and the first batch (seed 0, 32 rows): the loss before the first
+    # update is the unpipelined model's on them.
+    example = load("vit_linen")
+    own = example.train_own_loop(steps=3, ranks=2, microbatches=2)
+    config = ml_collections.FrozenConfigDict(example.get_config().model)
+    model = example.build(models.BuildArgs(config, num_stages=2))
+    want = model.loss(model.init(jax.random.key(0)), images().make_batch(0, "train", 0, 32))
+    np.testing.assert_allclose(own[0], want, rtol=1e-5)
+    assert all(np.isfinite(own)) and len(own) == 3
+
+
+@pytest.mark.parametrize("name", ["vit_nnx", "mixer_jax"])  # vit_linen: the resume test
+def test_own_loop_starts_where_the_trainer_does(name, tmp_path):
+    # The same weights (key 0) and the same first batch (seed 0, 32 rows):
+    # the loss before the first update is the same in both loops.
+    example = load(name)
+    config = tiny(example.get_config(), 1)
+    config.batch_size = 32
+    config.eval_every = 0
+    config.checkpoint_every = 0
+    run = trainer.train(config, tmp_path, progress=False)
+    own = example.train_own_loop(steps=3, ranks=2, microbatches=2)
+    np.testing.assert_allclose(own[0], run.losses[1], rtol=1e-5)
+    assert all(np.isfinite(own)) and len(own) == 3
+
+
+def test_a_builder_with_the_wrong_stage_count_is_refused(tmp_path):
+    config = tiny(load("vit_linen").get_config(), 1)
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('v', {str(EXAMPLES / 'vit_linen.py')!r})\n"
+        "v = importlib.util.module_from_spec(spec); spec.loader.exec_module(v)\n"
+        "def build(args):\n"
+        "    return v.build(args._replace(num_stages=3))\n"
+    )
+    config.model.name = f"{bad}:build"
+    with pytest.raises(trainer.ConfigError, match="returned 3 stages but the schedule has 2"):
+        trainer.prepare(config)
+    config.model.name = f"{bad}:nothing"
+    with pytest.raises(trainer.ConfigError, match="has no function 'nothing'"):
+        trainer.prepare(config)
