@@ -274,6 +274,11 @@ def _count_compiles():
     [
         ({"schedule": "no_such_schedule"}, "config.schedule='no_such_schedule': unknown schedule"),
         ({"schedule": "missing.csv"}, "config.schedule='missing.csv'"),
+        (
+            {"schedule": "zb_h1:lag=3"},
+            "config.schedule='zb_h1:lag=3': schedule 'zb_h1' takes no option 'lag'; "
+            "its options: none",
+        ),
         ({"mesh.data": 4}, "config.mesh.pipe=4 x config.mesh.data=4 needs 16 devices, but only 8"),
         (
             {"batch_size": 20},
