@@ -1,5 +1,6 @@
 """A plan file trains through train.py, and the trainer's profile mode writes a profile."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,3 +118,42 @@ def test_profile_mode_writes_the_planner_format(tmp_path):
     assert [measured.blocks(l) for l in range(2)] == [2, 1]
     t = measured.layer_times(jax.devices()[0].device_kind, 2, 1)
     assert t.forward == (0.1, 0.2) and t.split() == ((0.15, 0.25), (0.05, 0.1))
+
+
+def test_profile_plan_train_reports_the_planned_footprint(tmp_path):
+    """train.py --config.profile=True measures the runtime's memory terms; a plan made from
+    that profile for the same setup predicts the compiled step's bytes per device."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    tiny = [
+        "--config.steps=1",
+        "--config.eval_batches=1",
+        "--config.data.max_bytes=32768",
+        "--config.model.seq_len=16",
+        "--config.model.num_layers=2",
+        "--config.model.d_model=32",
+        "--config.model.d_ff=64",
+    ]
+    train = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/default.py'}"]
+    work = tmp_path / "profiled"
+    argv = [*train, f"--workdir={work}", "--config.profile=True", "--config.mesh.pipe=2"]
+    argv += ["--config.mesh.data=1", "--config.batch_size=8", "--config.num_microbatches=4"]
+    done = subprocess.run([*argv, *tiny], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prof = load_profile(str(work / "profile.json"))
+    terms = prof.memory_terms
+    assert terms.source.startswith("jpipe's runtime, measured") and terms.working_factor > 0
+    assert (terms.weight_bytes, terms.optimizer_bytes) == (4.0, pytest.approx(8.0, rel=1e-3))
+    assert all(a > 0 for a in prof.activation_bytes[1]) and prof.params[1][0] > 0
+
+    # the planner's plans for 2 such devices; the pipelined one is the profiled setup
+    prof = dataclasses.replace(prof, memory={"cpu": 1e9}, derived=set(), _links={})
+    found = jpipe.planner.plan(prof, [("cpu", 2)], 8, microbatch_sizes=[2], gpus_per_node=1, top=4)
+    piped = next(c.evaluation for c in found.best if c.evaluation.plan.pipe == 2)
+    assert piped.plan.num_microbatches == 4
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_file(piped, prof)))
+    argv = [*train, f"--workdir={tmp_path / 'run'}", f"--config.plan={plan}", *tiny]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("memory: the compiled"))
+    assert "planner / compiled = 1.00)" in line, line

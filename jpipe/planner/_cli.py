@@ -99,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", default="1f1b", help="schedule SPECs to try, comma-separated")
     p.add_argument("--microbatch-sizes", metavar="B1,B2", help="microbatch sizes to try")
     p.add_argument("--top", type=int, default=3, help="how many plans to print")
+    p.add_argument(
+        "--tensor-parallel",
+        metavar="T1,T2",
+        help="tensor-parallel degrees to try (default 1,2,4,8 where they fit)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one type per node")
     p.add_argument("--speeds", metavar="S1,S2,...", help="relative device speed of each stage")
     p.add_argument("--profiles", metavar="DIR|FILE", help="Sailor data folder or jpipe profile")
@@ -234,6 +239,9 @@ def _plan(args) -> tuple[dict, str]:
         receiver_busy=args.receiver_busy,
         memory_layout=args.memory_layout,
         memory_margin=args.memory_margin,
+        tensor_parallel=_numbers(args.tensor_parallel, "--tensor-parallel", int)
+        if args.tensor_parallel
+        else None,
     )
     best = result.best[0].evaluation
     if args.save:

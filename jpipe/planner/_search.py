@@ -236,19 +236,19 @@ class MemoryFootprint:
     def why(self, layout: str, margin: float = 0.0) -> str:
         """One line: which device binds, its footprint and what it may use."""
         m = self.binding(layout, margin)
-        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in m.parts.items())
+        parts = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in m.parts.items())
         if m.usable_bytes is None:
             return (
                 f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) holds "
-                f"the most, {m.footprint_bytes / 1e9:.2f} GB ({parts}); the profile does not "
+                f"the most, {m.footprint_bytes / 1e9:.3g} GB ({parts}); the profile does not "
                 "give the devices' memory"
             )
         room = m.usable_bytes * (1 - margin)
         verdict = "fits" if m.footprint_bytes <= room else "does not fit"
         return (
             f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) binds, "
-            f"{m.footprint_bytes / 1e9:.2f} GB ({parts}) of {room / 1e9:.2f} GB usable "
-            f"({m.memory_bytes / 1e9:.2f} GB x {m.usable_bytes / m.memory_bytes:.2f} usable "
+            f"{m.footprint_bytes / 1e9:.3g} GB ({parts}) of {room / 1e9:.3g} GB usable "
+            f"({m.memory_bytes / 1e9:.3g} GB x {m.usable_bytes / m.memory_bytes:.2f} usable "
             f"x {1 - margin:.2f} margin): {verdict}"
         )
 
@@ -711,6 +711,7 @@ def plan(
     receiver_busy: bool = False,
     memory_layout: str = "spmd",
     memory_margin: float = MEMORY_MARGIN,
+    tensor_parallel: Sequence[int] | None = None,
 ) -> SearchResult:
     """Searches placements of `devices` and returns the `top` plans by predicted step time.
 
@@ -727,6 +728,8 @@ def plan(
       memory_layout: the layout the plans will run under (`LAYOUTS`): ``"spmd"``
         for jpipe's one-program lowering, ``"per_rank"`` for one program per rank.
       memory_margin: the share of every device's usable memory kept free.
+      tensor_parallel: tensor-parallel degrees to try; default 1, 2, 4 and 8
+        where they divide every type's count and fit in a node.
     """
     start = time.perf_counter()
     if memory_layout not in LAYOUTS:
@@ -747,7 +750,16 @@ def plan(
         common = set.intersection(*({b for b, _ in profile.times[k]} for k, _ in devices))
         microbatch_sizes = sorted(common)
     node_size = {k: min(n, gpus_per_node) for k, n in devices}
-    tps = [t for t in (1, 2, 4, 8) if all(n % t == 0 and t <= node_size[k] for k, n in devices)]
+    tps = [
+        t
+        for t in (tensor_parallel or (1, 2, 4, 8))
+        if all(n % t == 0 and t <= node_size[k] for k, n in devices)
+    ]
+    if not tps:
+        raise ValueError(
+            f"no tensor-parallel degree in {list(tensor_parallel or (1, 2, 4, 8))} divides every "
+            f"device type's count and fits in a node of {gpus_per_node}"
+        )
     shapes = []  # (lower bound, plan) for every candidate
     skipped = []
     kinds = [k for k, _ in devices]
@@ -824,8 +836,8 @@ def plan(
         simulated += 1
         if not ev.memory.fits(memory_layout, memory_margin):
             too_big = [
-                f"rank {m.rank}: {m.footprint_bytes / 1e9:.1f} GB on {m.kind} "
-                f"({m.usable_bytes * (1 - memory_margin) / 1e9:.1f} GB usable)"
+                f"rank {m.rank}: {m.footprint_bytes / 1e9:.3g} GB on {m.kind} "
+                f"({m.usable_bytes * (1 - memory_margin) / 1e9:.3g} GB usable)"
                 for m in ev.memory.devices(memory_layout)
                 if m.footprint_bytes > m.usable_bytes * (1 - memory_margin)
             ]
@@ -1008,11 +1020,6 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     ):
         if v < 1:
             raise ValueError(f"{where}: {name} must be at least 1, got {v}")
-    if tensor != 1:
-        raise ValueError(
-            f"{where} uses tensor parallelism {tensor}; the trainer has no tensor axis yet "
-            "(plan with --tensor-parallel 1)"
-        )
     stages = len(blocks)
     if stages % pipe:
         raise ValueError(f"{where}: {stages} stages do not divide over mesh.pipe={pipe} ranks")
