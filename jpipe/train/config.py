@@ -407,7 +407,7 @@ def _apply_plan(kwargs: dict) -> dict:
             f"{model.get('num_layers')}; set config.model.num_layers={blocks} or plan this model",
         )
     mesh = dict(kwargs.get("mesh") or {})
-    mesh.update(pipe=settings.pipe, data=settings.data)
+    mesh.update(pipe=settings.pipe, data=settings.data, tensor=settings.tensor)
     return {
         **kwargs,
         "mesh": mesh,

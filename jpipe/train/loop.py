@@ -37,7 +37,7 @@ from jpipe.train.config import ConfigError, TrainConfig
 from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
 from jpipe.train.prepare import Prepared, prepare
-from jpipe.train.profile import print_profile, stage_profile
+from jpipe.train.profile import plan_memory_line, print_profile, stage_profile
 from jpipe.train.step import (
     ROW_KEYS,
     TrainState,
@@ -292,6 +292,8 @@ def _run(
             f"temporaries {mib(memory.temp_size_in_bytes)}"
         )
     say(line)
+    if memory is not None and c.plan:
+        say(plan_memory_line(c.plan, memory))
     if c.profile:
         rows = c.batch_size // c.num_microbatches // c.mesh.data
         microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
@@ -302,7 +304,16 @@ def _run(
         times = print_profile(pipeline, compiled, state, batch, microbatch, pieces_batch=keyed)
         if times is not None and lead:
             path = os.path.join(workdir, "profile.json")
-            profile = stage_profile(pipeline, state.params, times, rows, prepared.layers_per_stage)
+            profile = stage_profile(
+                pipeline,
+                state.params,
+                times,
+                rows,
+                prepared.layers_per_stage,
+                opt_state=state.opt_state,
+                pieces_batch=keyed,
+                compiled=compiled,
+            )
             save_profile(profile, path)
             say(f"profile: wrote {path} (python -m jpipe.plan --profiles {path} ...)")
 
