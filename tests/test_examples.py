@@ -9,6 +9,12 @@ blocks) before anything else, and do not loosen it.
 """
 
 import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -18,7 +24,6 @@ import pytest
 
 from jpipe import models, testing
 from jpipe import train as trainer
-from jpipe.train import loop as train_loop
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NAMES = ("vit_linen", "vit_nnx", "mixer_jax")
@@ -79,28 +84,54 @@ def test_every_split_starts_from_the_same_weights():
         jax.tree.map(np.testing.assert_array_equal, merged, models.merge_stage_params(whole))
 
 
-class _Killed(Exception):
-    pass
+def test_train_py_resumes_after_ctrl_c_to_the_same_losses(tmp_path):
+    """``python train.py --config=examples/vit_linen.py``, sent SIGINT mid-run and resumed."""
+    tiny_flags = [
+        f"--config={EXAMPLES / 'vit_linen.py'}",
+        "--config.mesh.pipe=2",
+        "--config.mesh.data=1",
+        "--config.num_microbatches=2",
+        "--config.batch_size=8",
+        "--config.steps=30",
+        "--config.log_every=1",
+        "--config.eval_every=100",
+        "--config.eval_batches=1",
+        "--config.checkpoint_every=100",  # the only checkpoint before the end is Ctrl-C's
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
+    def command(workdir):
+        return [sys.executable, str(EXAMPLES.parent / "train.py"), f"--workdir={workdir}"]
 
-def test_trainer_resumes_to_the_same_losses(tmp_path, monkeypatch):
-    example = load("vit_linen")
-    unbroken = trainer.train(tiny(example.get_config(), 4), tmp_path / "a", progress=False)
-    original = train_loop.device_batch
+    def losses(workdir):
+        if not (workdir / "metrics.jsonl").exists():
+            return {}
+        records = [
+            json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()
+        ]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
 
-    def killed_at_step_2(batches, step, sharding):  # after the checkpoint of step 2
-        if step == 2 and batches.args.split == "train":
-            raise _Killed
-        return original(batches, step, sharding)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(train_loop, "device_batch", killed_at_step_2)
-        with pytest.raises(_Killed):
-            trainer.train(tiny(example.get_config(), 4), tmp_path / "b", progress=False)
-    resumed = trainer.train(tiny(example.get_config(), 4), tmp_path / "b", progress=False)
-    assert resumed.start_step == 2
-    assert resumed.losses == {s: unbroken.losses[s] for s in (3, 4)}
-    assert resumed.eval_losses[4] == unbroken.eval_losses[4]
+    broken, unbroken = tmp_path / "broken", tmp_path / "unbroken"
+    run = subprocess.Popen(
+        command(broken) + tiny_flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(losses(broken)) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-3000:]
+    step = int(out.strip().splitlines()[-1].split()[3].rstrip(","))  # "interrupted at step N, ..."
+    assert 2 <= step < 30
+    again = subprocess.run(command(broken) + tiny_flags, capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from the checkpoint of step {step}" in again.stdout
+    whole = subprocess.run(command(unbroken) + tiny_flags, capture_output=True, text=True, env=env)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert losses(broken) == losses(unbroken)  # bit for bit
+    assert sorted(losses(broken)) == list(range(1, 31))
 
 
 def test_own_loop_starts_from_the_model():
