@@ -595,3 +595,17 @@ def test_every_planned_device_holds_its_spmd_footprint(capsys, devices, per_node
         for d in p["devices"]:
             assert d["footprint_bytes"] <= 0.9 * d["usable_bytes"] <= d["memory_bytes"]
         assert any("binds" in line and "fits" in line for line in p["why"])
+
+
+def test_the_planner_starts_without_jax():
+    """Planning is pure Python: `python -m jpipe.plan` imports neither JAX nor matplotlib."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom jpipe.plan import main\n"
+        "main(['--model', 'OPT-350', '--devices', 'A100-40:2', '--global-batch', '8', '--json'])\n"
+        "print([m for m in ('jax', 'matplotlib') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
