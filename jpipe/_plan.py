@@ -570,10 +570,12 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     (every residual write goes to the spare slot).
     """
     info = analyze(schedule)
-    plan = _plan_of(schedule, _packed_layout(schedule, kinds=("F",)), info)
+    # One piece of one kind per tick: labelled unit (see `Plan.layout`).
+    layout = _packed_layout(schedule, kinds=("F",))._replace(name="unit")
+    plan = _plan_of(schedule, layout, info)
     for piece in (p for row in plan.ticks for pieces in row for p in pieces):
         plan.slot[("res", piece[1:])] = plan.num_res  # the spare slot: nothing is kept
-    return dataclasses.replace(plan, layout="unit")
+    return plan
 
 
 def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
