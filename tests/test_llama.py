@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jpipe import models, testing
+from jpipe import train as trainer
 from jpipe.models import llama
 from jpipe.train.config import TrainConfig, config_from_file
 
@@ -93,3 +94,20 @@ def test_the_8gpu_config_has_the_parameters_it_says():
     shapes = jax.eval_shape(llama.make_stages(config.model, (16,)).init, jax.random.key(0))
     assert models.num_params(shapes) == 1_107_363_840  # the docstring's count
     assert config.model.num_kv_heads % config.mesh.tensor == 0
+
+
+def test_the_trainer_builds_it_by_name_and_checks_the_tensor_axis():
+    config = config_from_file(REPO / "configs" / "default.py")
+    config.model = {
+        "name": "llama",
+        **{k: getattr(CONFIG, k) for k in ("vocab_size", "seq_len", "num_layers", "num_heads")},
+        **{k: getattr(CONFIG, k) for k in ("num_kv_heads", "d_model", "d_ff")},
+    }
+    config.model.vocab_size = 256  # the byte corpus
+    config.mesh.pipe, config.mesh.data, config.mesh.tensor = 2, 2, 2
+    prepared = trainer.prepare(config)
+    assert isinstance(prepared.config.model, models.LlamaConfig)
+    assert prepared.model.layers_per_stage == (2, 2) and prepared.model.specs is not None
+    config.model.num_kv_heads = 1
+    with pytest.raises(trainer.ConfigError, match="must divide model.num_kv_heads=1"):
+        trainer.prepare(config)
