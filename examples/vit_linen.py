@@ -12,9 +12,12 @@ calls it with `jpipe.models.BuildArgs` (this section of the config, the
 number of stages, the layer split, the tensor axis).
 
 Expected result (examples/images.py, 4 classes, chance ln 4 = 1.386): the
-held-out loss falls from about 1.39 to below 0.1 in the trainer's 100 steps;
-tests/test_examples.py checks the pipelined stages against the unpipelined
-model (jpipe.testing.check_model), the trainer's resume, and this loop.
+trainer's held-out loss falls from 1.70 to 0.30 in its 100 steps (1.7037,
+1.3744, 0.9627, 0.4586, 0.3035 every 25 steps; 17 s on a 2-core CPU, Python
+3.11, jax 0.10.2), and the own loop's training loss from 1.82 to 1.38 in its
+60 steps. tests/test_examples.py checks the pipelined stages against the
+unpipelined model (jpipe.testing.check_model), a run resumed after Ctrl-C
+against an unbroken one, and this loop's first loss.
 """
 
 import itertools

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -177,3 +178,45 @@ def test_a_builder_with_the_wrong_stage_count_is_refused(tmp_path):
     config.model.name = f"{bad}:nothing"
     with pytest.raises(trainer.ConfigError, match="has no function 'nothing'"):
         trainer.prepare(config)
+
+
+def test_nnx_stages_draw_dropout_from_the_row_keys():
+    from flax import nnx
+
+    class Embed(nnx.Module):
+        def __init__(self, rngs):
+            self.table = nnx.Embed(16, 8, rngs=rngs)
+
+        def __call__(self, inputs, keys=None):
+            return models.row_dropout(self.table(inputs["tokens"]), keys, 0.5)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x, keys=None):
+            return x + models.row_dropout(jax.nn.tanh(self.dense(x)), keys, 0.5)
+
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.out = nnx.Linear(8, 16, rngs=rngs)
+
+        def __call__(self, x, inputs, keys=None):
+            logits = self.out(x)
+            picked = jnp.take_along_axis(
+                jax.nn.log_softmax(logits), inputs["targets"][..., None], -1
+            )
+            return -picked.mean()
+
+    model = models.split_nnx_model(Embed, Block, Head, num_layers=2, num_stages=2, keys="keys")
+    assert model.keys == "keys"
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens": rng.integers(0, 16, (8, 4)).astype(np.int32),
+        "targets": rng.integers(0, 16, (8, 4)).astype(np.int32),
+    }
+    keyed = {**batch, "keys": np.asarray(models.row_keys(0, 0, 8))}
+    params = model.init(0)
+    assert float(model.loss(params, keyed)) != float(model.loss(params, batch))  # masks drawn
+    result = testing.check_model(model, keyed, "1f1b", num_microbatches=4)
+    assert result.passed, result.summary()
