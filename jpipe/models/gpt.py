@@ -316,9 +316,9 @@ def _split(config: GPTConfig, layers_per_stage, tensor_axis: str | None) -> Stag
         scan_layers=config.scan_layers,
         keys="keys" if config.dropout else None,
         # Length 1: the parameter shapes do not depend on L.
-        example_inputs={
-            "tokens": jnp.zeros((1, 1), jnp.int32),
-            "targets": jnp.zeros((1, 1), jnp.int32),
+        example_inputs={  # numpy: making them compiles nothing (refusals come first)
+            "tokens": np.zeros((1, 1), np.int32),
+            "targets": np.zeros((1, 1), np.int32),
         },
     )
 
