@@ -1,6 +1,7 @@
 """Trains a GPT with a pipeline schedule, from a config file and flags.
 
   python train.py                                   # configs/default.py, runs/default
+  python train.py --config.model=llama              # a registered model (or file.py:build)
   python train.py --config=configs/FILE.py --config.schedule=zb_h1 \\
       --config.num_microbatches=16 --config.mesh.pipe=4 --config.mesh.data=2 --workdir=DIR
 
@@ -34,6 +35,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 _DEFAULT_CONFIG = os.path.join(_HERE, "configs", "default.py")
 if __name__ == "__main__":  # a --config.FIELD typo: one line (ml_collections raises at define)
+    sys.argv[:] = trainer_config.expand_shorthands(sys.argv)  # --config.model=file.py:build
     _TYPO = trainer_config.unknown_override(sys.argv, _DEFAULT_CONFIG)
     if _TYPO:
         sys.exit(f"error: {_TYPO}")

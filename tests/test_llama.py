@@ -111,3 +111,25 @@ def test_the_trainer_builds_it_by_name_and_checks_the_tensor_axis():
     config.model.num_kv_heads = 1
     with pytest.raises(trainer.ConfigError, match="must divide model.num_kv_heads=1"):
         trainer.prepare(config)
+
+
+def test_the_default_config_trains_a_llama_by_name():
+    from jpipe.train.config import expand_shorthands
+
+    argv = expand_shorthands(["train.py", "--config.model=llama", "--config.data=f.py:g"])
+    assert argv[1:] == ["--config.model.name=llama", "--config.data.source=f.py:g"]
+    config = config_from_file(REPO / "configs" / "default.py")
+    config.model.name = "llama"  # the GPT's sizes; one key/value head per query head
+    prepared = trainer.prepare(config)
+    assert prepared.config.model.num_kv_heads == prepared.config.model.num_heads == 4
+
+
+def test_dropout_is_drawn_from_the_row_keys_pipelined_exactly():
+    config = models.LlamaConfig(**{**CONFIG.__dict__, "dropout": 0.2})
+    model = models.build_model("llama", models.BuildArgs(config, num_stages=2))
+    assert model.keys == "keys"
+    b = {**batch(8), "keys": np.asarray(models.row_keys(0, 0, 8))}
+    params = model.init(0)
+    assert float(model.loss(params, b)) != float(model.loss(params, batch(8)))
+    result = testing.check_model(model, b, "1f1b", num_microbatches=4)
+    assert result.passed, result.summary()

@@ -14,7 +14,9 @@ GPT-2 (`jpipe.models.gpt`) in four places, all here:
   by ``num_heads / num_kv_heads`` query heads (``num_kv_heads = num_heads``
   is ordinary multi-head attention, 1 is multi-query).
 
-No linear layer has a bias. The stages, the batch and the parameter layout
+No linear layer has a bias, and there is no dropout unless
+``LlamaConfig.dropout`` asks for it (then GPT-2's places in each block, from
+the batch's per-row keys, as `jpipe.models.gpt` draws them). The stages, the batch and the parameter layout
 are the GPT's: the first stage embeds ``inputs["tokens"]``, every boundary
 carries ``x_BxLxD`` in ``LlamaConfig.dtype``, the last stage returns the
 mean token cross-entropy against ``inputs["targets"]`` (a
@@ -49,7 +51,13 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._stage import WeightedLoss
 from jpipe.models.registry import BuildArgs, register_model
-from jpipe.models.staged import StagedModel, split_flax_model, split_layers
+from jpipe.models.staged import (
+    StagedModel,
+    fold_row_keys,
+    row_dropout,
+    split_flax_model,
+    split_layers,
+)
 
 Params = Any
 
@@ -67,9 +75,10 @@ class LlamaConfig:
         this only bounds the batches).
       num_layers: decoder blocks, over all stages.
       num_heads: query heads; must divide `d_model`.
-      num_kv_heads: key/value heads; must divide `num_heads`.
       d_model: model width D.
       d_ff: hidden width of each SwiGLU MLP.
+      num_kv_heads: key/value heads; must divide `num_heads`; None for
+        `num_heads` (multi-head attention).
       rope_theta: the rotary base (10,000 in Llama 2, 500,000 in Llama 3).
       norm_eps: RMSNorm's epsilon.
       dtype: compute and activation dtype, ``"float32"``, ``"bfloat16"`` or
@@ -78,22 +87,37 @@ class LlamaConfig:
         weights and model).
       remat_logits: recompute the head's logits in the backward instead of
         keeping them (see `GPTConfig.remat_logits`).
+      dropout: the rate of dropout on each block's attention and MLP outputs
+        (drawn from the batch's per-row ``"keys"``, as the GPT's); 0, the
+        default and Llama's own, is none.
     """
 
     vocab_size: int
     seq_len: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
     d_model: int
     d_ff: int
+    num_kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "float32"
     scan_layers: bool = False
     remat_logits: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        rate = self.dropout
+        if (
+            not isinstance(rate, numbers.Real)
+            or isinstance(rate, bool)
+            or not math.isfinite(rate)
+            or not 0 <= rate < 1
+        ):
+            raise ValueError(f"LlamaConfig.dropout must be a number in [0, 1), got {rate!r}")
+        object.__setattr__(self, "dropout", float(rate))
         for name in (
             "vocab_size",
             "seq_len",
@@ -208,7 +232,8 @@ class _Embed(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, inputs: dict) -> jax.Array:
+    def __call__(self, inputs: dict, keys: jax.Array | None = None) -> jax.Array:
+        del keys  # no dropout on the embedding
         c = self.config
         token_VxD = self.param(
             "token", nn.initializers.normal(_INIT_STD), (c.vocab_size, c.d_model)
@@ -223,7 +248,7 @@ class _Block(nn.Module):
     tensor_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
         b, length, d = x_BxLxD.shape
@@ -247,7 +272,7 @@ class _Block(nn.Module):
         y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, heads * k)
         )
-        x_BxLxD = x_BxLxD + y_BxLxD
+        x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
 
         y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_mlp")(x_BxLxD)
         gate_BxLxF = _linear(c.d_ff // t, "gate", dtype)(y_BxLxD)
@@ -255,7 +280,12 @@ class _Block(nn.Module):
         y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="down")(
             nn.silu(gate_BxLxF) * up_BxLxF
         )
-        return x_BxLxD + y_BxLxD
+        return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
+
+
+def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
+    """A block's row keys for one of its dropout sites."""
+    return None if keys is None else fold_row_keys(keys, site)
 
 
 class _Head(nn.Module):
@@ -264,7 +294,8 @@ class _Head(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, inputs: dict) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, inputs: dict, keys=None) -> jax.Array:
+        del keys
         c = self.config
         dtype = jnp.dtype(c.dtype)
         y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_final")(x_BxLxD)
@@ -309,6 +340,7 @@ def make_stages(
             num_layers=config.num_layers,
             layers_per_stage=layers_per_stage,
             scan_layers=config.scan_layers,
+            keys="keys" if config.dropout else None,
             example_inputs={  # numpy: making them compiles nothing
                 "tokens": np.zeros((1, 1), np.int32),
                 "targets": np.zeros((1, 1), np.int32),

@@ -205,6 +205,26 @@ def config_from_file(path) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+_SHORTHANDS = {"--config.model=": "--config.model.name=", "--config.data=": "--config.data.source="}
+
+
+def expand_shorthands(argv) -> list[str]:
+    """`argv` with ``--config.model=SPEC`` as ``--config.model.name=SPEC`` (and data's source).
+
+    ``config.model`` and ``config.data`` are sections, which a flag cannot
+    replace by a string; ``--config.model=examples/vit_linen.py:build`` (or
+    ``=llama``) and ``--config.data=file.py:fn`` mean their ``name`` and
+    ``source``.
+    """
+    out = []
+    for arg in argv:
+        for short, full in _SHORTHANDS.items():
+            if arg.startswith(short):
+                arg = full + arg[len(short) :]
+        out.append(arg)
+    return out
+
+
 def unknown_override(argv, default_config: str) -> str | None:
     """The first ``--config.FIELD=...`` in `argv` that names no field, as one line.
 
