@@ -178,6 +178,10 @@ def test_a_builder_with_the_wrong_stage_count_is_refused(tmp_path):
     config.model.name = f"{bad}:nothing"
     with pytest.raises(trainer.ConfigError, match="has no function 'nothing'"):
         trainer.prepare(config)
+    config.model.name = f"{EXAMPLES / 'vit_linen.py'}:build"
+    config.data = {"source": ""}  # the text corpus, for a model without a seq_len
+    with pytest.raises(trainer.ConfigError, match="has no integer seq_len"):
+        trainer.prepare(config)
 
 
 def test_nnx_stages_draw_dropout_from_the_row_keys():

@@ -136,9 +136,8 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             c.model_name, registry.BuildArgs(c.model, S, c.layers_per_stage, tensor_axis)
         )
     except ValueError as e:
-        raise config_error(
-            "model.name", c.model_name, f"{e} (the schedule has {S} stages)"
-        ) from None
+        said = str(e) if "the schedule has" in str(e) else f"{e} (the schedule has {S} stages)"
+        raise config_error("model.name", c.model_name, said) from None
     layers = tuple(model.layers_per_stage)
 
     rows = M * c.mesh.replicas
@@ -158,6 +157,14 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"must be divisible by the number of processes ({jax.process_count()})",
         )
 
+    if not c.data.source and not isinstance(getattr(c.model, "seq_len", None), int):
+        raise config_error(
+            "data.source",
+            c.data.source,
+            f"is the text corpus, whose windows are config.model.seq_len tokens long, but the "
+            f"model {c.model_name} has no integer seq_len; give config.model.seq_len or a "
+            "data source of your own (config.data.source=path/to/file.py:function)",
+        )
     try:
         if c.data.source:
             train_data, eval_data = _source_batches(c)
