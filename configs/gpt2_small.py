@@ -6,7 +6,9 @@ Command line (8 accelerators, 4-rank pipeline x 2-way data):
 
 Sizes are GPT-2 small's (12 layers, 12 heads, D = 768, L = 1024) except the
 vocabulary: 256 bytes instead of GPT-2's 50,257 BPE tokens, so there is no
-tokenizer to download; that makes 86.2M parameters (21-22M per stage with the
+tokenizer to download (``--config.data.tokenizer=bpe
+--config.model.vocab_size=50257`` trains one here instead, on the training
+text, `jpipe.train.tokens`); that makes 86.2M parameters (21-22M per stage with the
 balanced 3,3,3,3 split). Computes in bfloat16, parameters and loss in float32.
 
 Expected result: not yet measured on accelerators. Each step sees 131,072

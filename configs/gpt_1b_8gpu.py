@@ -17,6 +17,9 @@ The trainer's corpus is bytes (the standard library's source unless
 occur: the vocabulary is real so that the memory is real (the embedding, the
 head and its logits are most of the first and last stages' bytes), not for a
 tokenizer, and the held-out loss of this run is a byte-level one.
+``--config.data.tokenizer=bpe`` trains a BPE tokenizer of all 50,257 ids on
+the training text instead (`jpipe.train.tokens`, no download), and the run
+is on those tokens.
 
 Where the 8 devices go (`jpipe.make_mesh`: pipe outermost, tensor innermost):
 
