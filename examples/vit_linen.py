@@ -65,7 +65,7 @@ class Embed(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, inputs, keys=None):
+    def __call__(self, inputs):
         c = self.config
         images_BxHxWxC = inputs["images"]
         b, h, w, ch = images_BxHxWxC.shape
@@ -85,7 +85,7 @@ class Block(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x_BxNxD, keys=None):
+    def __call__(self, x_BxNxD):
         c = self.config
         y = nn.LayerNorm(name="ln_attn")(x_BxNxD)
         # No biases in attention: a key bias cannot change it (the softmax drops
@@ -104,7 +104,7 @@ class Head(nn.Module):
     config: ml_collections.FrozenConfigDict
 
     @nn.compact
-    def __call__(self, x_BxNxD, inputs, keys=None):
+    def __call__(self, x_BxNxD, inputs):
         pooled_BxD = nn.LayerNorm(name="ln_final")(x_BxNxD).mean(axis=1)
         logits_BxK = nn.Dense(self.config.num_classes, name="classes")(pooled_BxD)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxK, inputs["labels"])
