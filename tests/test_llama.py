@@ -133,3 +133,12 @@ def test_dropout_is_drawn_from_the_row_keys_pipelined_exactly():
     assert float(model.loss(params, b)) != float(model.loss(params, batch(8)))
     result = testing.check_model(model, b, "1f1b", num_microbatches=4)
     assert result.passed, result.summary()
+
+
+def test_scanned_blocks_split_over_tensor_equal_the_model():
+    config = models.LlamaConfig(**{**CONFIG.__dict__, "scan_layers": True})
+    model = models.build_model("llama", models.BuildArgs(config, 2, tensor_axis="tensor"))
+    stacked = model.specs(model.init(0))[0]["blocks"]["q"]["kernel"]
+    assert stacked == jax.sharding.PartitionSpec(None, None, "tensor")  # blocks, D, heads
+    result = testing.check_model(model, batch(8), "1f1b", num_microbatches=4, tensor=2)
+    assert result.passed, result.summary()
