@@ -25,11 +25,13 @@ NAMES = (
     "zb_h2",
     "zbv",
     "dualpipev",
+    "vhalf",
+    "vmin",
 )
 ONE_STAGE = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "zb_h2")  # stage r on rank r
 LOOPED = ("interleaved_1f1b", "looped_bfs")  # stage s on rank s % p
-V_SHAPED = ("zbv", "dualpipev")  # stages r and 2p-1-r on rank r
-SPLIT = ("zb_h1", "zb_h2", "zbv")  # every backward is an I and a W
+V_SHAPED = ("zbv", "dualpipev", "vhalf", "vmin")  # stages r and 2p-1-r on rank r
+SPLIT = ("zb_h1", "zb_h2", "zbv", "vhalf", "vmin")  # every backward is an I and a W
 FULL = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs")  # every backward a B
 RANKS = (2, 4, 8)
 
@@ -67,7 +69,7 @@ def start_up_bound(schedule, p, m):
 CASES = [(name, p, m) for name in NAMES for p in RANKS for m in microbatch_counts(name, p)]
 
 
-def test_registry_lists_all_nine():
+def test_registry_lists_every_builtin():
     registered = jpipe.registered_schedules()
     assert set(NAMES) <= set(registered), f"missing: {set(NAMES) - set(registered)}"
     for name in NAMES:

@@ -28,6 +28,7 @@ CASES += [
 CASES += [("interleaved_1f1b", 2, 4, 3)]
 CASES += [("zbv", r, m, 2) for r, m in [(2, 1), (2, 3), (4, 6)]]
 CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
+CASES += [(name, r, m, 2) for name in ["vhalf", "vmin"] for r, m in [(2, 1), (2, 3), (4, 6)]]
 
 
 @pytest.mark.parametrize("name,ranks,microbatches,chunks", CASES)
@@ -41,6 +42,7 @@ OTHER_LAYOUT_CASES = [
     (name, r, m, chunks)
     for name, chunks in [(n, 1) for n in ONE_STAGE_PER_RANK]
     + [("interleaved_1f1b", 2), ("looped_bfs", 2), ("zbv", 2), ("dualpipev", 2)]
+    + [("vhalf", 2), ("vmin", 2)]
     for r, m in [(4, 8)]
 ]
 
@@ -67,6 +69,8 @@ def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chu
         ("eager_1f1b", 2, 1),
         ("zb_h2", 5, 1),
         ("looped_bfs", 2, 2),
+        ("vhalf", 5, 2),
+        ("vmin", 3, 2),
     ],
 )
 def test_pipe_by_data_mesh(name, microbatches, chunks):
