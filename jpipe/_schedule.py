@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import os
 import re
@@ -209,17 +210,17 @@ class Schedule:
                 for part in step.parts:
                     yield r, pos, part
 
-    @property
+    @functools.cached_property  # the schedule is frozen: computed once
     def num_stages(self) -> int:
         stages = [a.stage for _, _, a in self.all_actions()]
         return max(stages) + 1 if stages else 0
 
-    @property
+    @functools.cached_property
     def num_microbatches(self) -> int:
         mbs = [a.microbatch for _, _, a in self.all_actions()]
         return max(mbs) + 1 if mbs else 0
 
-    @property
+    @functools.cached_property
     def stage_to_rank(self) -> tuple[int, ...]:
         """The rank of each stage (the first rank that mentions it)."""
         placement: dict[int, int] = {}
@@ -231,7 +232,7 @@ class Schedule:
         """The stages placed on `rank`, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
-    @property
+    @functools.cached_property
     def splits_backward(self) -> bool:
         """Whether any backward is split into I and W (the planner costs them apart)."""
         return any(a.kind == "W" for _, _, a in self.all_actions())

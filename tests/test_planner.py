@@ -200,11 +200,11 @@ def test_data_parallel_all_reduce_and_the_slowest_replica():
     assert ev.step_seconds == pytest.approx(ev.pipeline_seconds + 1.0)
 
 
-def test_transfers_occupy_the_sender_by_default():
+def test_transfers_occupy_both_ranks_by_default():
     prof = _toy(F=[1.0, 1.0], B=[1.0, 1.0], bandwidth=1.0)
     prof = dataclasses.replace(prof, output_bytes=(0.5, 0.5))
     p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("fast", node=1),)), ((0,), (1,)), 1, 3)
-    both, sender = evaluate(p, prof, receiver_busy=True), evaluate(p, prof)
+    both, sender = evaluate(p, prof), evaluate(p, prof, receiver_busy=False)
     assert both.transfer_seconds == (0.5,)
     assert both.stage_seconds == (3.0, 3.0)  # 2 compute + 0.5 out + 0.5 back, each side
     assert sender.stage_seconds == (2.5, 2.5)
@@ -243,7 +243,7 @@ def _sailor_folder(tmp_path, element=2):
         "toy": {
             str(t): {
                 str(l): {
-                    "params_floats": 1000 * (l + 1) // t,
+                    "params_floats": 1000 * (l + 1) // t + 3 * (t - 1),  # some is replicated
                     "act_mem_floats": 100 * (l + 1) // t + 7,  # not 1/T: some is replicated
                     "act_output_floats": 50,  # the same under every T
                     "act_input_floats": 50,
@@ -279,7 +279,7 @@ def test_sailor_bytes_are_read_by_tensor_degree_and_scaled_by_microbatch(tmp_pat
     """The importer's key: llm_info is keyed by T, per sequence; a microbatch is B of them."""
     prof = load_sailor_profile("toy", str(_sailor_folder(tmp_path)))
     assert prof.memory_terms == jpipe.planner.SAILOR_RUNTIME
-    assert prof.params_per_gpu(2) == (500.0, 1000.0, 1500.0)
+    assert prof.params_per_gpu(2) == (503.0, 1003.0, 1503.0)  # read under T = 2, not 1 / 2
     assert prof.activations(4, 2) == tuple(4 * 2 * (100 * (l + 1) // 2 + 7) for l in range(3))
     assert prof.activations(4, 1) == tuple(4 * 2 * (100 * (l + 1) + 7) for l in range(3))
     assert prof.outputs(4) == (4 * 2 * 50,) * 3
@@ -291,8 +291,11 @@ def test_sailor_bytes_are_read_by_tensor_degree_and_scaled_by_microbatch(tmp_pat
     act0 = 4 * 2 * ((100 // 2 + 7) + (200 // 2 + 7))
     act1 = 4 * 2 * (300 // 2 + 7)
     first, second = (row[0] for row in ev.memory.layouts["per_rank"])
-    assert first.footprint_bytes == pytest.approx(5.06e9 + 24 * 1500 + 2 * act0 + act0)
-    assert second.footprint_bytes == pytest.approx(5.06e9 + 24 * 1500 + act1 + act1)
+    assert first.parts["overhead"] == pytest.approx(5.06e9, abs=1)
+    assert first.parts["parameters"] == 24 * (503 + 1003)
+    assert (first.parts["values"], first.parts["working"]) == (2 * act0, act0)
+    assert second.parts["parameters"] == 24 * 1503
+    assert (second.parts["values"], second.parts["working"]) == (act1, act1)
     # the transfer between the stages: B x 2 bytes x 50 floats at the link's 1 GB/s
     assert ev.transfer_seconds == pytest.approx((4 * 2 * 50 / 1e9,))
 
@@ -351,8 +354,28 @@ def test_spmd_footprint_is_the_sum_of_the_largest_terms():
     ok = plan(prof, devices, 2, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
     assert max(m.footprint_bytes for m in ok.best[0].evaluation.memory.devices("per_rank")) == 400
     assert ok.best[0].evaluation.memory.max_bytes("spmd") == 700
-    with pytest.raises(ValueError, match=r"out of memory under the spmd layout \(rank 0: 7e-07 GB"):
+    with pytest.raises(ValueError, match=r"no plan fits: out of memory, .* 7e-07 GB .* not fit"):
         plan(prof, devices, 2, gpus_per_node=1, memory_margin=0)
+
+
+def test_the_split_finds_the_fastest_one_that_fits_as_one_program():
+    """Layers 0 and 1 hold the parameters, layer 2 the residuals. The fastest split,
+    [0, 1] [2], fits each rank on its own (400 and 200 of 500 bytes), but one program
+    would hold 400 + 200 on every device; [0] [1, 2] holds 200 + 200."""
+    prof = _toy(F=[0.5, 0.5, 0.75], B=[0.5, 0.5, 0.75], kinds=("a",))
+    prof = dataclasses.replace(
+        prof,
+        params={1: (50.0, 50.0, 0.0)},
+        activation_bytes={1: (0.0, 0.0, 200.0)},
+        memory={"a": 500.0},
+    )
+    own = plan(prof, [("a", 2)], 2, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
+    assert own.best[0].evaluation.plan.stage_layers == ((0, 1), (2,))
+    assert own.best[0].evaluation.memory.max_bytes("spmd") == 600
+    spmd = plan(prof, [("a", 2)], 2, gpus_per_node=1, memory_margin=0)
+    best = spmd.best[0].evaluation
+    assert best.plan.stage_layers == ((0,), (1, 2)) and best.memory.max_bytes("spmd") == 400
+    assert best.step_seconds > own.best[0].evaluation.step_seconds
 
 
 def test_plan_errors_name_the_problem(opt350):
@@ -383,8 +406,8 @@ def test_golden_mit_prediction(opt350):
     (docs/planner-validation.md says the command), check the medians, and update both."""
     p, _ = load_sailor_plan(os.path.join(MIT, "N4", "plan_config_N4_D2.json"))
     ev = evaluate(p, opt350)
-    assert ev.step_seconds == pytest.approx(67.6780, rel=1e-4)
-    assert ev.closed_form_seconds == pytest.approx(68.3588, rel=1e-4)
+    assert ev.step_seconds == pytest.approx(72.4986, rel=1e-4)
+    assert ev.closed_form_seconds == pytest.approx(73.1840, rel=1e-4)
     assert ev.max_peak_bytes == pytest.approx(7.9251e9, rel=1e-4)  # per_rank, as Sailor ran
 
 
@@ -539,7 +562,9 @@ def test_validation_medians():
     ours, closed, n = medians(rows, "clariden")
     assert n == 12 and ours <= 0.092 and ours == pytest.approx(0.0910, abs=5e-4)
     ours, closed, n = medians(rows, "mit")
-    assert n == 5 and ours <= 0.093 and ours == pytest.approx(0.0357, abs=5e-4)
+    # 9.7%, above the 9.3% before this release: the all-reduce now carries one GPU's
+    # parameters at T = 8 as llm_info gives them (docs/planner-validation.md)
+    assert n == 5 and ours == pytest.approx(0.0973, abs=5e-4)
     kept, n_kept, every, n_every = memory_medians(rows, "clariden")
     assert (n_kept, n_every) == (18, 19) and kept <= 0.15
     assert kept == pytest.approx(0.1108, abs=5e-4)

@@ -51,6 +51,12 @@ def test_plan_sets_the_trainer_config(tmp_path):
     c = TrainConfig.from_config(config)
     assert (c.mesh.pipe, c.mesh.data) == (2, 1) and c.layers_per_stage == "2,1"
     assert (c.schedule, c.num_microbatches, c.batch_size) == ("1f1b", 4, 4)
+    tensor = json.loads(Path(config.plan).read_text())
+    tensor["mesh"]["tensor"] = 2
+    (tmp_path / "tensor.json").write_text(json.dumps(tensor))
+    config.plan = str(tmp_path / "tensor.json")
+    assert TrainConfig.from_config(config).mesh.tensor == 2  # the plan's degree is applied
+    config.plan = str(_plan_file(tmp_path))
     config.model.num_layers = 4
     with pytest.raises(ConfigError, match="splits 3 transformer blocks .*num_layers=4"):
         TrainConfig.from_config(config)
@@ -157,3 +163,13 @@ def test_profile_plan_train_reports_the_planned_footprint(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("memory: the compiled"))
     assert "planner / compiled = 1.00)" in line, line
+    # a setup the profile did not see: microbatches of 4 sequences, not 2
+    other = jpipe.planner.plan(prof, [("cpu", 2)], 8, microbatch_sizes=[4], gpus_per_node=1, top=4)
+    piped = next(c.evaluation for c in other.best if c.evaluation.plan.pipe == 2)
+    plan.write_text(json.dumps(plan_file(piped, prof)))
+    argv = [*train, f"--workdir={tmp_path / 'run4'}", f"--config.plan={plan}", *tiny]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("memory: the compiled"))
+    ratio = float(line.rsplit("= ", 1)[1].rstrip(")"))
+    assert 0.95 <= ratio <= 1.05, line

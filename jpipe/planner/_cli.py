@@ -109,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", metavar="DIR|FILE", help="Sailor data folder or jpipe profile")
     p.add_argument("--raw-profiles", action="store_true", help="use Sailor times as published")
     p.add_argument(
-        "--receiver-busy",
+        "--sender-only",
         action="store_true",
-        help="a transfer occupies the receiving GPU too (default: the sender only)",
+        help="a transfer occupies the sending GPU only (default: both GPUs)",
     )
     p.add_argument(
         "--memory-layout",
@@ -196,7 +196,7 @@ def _validate(args) -> dict:
     model = args.model or model_of(path, num_layers, args.profiles or SAILOR_DIR)
     profile = _load(args, model)
     plan_, repaired = repair_layers(plan_, profile.num_layers)
-    ev = evaluate(plan_, profile, receiver_busy=args.receiver_busy)
+    ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
     out = {"model": model, **ev.summary(args.memory_margin)}
     if repaired:
         out["note"] = repaired
@@ -236,7 +236,7 @@ def _plan(args) -> tuple[dict, str]:
         microbatch_sizes=sizes,
         gpus_per_node=args.gpus_per_node,
         top=args.top,
-        receiver_busy=args.receiver_busy,
+        receiver_busy=not args.sender_only,
         memory_layout=args.memory_layout,
         memory_margin=args.memory_margin,
         tensor_parallel=_numbers(args.tensor_parallel, "--tensor-parallel", int)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.validate_all,
                 args.profiles,
                 clean=not args.raw_profiles,
-                receiver_busy=args.receiver_busy,
+                receiver_busy=not args.sender_only,
                 schedule=args.schedule,
             )
             ablation = working = None
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                         schedule=args.schedule,
                     )
                     for c in (True, False)
-                    for b in (False, True)
+                    for b in (True, False)
                 }
                 working = {
                     f: validate_directory(
@@ -350,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                     for c in sorted({r.cluster for r in rows})
                 },
             }
-            text = markdown(rows, ablation, working)
+            transfers = None
+            if ablation:
+                transfers = (ablation["clean=True, receiver busy=True"],
+                             ablation["clean=True, receiver busy=False"])  # fmt: skip
+            text = markdown(rows, ablation, working, transfers)
         else:
             out, text = _plan(args)
     except (ValueError, OSError) as e:

@@ -334,7 +334,10 @@ class Profile:
 
     def memory_of(self, device: str) -> float:
         if device not in self.memory:
-            raise ValueError(f"the {self.model} profile does not say the memory of {device!r}")
+            raise ValueError(
+                f"the {self.model} profile does not say the memory of {device!r}; give it "
+                f"(python -m jpipe.plan --memory {device}:BYTES)"
+            )
         return self.memory[device]
 
     def intra_link(self, device: str, gpus: int) -> Link:
@@ -462,7 +465,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
 
 
 def profile_to_json(profile: Profile) -> dict:
-    """The profile as one JSON-ready object (format ``"jpipe-profile/1"``)."""
+    """The profile as one JSON-ready object (format ``"jpipe-profile/2"``)."""
     return {
         "format": FORMAT,
         "model": profile.model,

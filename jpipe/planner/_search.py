@@ -12,12 +12,13 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    half as ``W``.
 2. Transfers. A stage's output (its last layer's output bytes for one
    sequence, times B) goes to the next stage over the link between their
-   nodes, and the gradient of the same size comes back. By default a
-   transfer occupies the sender only: its action lasts its compute plus the
-   send. ``receiver_busy=True`` charges the receiver's action as well (NCCL's
-   send and receive kernels run on both GPUs under DeepSpeed); on Sailor's
-   published plans, with the transfer bytes read right, sender-only has the
-   lower median error on both clusters (docs/planner-validation.md).
+   nodes, and the gradient of the same size comes back. Transfers are
+   *blocking*, as in DeepSpeed's pipeline engine that Sailor's measured plans
+   ran: NCCL's send and receive kernels occupy both GPUs, so the sender's
+   action and the receiver's each last their compute plus the transfer.
+   ``receiver_busy=False`` charges the sender only. Re-decided with the
+   transfer bytes read right, on the published plans whose stages send
+   (docs/planner-validation.md): both GPUs busy has the lower error there.
 3. The schedule is built for the plan's ranks and microbatches
    (`get_schedule`, built-ins or the user's ``file.py:function``) and
    simulated once per data-parallel replica (replicas may hold different
@@ -70,7 +71,12 @@ from collections.abc import Sequence
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
 from jpipe._simulate import Costs, Simulation, Sizes, peak_bytes, simulate
-from jpipe.planner._partition import partition, proportional_partition, uniform_partition
+from jpipe.planner._partition import (
+    Partition,
+    partition,
+    proportional_partition,
+    uniform_partition,
+)
 from jpipe.planner._profiles import Profile
 
 PLAN_FORMAT = "jpipe-plan/1"
@@ -436,7 +442,7 @@ def evaluate(
     profile: Profile,
     schedule: Schedule | None = None,
     *,
-    receiver_busy: bool = False,
+    receiver_busy: bool = True,
 ) -> Evaluation:
     """Predicts `plan`'s step time and memory by simulating its schedule (module docstring).
 
@@ -624,18 +630,79 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _live_counts(schedule: Schedule) -> list[int]:
-    """Per stage, the most microbatches whose residuals it holds at once (its rank's order)."""
-    most = [0] * schedule.num_stages
+def _live_units(schedule: Schedule) -> list[float]:
+    """Per stage, the most of its own values its rank holds at once, in units of the
+    stage's residuals per microbatch (its residuals and, where the backward is split,
+    its carries, taken as large), as `memory_footprint` counts them."""
+    carry = 1.0 if schedule.splits_backward else 0.0
+    most = [0.0] * schedule.num_stages
     for r in range(schedule.num_ranks):
-        live = [0] * schedule.num_stages
+        live = [0.0] * schedule.num_stages
         for a in schedule.actions(r):
+            s = a.stage
             if a.kind == "F":
-                live[a.stage] += 1
-                most[a.stage] = max(most[a.stage], live[a.stage])
-            elif a.kind in ("B", "W"):
-                live[a.stage] -= 1
+                live[s] += 1.0
+            elif a.kind == "B":
+                live[s] -= 1.0
+            elif a.kind == "I":
+                live[s] += carry
+            else:  # W: the residuals and the carry both go
+                live[s] -= 1.0 + carry
+            most[s] = max(most[s], live[s])
     return most
+
+
+def _fitting_split(
+    profile: Profile,
+    shape: ClusterPlan,
+    schedule: Schedule,
+    usable,
+    margin: float,
+    receiver_busy: bool,
+    attempts: int = 8,
+) -> ClusterPlan:
+    """`shape` with the fastest layer split whose footprint fits its layout, or the
+    last split tried (which the caller's check after simulation then refuses).
+
+    The split checks each stage alone (`_split_layers`); under ``spmd`` the
+    footprint is the largest parameters plus the largest values and working
+    memory, which may come from different stages. Where the fastest split's
+    footprint does not fit, the room left after the overhead is shared between
+    parameters and values in ``attempts - 1`` ways (a budget for each, per
+    stage), and the fastest split that fits as a whole is kept.
+    """
+    S, owner = schedule.num_stages, schedule.stage_to_rank
+    ranks = shape.ranks
+    devs = [ranks[owner[s]][0] for s in range(S)]  # the first replica's devices decide it
+    if shape.memory_layout == "spmd":  # every device holds the largest need
+        capacity = [min(usable(g.kind) for row in ranks for g in row)] * S
+    else:
+        capacity = [min(usable(g.kind) for g in ranks[owner[s]]) for s in range(S)]
+    share = [x[0] for x in _sharing(ranks, owner)]
+    live = _live_units(schedule)
+    split = lambda budgets=None: _split_layers(  # noqa: E731
+        profile, devs, shape.microbatch_size, live, capacity, receiver_busy, share, budgets
+    )
+    first = split()
+    candidate = dataclasses.replace(shape, stage_layers=first.layers)
+    if memory_footprint(candidate, profile, schedule).fits(shape.memory_layout, margin):
+        return candidate
+    # The largest parameters, values and working memory may sit on different stages:
+    # give each a share of what the smallest device has left after the overhead, and
+    # keep the fastest split that fits as a whole.
+    room = min(capacity) - profile.memory_terms.overhead_bytes
+    best = None
+    for i in range(1, attempts):
+        budgets = (room * i / attempts, room * (attempts - i) / attempts)
+        try:
+            found = split(budgets)
+        except ValueError:
+            continue
+        trial = dataclasses.replace(shape, stage_layers=found.layers)
+        fits = memory_footprint(trial, profile, schedule).fits(shape.memory_layout, margin)
+        if fits and (best is None or found.bottleneck < best[0]):
+            best = (found.bottleneck, trial)
+    return candidate if best is None else best[1]
 
 
 def _split_layers(
@@ -644,17 +711,20 @@ def _split_layers(
     mbs: int,
     live: Sequence[int],
     capacity: Sequence[float],
-    receiver_busy: bool = False,
+    receiver_busy: bool = True,
     share: Sequence[int] | None = None,
-) -> tuple[tuple[int, ...], ...]:
+    budgets: tuple[float, float] | None = None,
+) -> Partition:
     """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit.
 
     A stage fits when its own footprint (the runtime's overhead, its
-    parameters, `live` microbatches of its residuals and one piece's working
-    memory) is within ``capacity[s]``: its own device's usable memory under
+    parameters, `live` (`_live_units`) microbatches of its residuals and one
+    piece's working memory) is within ``capacity[s]``: its own device's usable memory under
     the ``per_rank`` layout, the smallest device's under ``spmd`` (where this
     is necessary but not sufficient: the plan's footprint is checked again
-    after simulation).
+    after simulation). With `budgets` ``(parameters, values)`` each stage's
+    parameter bytes and its live values and working memory must also stay
+    within them (`_fitting_split` searches them).
     """
     terms = profile.memory_terms
     outputs = profile.outputs(mbs)
@@ -688,15 +758,13 @@ def _split_layers(
         return both * (out + back)
 
     def fits(s, a, b):
-        act = abytes[s][b] - abytes[s][a]
-        need = (
-            terms.overhead_bytes
-            + terms.bytes_per_param * (pcount[s][b] - pcount[s][a])
-            + (live[s] + terms.working_factor) * act
-        )
-        return need <= capacity[s]
+        params = terms.bytes_per_param * (pcount[s][b] - pcount[s][a])
+        values = (live[s] + terms.working_factor) * (abytes[s][b] - abytes[s][a])
+        if budgets is not None and (params > budgets[0] or values > budgets[1]):
+            return False
+        return terms.overhead_bytes + params + values <= capacity[s]
 
-    return partition(rows, fits, extra).layers
+    return partition(rows, fits, extra)
 
 
 def plan(
@@ -708,7 +776,7 @@ def plan(
     microbatch_sizes: Sequence[int] | None = None,
     gpus_per_node: int = 8,
     top: int = 3,
-    receiver_busy: bool = False,
+    receiver_busy: bool = True,
     memory_layout: str = "spmd",
     memory_margin: float = MEMORY_MARGIN,
     tensor_parallel: Sequence[int] | None = None,
@@ -735,7 +803,9 @@ def plan(
     if memory_layout not in LAYOUTS:
         raise ValueError(f"memory layout {memory_layout!r} is not one of {', '.join(LAYOUTS)}")
     if not 0 <= memory_margin < 1:
-        raise ValueError(f"the memory margin must be in [0, 1), got {memory_margin!r}")
+        raise ValueError(
+            f"the memory margin (--memory-margin) must be in [0, 1), got {memory_margin!r}"
+        )
     usable = lambda kind: (  # noqa: E731
         profile.memory_of(kind) * profile.memory_terms.usable_fraction * (1 - memory_margin)
     )
@@ -798,31 +868,20 @@ def plan(
                         if S > profile.num_layers:
                             continue
                         owner = schedule.stage_to_rank
-                        # the slowest replica's devices decide the split
-                        devs = [ranks[owner[s]][0] for s in range(S)]
-                        if memory_layout == "spmd":  # every device holds the largest need
-                            capacity = [min(usable(g.kind) for row in ranks for g in row)] * S
-                        else:
-                            capacity = [
-                                min(usable(g.kind) for g in ranks[owner[s]]) for s in range(S)
-                            ]
                         try:
-                            share = [x[0] for x in _sharing(ranks, owner)]
-                            layers = _split_layers(
+                            candidate = _fitting_split(
                                 profile,
-                                devs,
-                                mbs,
-                                _live_counts(schedule),
-                                capacity,
+                                ClusterPlan(
+                                    ranks, (), mbs, global_batch, spec, None, memory_layout
+                                ),
+                                schedule,
+                                usable,
+                                memory_margin,
                                 receiver_busy,
-                                share,
                             )
                         except ValueError as e:
                             skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
                             continue
-                        candidate = ClusterPlan(
-                            ranks, layers, mbs, global_batch, spec, memory_layout=memory_layout
-                        )
                         shapes.append(
                             (_lower_bound(profile, candidate, owner), candidate, schedule)
                         )
@@ -835,30 +894,40 @@ def plan(
         ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
         simulated += 1
         if not ev.memory.fits(memory_layout, memory_margin):
-            too_big = [
-                f"rank {m.rank}: {m.footprint_bytes / 1e9:.3g} GB on {m.kind} "
-                f"({m.usable_bytes * (1 - memory_margin) / 1e9:.3g} GB usable)"
-                for m in ev.memory.devices(memory_layout)
-                if m.footprint_bytes > m.usable_bytes * (1 - memory_margin)
-            ]
             skipped.append(
-                f"{_describe(candidate)}: out of memory under the {memory_layout} layout "
-                f"({'; '.join(dict.fromkeys(too_big))})"
+                f"{_describe(candidate)}: out of memory, "
+                + ev.memory.why(memory_layout, memory_margin)
             )
             continue
         found.append(ev)
         found.sort(key=lambda e: e.step_seconds)
         del found[top:]
     if not found:
-        raise ValueError(
-            "no plan fits: " + ("; ".join(skipped[:5]) or "no candidate shapes for these devices")
-        )
+        raise ValueError("no plan fits: " + _summarise(skipped))
     best = tuple(
         Candidate(ev, _reasons(profile, ev, found, receiver_busy, memory_margin)) for ev in found
     )
     return SearchResult(
         best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start, memory_margin
     )
+
+
+def _summarise(skipped: Sequence[str], most: int = 5) -> str:
+    """The reasons candidates were skipped, each once, with how many shapes it stopped."""
+    if not skipped:
+        return "no candidate shapes for these devices"
+    why: dict[str, list[str]] = {}
+    for line in skipped:
+        shape, _, reason = line.partition(": ")
+        why.setdefault(reason or shape, []).append(shape)
+    parts = [
+        f"{reason} ({shapes[0]}"
+        + (f" and {len(shapes) - 1} more shapes)" if len(shapes) > 1 else ")")
+        for reason, shapes in list(why.items())[:most]
+    ]
+    if len(why) > most:
+        parts.append(f"and {len(why) - most} more reasons")
+    return "; ".join(parts)
 
 
 def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> float:
@@ -890,7 +959,7 @@ def _reasons(
     profile: Profile,
     ev: Evaluation,
     found: Sequence[Evaluation],
-    receiver_busy: bool = False,
+    receiver_busy: bool = True,
     memory_margin: float = MEMORY_MARGIN,
 ) -> tuple[str, ...]:
     """Why this plan: its bottleneck, its cost breakdown, and how it compares."""
@@ -1011,6 +1080,13 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
         raise ValueError(f"{where} has no field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} has a field of the wrong type: {e}") from None
+    layout = d.get("memory_layout", "spmd")
+    if layout != "spmd":
+        raise ValueError(
+            f"{where} was checked under the {layout!r} memory layout, but the trainer runs one "
+            "SPMD program, where every device holds the largest rank's memory; plan with "
+            "--memory-layout spmd (the default)"
+        )
     for name, v in (
         ("mesh.pipe", pipe),
         ("mesh.data", data),

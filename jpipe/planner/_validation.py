@@ -129,7 +129,7 @@ def validate_directory(
     profiles_dir: str | None = None,
     *,
     clean: bool = True,
-    receiver_busy: bool = False,
+    receiver_busy: bool = True,
     schedule: str = "1f1b",
     working_factor: float | None = None,
 ) -> list[Row]:
@@ -310,6 +310,7 @@ def markdown(
     rows: list[Row],
     ablation: dict[str, list[Row]] | None = None,
     working: dict[float, list[Row]] | None = None,
+    transfers: tuple[list[Row], list[Row]] | None = None,
 ) -> str:
     """The validation report (tables, medians, ablations of the time and memory
     choices, picks)."""
@@ -384,6 +385,31 @@ def markdown(
                 cells.append(f"{ours * 100:.1f}% | {closed * 100:.1f}%")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    if transfers:
+        busy, sender = transfers
+        lines += [
+            "### Transfers: both GPUs busy or the sender only, per plan that sends",
+            "",
+            "| plan | shape | both busy | sender only |",
+            "|---|---|---:|---:|",
+        ]
+        sends = [
+            (a, b)
+            for a, b in zip(busy, sender)
+            if a.error is not None and not a.shape.startswith("pp=1 ")
+        ]
+        for a, b in sends:
+            lines.append(f"| {a.path} | {a.shape} | {_pct(a.error)} | {_pct(b.error)} |")
+        lines.append("")
+        for c in sorted({a.cluster for a, _ in sends}):
+            pairs = [(a, b) for a, b in sends if a.cluster == c]
+            med = lambda rs: statistics.median(abs(r.error) for r in rs)  # noqa: E731
+            lines.append(
+                f"Median absolute time error over the {len(pairs)} {c} plans that send: both "
+                f"busy {med([a for a, _ in pairs]) * 100:.1f}%, sender only "
+                f"{med([b for _, b in pairs]) * 100:.1f}%."
+            )
+            lines.append("")
     if working:
         clusters = sorted({r.cluster for r in rows})
         lines += [
