@@ -56,6 +56,7 @@ from jpipe.planner._search import (
     MEMORY_MARGIN,
     evaluate,
     load_sailor_plan,
+    memory_footprint,
     parse_devices,
     plan,
     plan_file,
@@ -196,17 +197,30 @@ def _validate(args) -> dict:
     model = args.model or model_of(path, num_layers, args.profiles or SAILOR_DIR)
     profile = _load(args, model)
     plan_, repaired = repair_layers(plan_, profile.num_layers)
-    ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
-    out = {"model": model, **ev.summary(args.memory_margin)}
+    try:
+        ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
+    except ValueError as e:  # no times for its devices: the memory needs none
+        memory = memory_footprint(plan_, profile)  # refuses a plan it cannot read
+        out = {
+            "model": model,
+            **plan_.to_json(),
+            "time_not_predicted": str(e),
+            "predicted_max_mem_bytes": memory.max_bytes(plan_.memory_layout),
+            "devices": [m.to_json() for m in memory.devices(plan_.memory_layout)],
+        }
+        ev = None
+    else:
+        out = {"model": model, **ev.summary(args.memory_margin)}
     if repaired:
         out["note"] = repaired
     if "real" in raw:
         out["measured_seconds"] = raw["real"]
-        out["error"] = ev.step_seconds / raw["real"] - 1
-        out["closed_form_error"] = ev.closed_form_seconds / raw["real"] - 1
+        if ev is not None:
+            out["error"] = ev.step_seconds / raw["real"] - 1
+            out["closed_form_error"] = ev.closed_form_seconds / raw["real"] - 1
     if "max_mem" in raw:
         out["measured_max_mem_bytes"] = raw["max_mem"]
-        out["mem_error"] = ev.max_peak_bytes / raw["max_mem"] - 1
+        out["mem_error"] = out["predicted_max_mem_bytes"] / raw["max_mem"] - 1
     return out
 
 

@@ -146,16 +146,18 @@ SAILOR_RUNTIME = MemoryTerms(
 
 # What jpipe's own runtime holds when nothing was measured: fp32 weights, gradients
 # and Adam's two moments, the step's gradient output (4), 1 GiB per device for the XLA
-# runtime and communication, a working memory of one microbatch's residuals, and XLA's
-# default preallocation of 75% of a GPU. Not validated: `config.profile=True` writes the
-# measured terms.
+# runtime and communication, a working memory of 2.4 microbatches of a stage's residuals
+# (what train.py --config.profile=True measures on the default GPT at four stages; 1.3
+# on one stage of all its blocks, docs/planner-validation.md), and XLA's default
+# preallocation of 75% of a GPU. Not validated on a GPU: `config.profile=True` writes
+# the measured terms.
 JPIPE_RUNTIME = MemoryTerms(
     weight_bytes=4,
     gradient_bytes=4,
     optimizer_bytes=8,
     buffer_bytes=4,
     overhead_bytes=float(GIB),
-    working_factor=1.0,
+    working_factor=2.4,
     usable_fraction=0.75,
     source="jpipe's runtime, defaults (not measured)",
 )

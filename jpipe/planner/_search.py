@@ -152,6 +152,12 @@ class ClusterPlan:
                 f"{self.microbatch_size} x data-parallel degree {self.data}"
             )
         flat = [l for s in self.stage_layers for l in s]
+        missing = sorted(set(range(num_layers)) - set(flat))
+        if len(flat) < num_layers and sorted(flat) == list(range(len(flat))):
+            gap = f"{missing[0]}..{missing[-1]}" if len(missing) > 1 else f"{missing[0]}"
+            raise ValueError(
+                f"the stages place {len(flat)} of the model's {num_layers} layers ({gap} missing)"
+            )
         if flat != list(range(num_layers)):
             raise ValueError(
                 f"the stages must hold layers 0..{num_layers - 1} once each, in order; got "

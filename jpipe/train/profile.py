@@ -95,10 +95,14 @@ def measured_memory_terms(
     compiled step's temp (`memory_analysis()`): what is left once the
     residual and carry buffers the planner counts (`jpipe.planner.spmd_values`)
     and the gradient accumulators are taken away, in units of the largest
-    stage's residuals per microbatch. The overhead is 0: XLA's pool holds only
-    the program's buffers, and what the platform keeps outside it is the
-    usable fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set, on
-    GPUs that preallocate; all of a CPU's or TPU's).
+    stage's residuals per microbatch (at least 0). The overhead is 0: XLA's
+    pool holds only the program's buffers, and what the platform keeps outside
+    it is the usable fraction (``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless
+    set, on GPUs whose allocator is XLA's own; all of a CPU's or TPU's).
+
+    Not modelled: the optimizer state's bytes are per parameter over the whole
+    model, so a run with ``optimizer.shard_over_data`` (ZeRO-1, each device
+    1/data of it) is counted as if unsharded, an overestimate.
     """
     leaves = jax.tree.leaves(params)
     elements = sum(leaf.size for leaf in leaves)
@@ -115,12 +119,11 @@ def measured_memory_terms(
     left = memory.temp_size_in_bytes - values - weight * max(per_rank)
     working = max(0.0, left) / max(max(acts), 1.0)
     platform = device.platform
-    preallocates = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false"
-    fraction = (
-        float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-        if platform == "gpu" and preallocates
-        else 1.0
+    env = lambda name: (  # noqa: E731  (JAX reads both spellings)
+        os.environ.get(f"XLA_CLIENT_{name}") or os.environ.get(f"XLA_PYTHON_CLIENT_{name}")
     )
+    capped = platform == "gpu" and (env("ALLOCATOR") or "").lower() != "platform"
+    fraction = float(env("MEM_FRACTION") or 0.75) if capped else 1.0
     return MemoryTerms(
         weight_bytes=weight,
         gradient_bytes=weight,
