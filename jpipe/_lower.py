@@ -57,13 +57,13 @@ After the conditionals every rank takes part in the same collectives, one
 the outputs handed over on the same rank, are written to the io slots the
 table names at the start of the next tick, before anything reads.
 
-**Buffers**, none of which grows with the microbatches (see `jpipe._plan`):
+**Buffers**, none of which grows with the microbatches (see `jpipe._ticks`):
 
 - ``io``: activations and gradients waiting for their consumer, one slot per
   value, as wide as the widest activation;
 - ``res``: residuals from each F kept for its backward, and ``carry``: what
   each I keeps for its W. These are sized in bytes, not slots: each rank's
-  values are placed at row offsets by `jpipe._plan.pack_lifetimes` at their
+  values are placed at row offsets by `jpipe._ticks.pack_lifetimes` at their
   own stage's size, one buffer of rows of `ROW` elements per dtype, and every
   device allocates the largest rank's extent (in SPMD every device runs the
   same program), not the busiest rank's count times the widest stage;
@@ -88,8 +88,8 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._manual import DeviceView
 from jpipe._pack import ParamLayout
-from jpipe._plan import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
 from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
+from jpipe._ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
 
 ROW = 128
 """Elements per row of the residual and carry buffers: values are placed at
@@ -410,7 +410,7 @@ def build_step(
         axis made XLA insert collectives inside the branches, where ranks that
         take different branches deadlock.)
       forward_only: build only the forward pieces, for a plan of forwards
-        (`jpipe._plan.make_forward_plan`); the gradients come back as zeros.
+        (`jpipe._ticks.make_forward_plan`); the gradients come back as zeros.
       kernels: the stages' pieces from `trace_kernels`, if already traced.
       idle: run no piece in any tick (`Plan.table(idle=True)`), to measure
         the cost of the program's control alone; the results are zeros.

@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._lower import CONTROLS, Program, build_step, trace_kernels
 from jpipe._pack import ParamLayout
-from jpipe._plan import make_forward_plan, make_plan
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
+from jpipe._ticks import make_forward_plan, make_plan
 from jpipe._validate import analyze
 
 

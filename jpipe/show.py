@@ -43,9 +43,9 @@ import json
 import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
-from jpipe._plan import program_shape
 from jpipe._registry import get_schedule, parse_options
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
+from jpipe._ticks import program_shape
 
 __all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
 
