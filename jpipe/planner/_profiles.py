@@ -401,7 +401,8 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
         raise ValueError(f"{directory}/llm_info.json has no model {model!r}")
     # llm_info is keyed by the tensor-parallel degree T, and its values are for one
     # sequence: parameters per GPU halve as T doubles, a layer's output is the same
-    # under every T (Sailor's own planner reads it so and multiplies activations by B).
+    # under every T but the head's (never sent), and Sailor's own planner reads it so
+    # and multiplies activations by B.
     by_tp = {int(t): layers for t, layers in info[model].items()}
     num_layers = len(next(iter(by_tp.values())))
     order = [str(i) for i in range(num_layers)]
