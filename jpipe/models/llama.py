@@ -16,13 +16,14 @@ GPT-2 (`jpipe.models.gpt`) in four places, all here:
 
 No linear layer has a bias, and there is no dropout unless
 ``LlamaConfig.dropout`` asks for it (then GPT-2's places in each block, from
-the batch's per-row keys, as `jpipe.models.gpt` draws them). The stages, the batch and the parameter layout
-are the GPT's: the first stage embeds ``inputs["tokens"]``, every boundary
-carries ``x_BxLxD`` in ``LlamaConfig.dtype``, the last stage returns the
-mean token cross-entropy against ``inputs["targets"]`` (a
-`jpipe.WeightedLoss` with ``inputs["weights"]``), parameters are float32 and
-``{"embed", "blocks", "head"}`` per stage, and initialization does not
-depend on the split (`split_flax_model`).
+the batch's per-row keys, as `jpipe.models.gpt` draws them). The stages, the
+batch and the parameter layout are the GPT's: the first stage embeds
+``inputs["tokens"]``, every boundary carries ``x_BxLxD`` in
+``LlamaConfig.dtype``, the last stage returns the mean token cross-entropy
+against ``inputs["targets"]`` (a `jpipe.WeightedLoss` with
+``inputs["weights"]``), parameters are float32 and ``{"embed", "blocks",
+"head"}`` per stage, and initialization does not depend on the split
+(`split_flax_model`).
 
 Tensor parallelism (`make_stages(..., tensor_axis=...)`, `tensor_specs`),
 Megatron-style as the GPT's: the query, key and value projections and the
