@@ -85,6 +85,18 @@ def _describe(fn: ScheduleFn) -> str:
     return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
 
+def add_option_argument(parser) -> None:
+    """The ``-o/--option KEY=VALUE`` flag of the command-line tools (read by `parse_options`)."""
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the schedule function, a Python literal (lag=3); repeatable",
+    )
+
+
 def parse_options(items) -> dict[str, Any]:
     """Reads schedule options from ``"key=value"`` texts; values are Python literals.
 

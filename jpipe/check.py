@@ -33,7 +33,7 @@ import argparse
 import json
 import sys
 
-from jpipe._registry import get_schedule, parse_options
+from jpipe._registry import add_option_argument, get_schedule, parse_options
 from jpipe._validate import ScheduleError
 
 
@@ -68,14 +68,7 @@ def main(argv=None) -> int:
         default=None,
         help="stages per rank (V); default: the schedule's own",
     )
-    parser.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the schedule function, a Python literal (lag=3); repeatable",
-    )
+    add_option_argument(parser)
     parser.add_argument("--data", type=int, default=1, help="size of the data axis (D)")
     parser.add_argument("--fsdp", type=int, default=1, help="size of the fsdp axis")
     parser.add_argument("--tensor", type=int, default=1, help="size of the tensor axis")

@@ -43,7 +43,7 @@ import json
 import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
-from jpipe._registry import get_schedule, parse_options
+from jpipe._registry import add_option_argument, get_schedule, parse_options
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
 from jpipe._ticks import program_shape
 
@@ -87,14 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="chunks (stages) per rank V; default: the schedule's own",
     )
-    parser.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the schedule function, a Python literal (lag=3); repeatable",
-    )
+    add_option_argument(parser)
     parser.add_argument(
         "--cost",
         default="",
