@@ -24,11 +24,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpipe._lower import CONTROLS, Program, build_step, trace_kernels
+from jpipe._mpmd import RankPrograms, build_rank_programs
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
 from jpipe._ticks import make_forward_plan, make_plan
 from jpipe._validate import analyze
+
+
+LOWERINGS = ("spmd", "mpmd")
+"""The two lowerings of a schedule (`Pipeline`'s `lowering`)."""
 
 
 def make_mesh(
@@ -232,6 +237,15 @@ class Pipeline:
       all_idle: for diagnostics only: a program that runs no piece in any
         tick, so that timing it measures the cost of the pipeline's control
         and transfers alone. Its loss and gradients are zeros.
+      lowering: ``"spmd"`` (the default: the whole step one program that
+        every device runs in lock step, `jpipe._lower`; it can sit inside a
+        user's own `jax.jit`, be differentiated through, and suits TPUs) or
+        ``"mpmd"`` (per rank: each piece its own program on its rank's
+        devices, issued from the host in the schedule's order, with no
+        conditionals and each rank holding only its own values,
+        `jpipe._mpmd`; for GPUs and mixed devices). Same loss and gradients.
+        The per-rank lowering has no `step_fn` and no `lower`: it is not one
+        traceable function.
     """
 
     def __init__(
@@ -246,10 +260,20 @@ class Pipeline:
         tick_layout: str = "auto",
         control: str = "auto",
         all_idle: bool = False,
+        lowering: str = "spmd",
     ):
         info = analyze(schedule)
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
+        if lowering not in LOWERINGS:
+            raise ValueError(
+                f"lowering must be one of {', '.join(map(repr, LOWERINGS))}; got {lowering!r}"
+            )
+        if lowering == "mpmd" and all_idle:
+            raise ValueError(
+                "all_idle measures the SPMD program's control; it has no per-rank form"
+            )
+        self.lowering = lowering
         self.control = control
         self.all_idle = all_idle
         self.stages = tuple(stages)
@@ -282,6 +306,7 @@ class Pipeline:
         self._kernels_cache: dict[tuple, list] = {}
         self._train_steps: dict[tuple, tuple[Callable, Program]] = {}
         self._loss_steps: dict[tuple, Callable] = {}
+        self._rank_programs: dict[tuple, RankPrograms] = {}
         self.compile_seconds: float | None = None
 
     # -- parameters ------------------------------------------------------------
@@ -493,6 +518,45 @@ class Pipeline:
             )
         return self._kernels_cache[key]
 
+    def _only_spmd(self, what: str) -> None:
+        if self.lowering != "spmd":
+            raise ValueError(
+                f"{what} needs the whole step as one traceable program, which only the SPMD "
+                "lowering makes; this Pipeline uses the per-rank lowering (lowering='mpmd'), "
+                "which runs one program per piece from the host. Call "
+                "pipeline.value_and_grad(params, batch) (and apply the optimizer in a jit of "
+                "its own), or build the Pipeline with lowering='spmd'"
+            )
+
+    def rank_programs(self, batch) -> RankPrograms:
+        """The per-rank lowering's programs for this batch's shapes (lowering='mpmd')."""
+        if self.lowering != "mpmd":
+            raise ValueError("rank_programs is the per-rank lowering's; this Pipeline is 'spmd'")
+        if self.layout is None:
+            raise ValueError("pack parameters first with Pipeline.pack")
+        self.check_batch(batch)
+        key = self._key(batch)
+        if key not in self._rank_programs:
+            self._rank_programs[key] = build_rank_programs(
+                self.stages,
+                self.schedule,
+                self.layout,
+                self.mesh,
+                self._kernels(batch),
+                self.pipe_axis,
+                self.data_axis,
+                self.plan.stage_to_rank,
+            )
+        return self._rank_programs[key]
+
+    def _refuse_traced(self, packed, batch) -> None:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((packed, batch))):
+            raise ValueError(
+                "the per-rank lowering (lowering='mpmd') runs from the host and cannot be "
+                "traced: it cannot sit inside jax.jit, jax.grad or jax.vmap. Use "
+                "lowering='spmd' for that"
+            )
+
     def _build(self, batch) -> tuple[Callable, Program]:
         """The jitted training step and its `Program`, built once per batch shape."""
         self.check_batch(batch)
@@ -532,6 +596,9 @@ class Pipeline:
         """
         if self.layout is None:
             raise ValueError("pack parameters first with Pipeline.pack")
+        if self.lowering == "mpmd":
+            self._refuse_traced(packed, batch)
+            return self.rank_programs(batch).loss(packed, batch)
         self.check_batch(batch)
         key = self._key(batch)
         if key not in self._loss_steps:
@@ -562,6 +629,7 @@ class Pipeline:
         For composing with an optimizer inside the caller's own `jax.jit`;
         `batch` (arrays or shape structs) fixes the shapes it is built for.
         """
+        self._only_spmd("Pipeline.step_fn")
         _, program = self._build(batch)
         M = self.num_microbatches
         return lambda packed, batch: program.run(packed, split_microbatches(batch, M))
@@ -571,6 +639,8 @@ class Pipeline:
 
         For profiling: they are traced for one microbatch as one device sees it.
         """
+        if self.lowering == "mpmd":
+            return list(self.rank_programs(batch).kernels)
         _, program = self._build(batch)
         return list(program.kernels)
 
@@ -586,12 +656,22 @@ class Pipeline:
 
     def lower(self, packed, batch):
         """The lowered (not yet compiled) step, for inspection."""
+        self._only_spmd("Pipeline.lower (one lowered program of the whole step)")
         jitted, _ = self._build(batch)
         return jitted.lower(packed, batch)
 
     def compile(self, packed, batch):
-        """Compiles the step for these shapes; records `compile_seconds`."""
+        """Compiles the step for these shapes; records `compile_seconds`.
+
+        Under the per-rank lowering, compiles every piece (`RankPrograms.compile`)
+        and returns the `RankPrograms`.
+        """
         start = time.perf_counter()
+        if self.lowering == "mpmd":
+            programs = self.rank_programs(batch)
+            programs.compile(packed, batch)
+            self.compile_seconds = time.perf_counter() - start
+            return programs
         compiled = self.lower(packed, batch).compile()
         self.compile_seconds = time.perf_counter() - start
         return compiled
@@ -600,6 +680,9 @@ class Pipeline:
         """``(loss, packed_grads)``: the mean loss over microbatches and its gradients."""
         if self.layout is None:
             raise ValueError("pack parameters first with Pipeline.pack")
+        if self.lowering == "mpmd":
+            self._refuse_traced(packed, batch)
+            return self.rank_programs(batch).run(packed, batch)
         jitted, _ = self._build(batch)
         return jitted(packed, batch)
 

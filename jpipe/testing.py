@@ -528,7 +528,8 @@ class CheckResult:
         the largest absolute difference over the reference's largest magnitude.
       loss, reference_loss: the two losses.
       compile_seconds: time to compile the pipelined step.
-      temp_bytes, argument_bytes: per-device figures from `memory_analysis()`.
+      temp_bytes, argument_bytes: per-device figures from `memory_analysis()`
+        (under the per-rank lowering, the largest piece's).
       ticks: the lock-step program's length.
       tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``).
       rtol: the tolerance used.
@@ -601,6 +602,7 @@ def check_schedule(
     scan_layers: bool = False,
     activations: str | Sequence[str] = "array",
     compute_dtype: str = "float32",
+    lowering: str = "spmd",
     **options,
 ) -> CheckResult:
     """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
@@ -625,6 +627,7 @@ def check_schedule(
       seed: for the model's weights and the batch.
       tick_layout: ``"auto"``, ``"unit"`` or ``"packed"`` (see `jpipe.Pipeline`).
       control: ``"auto"``, ``"cond"`` or ``"switch"`` (see `jpipe.Pipeline`).
+      lowering: ``"spmd"`` or ``"mpmd"`` (per rank; see `jpipe.Pipeline`).
       scan_layers: run the model's blocks in `jax.lax.scan` (see `small_model`).
       activations: what each stage passes to the next: one of `ACTIVATIONS`,
         or one per boundary between stages (see `small_model`).
@@ -663,11 +666,22 @@ def check_schedule(
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
-    pipe = Pipeline(model.stages, schedule, mesh, tick_layout=tick_layout, control=control)
+    pipe = Pipeline(
+        model.stages, schedule, mesh, tick_layout=tick_layout, control=control, lowering=lowering
+    )
     packed = pipe.pack(model.params, model.specs)
     placed = jax.device_put(batch, pipe.batch_sharding)
     compiled = pipe.compile(packed, placed)
-    loss, grads = compiled(packed, placed)
+    if lowering == "mpmd":
+        loss, grads = pipe.value_and_grad(packed, placed)
+        # The largest piece's figures: what one device's program allocates at once.
+        analyses = [c.memory_analysis() for pieces in compiled.compiled for c in pieces.values()]
+        temp = max(a.temp_size_in_bytes for a in analyses)
+        arguments = max(a.argument_size_in_bytes for a in analyses)
+    else:
+        loss, grads = compiled(packed, placed)
+        memory = compiled.memory_analysis()
+        temp, arguments = memory.temp_size_in_bytes, memory.argument_size_in_bytes
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
         # Float32: the whole batch at once. Lower precision: the same microbatches.
         split = 1 if compute_dtype == "float32" else M
@@ -679,7 +693,6 @@ def check_schedule(
             model_mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
             ref_loss, ref_grads = shard_map_reference(model, model_mesh, batch)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
-    memory = compiled.memory_analysis()
     return CheckResult(
         passed=bool(math.isfinite(rel_err) and rel_err <= rtol),
         max_abs_err=abs_err,
@@ -687,8 +700,8 @@ def check_schedule(
         loss=float(loss),
         reference_loss=float(ref_loss),
         compile_seconds=float(pipe.compile_seconds),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        argument_bytes=int(memory.argument_size_in_bytes),
+        temp_bytes=int(temp),
+        argument_bytes=int(arguments),
         ticks=pipe.plan.num_ticks,
         tick_layout=pipe.plan.layout,
         rtol=rtol,
