@@ -31,7 +31,6 @@ from jpipe._stage import WeightedLoss
 from jpipe._ticks import make_forward_plan, make_plan
 from jpipe._validate import analyze
 
-
 LOWERINGS = ("spmd", "mpmd")
 """The two lowerings of a schedule (`Pipeline`'s `lowering`)."""
 
