@@ -341,11 +341,25 @@ def main(argv: list[str] | None = None) -> int:
                     for c in (True, False)
                     for b in (True, False)
                 }
+                again = lambda **kw: validate_directory(  # noqa: E731
+                    args.validate_all, args.profiles, schedule=args.schedule, **kw
+                )
+                ablation["links as published (Titan-RTX<->RTX-2080 at 1 and 8 GPUs copied)"] = (
+                    again(repair_links=False)
+                )
+                ablation["2-byte (fp16) transfers"] = again(element_scale=0.5)
+                sailor_sim = {"overhead_bytes": 5.06e9, "single_gpu_overhead_bytes": None}
                 working = {
-                    f: validate_directory(
-                        args.validate_all, args.profiles, schedule=args.schedule, working_factor=f
-                    )
-                    for f in (0.0, 0.5, 1.0, 2.0)
+                    "as chosen (fp32, working factor 0, overhead by device)": rows,
+                    **{f: again(working_factor=f) for f in (0.5, 1.0, 2.0)},
+                    "5.06 GB overhead on every device (Sailor's simulator)": again(
+                        memory_terms=sailor_sim
+                    ),
+                    "2-byte (fp16) residuals": again(element_scale=0.5),
+                    "2-byte (fp16) residuals, working factor 1, 5.06 GB everywhere (the last "
+                    "release)": again(
+                        element_scale=0.5, working_factor=1.0, memory_terms=sailor_sim
+                    ),
                 }
             out = {
                 "plans": [

@@ -24,9 +24,10 @@ On disk a profile is one JSON object (`save_profile` / `load_profile`, format
 read and converted). `load_sailor_profile` imports the published Sailor
 profiles (vendored in ``jpipe/_data/sailor``): Sailor's ``llm_info.json`` is
 keyed by T and gives one sequence's floats, which the importer scales by the
-runtime's element size (2 bytes: the measured runs trained in fp16 mixed
-precision), and the profile carries Sailor's runtime's memory terms
-(`SAILOR_RUNTIME`). `profile_from_stage_times` turns the trainer's measured
+runtime's element size (4 bytes: the measured runs trained in fp32), and the
+profile carries Sailor's runtime's memory terms (`SAILOR_RUNTIME`); links the
+data repeats from another pair of nodes are read from their own pair's fit
+(`Profile.link_notes` says which). `profile_from_stage_times` turns the trainer's measured
 per-stage F/I/W times and bytes into the same format.
 
 Missing entries are derived, never invented: `Profile.times` takes an absent
@@ -63,30 +64,39 @@ DEVICE_MEMORY = {
     "RTX-3090": 24 * GIB,
     "Titan-RTX": 24 * GIB,
 }
-# The element size of Sailor's floats in its runs (fp16 mixed precision).
-SAILOR_ELEMENT_BYTES = 2
+# The element size of Sailor's floats in its runs: 4 bytes. The measured runs trained in
+# fp32 (ae_scripts/clariden_scripts/run_opt.slurm and Megatron-DeepSpeed/run.sh, the
+# RTX launcher, pass no --fp16/--bf16), and Sailor's validation simulates them so
+# (simulations/validation/validate.py passes fp16=False: float_size 4).
+SAILOR_ELEMENT_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTerms:
     """What a training runtime holds on one device besides the model's live values.
 
-    A device's footprint is ``overhead_bytes + bytes_per_param x its parameters
-    + its live residuals and carries (the simulator's peak) + working_factor x
-    the residual bytes of one microbatch of its largest stage`` (the working
-    memory of the piece that runs), against ``usable_fraction x`` its memory.
+    A device's footprint is ``its overhead (`overhead_for`) + bytes_per_param x
+    its parameters + its live residuals and carries (the simulator's peak) +
+    working_factor x the residual bytes of one microbatch of its largest stage``
+    (the working memory of the piece that runs), against ``usable_fraction x``
+    its memory.
 
     Attributes:
       weight_bytes, gradient_bytes, optimizer_bytes, buffer_bytes: bytes per
         parameter for the weights, the gradients, the optimizer state and the
         runtime's other per-parameter buffers (all-reduce buckets, copies).
       overhead_bytes: fixed per device (the runtime's context, communication
-        libraries, kernels, the allocator's cache).
+        libraries, kernels, the allocator's cache), for a device type not in
+        `device_overhead_bytes`.
       working_factor: working memory of the running piece, in units of the
         residual bytes one microbatch of its stage keeps.
       usable_fraction: the share of a device's memory the runtime may allocate
         (XLA preallocates 75% of a GPU by default).
       source: where the figures come from, for reports.
+      single_gpu_overhead_bytes: the overhead of a device outside any
+        tensor-parallel group (T = 1), where it differs (`None`: the same).
+      device_overhead_bytes: ``(device type, bytes)`` pairs: the overhead of
+        those types, at every T (a dict is accepted).
     """
 
     weight_bytes: float
@@ -97,14 +107,26 @@ class MemoryTerms:
     working_factor: float
     usable_fraction: float = 1.0
     source: str = ""
+    single_gpu_overhead_bytes: float | None = None
+    device_overhead_bytes: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if f.name == "source":
-                continue
-            v = getattr(self, f.name)
+        per_device = self.device_overhead_bytes
+        if isinstance(per_device, dict):
+            per_device = per_device.items()
+        per_device = tuple(sorted((str(k), v) for k, v in per_device))
+        object.__setattr__(self, "device_overhead_bytes", per_device)
+        checks = [
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in ("source", "device_overhead_bytes", "single_gpu_overhead_bytes")
+        ]
+        if self.single_gpu_overhead_bytes is not None:
+            checks.append(("single_gpu_overhead_bytes", self.single_gpu_overhead_bytes))
+        checks += [(f"device_overhead_bytes[{k!r}]", v) for k, v in per_device]
+        for name, v in checks:
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"memory term {f.name} is {v!r}; it must be a number >= 0")
+                raise ValueError(f"memory term {name} is {v!r}; it must be a number >= 0")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(
                 f"memory term usable_fraction is {self.usable_fraction!r}; it must be in (0, 1]"
@@ -114,8 +136,19 @@ class MemoryTerms:
     def bytes_per_param(self) -> float:
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes + self.buffer_bytes
 
+    def overhead_for(self, kind: str, tensor_parallel: int = 1) -> float:
+        """The fixed overhead of one device of type `kind` in a group of `tensor_parallel`."""
+        for k, v in self.device_overhead_bytes:
+            if k == kind:
+                return v
+        if tensor_parallel <= 1 and self.single_gpu_overhead_bytes is not None:
+            return self.single_gpu_overhead_bytes
+        return self.overhead_bytes
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["device_overhead_bytes"] = dict(self.device_overhead_bytes)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> MemoryTerms:
@@ -123,25 +156,40 @@ class MemoryTerms:
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ValueError(f"unknown memory terms {unknown}; the terms are {names}")
-        return cls(**{k: (v if k == "source" else float(v)) for k, v in d.items()})
+
+        def read(k, v):
+            if k == "source" or (k == "single_gpu_overhead_bytes" and v is None):
+                return v
+            if k == "device_overhead_bytes":
+                return {str(kind): float(b) for kind, b in dict(v).items()}
+            return float(v)
+
+        return cls(**{k: read(k, v) for k, v in d.items()})
 
 
-# Sailor's runtime (DeepSpeed's pipeline engine, fp16 mixed precision with Adam), as
-# Sailor's own memory model counts it: an fp32 copy of the weights (4), fp32 gradients
-# (4), Adam's two moments (8), the gradient all-reduce buffer (4) and the copy of the
-# model DeepSpeed makes when it starts (4); 4.76 GB of fused kernels and 0.3 GB more
-# per device. Sailor's model has no working-memory term: the backward's working memory
-# is taken as one more microbatch of the stage's residuals (the gradients of the
-# activations it builds beside them), a choice docs/planner-validation.md tests.
+# Sailor's runtime (DeepSpeed's pipeline engine on Megatron-DeepSpeed, fp32 with Adam:
+# its launch scripts pass neither --fp16 nor --bf16 and its DeepSpeed config has no
+# fp16 section), as Sailor's own memory model counts it: an fp32 copy of the weights
+# (4), fp32 gradients (4), Adam's two moments (8), the gradient all-reduce buffer (4)
+# and the copy of the model DeepSpeed makes when it starts (4), and no working-memory
+# term (a stage holds its residuals for S - s microbatches, nothing more). The fixed
+# overhead is the CUDA context, NCCL and the kernels nvidia-smi counts beside torch's
+# memory, which Sailor's code says depends on the GPU and platform: its simulator, whose
+# memory was validated on GH200 only (ae_scripts/validation/run_gh200_mem.sh), adds
+# 4.76 GB of fused kernels and 0.3 GB more; its planner, for every other device, 2.0 GB
+# at T = 1 and 3.0 GB at T > 1 (planner_utils.cpp check_stage_fits,
+# runtime_simulator.py check_config_fits). docs/planner-validation.md tests both.
 SAILOR_RUNTIME = MemoryTerms(
     weight_bytes=4,
     gradient_bytes=4,
     optimizer_bytes=8,
     buffer_bytes=8,
-    overhead_bytes=4.76e9 + 0.3e9,
-    working_factor=1.0,
+    overhead_bytes=3.0e9,
+    working_factor=0.0,
     usable_fraction=1.0,
-    source="Sailor's runtime (DeepSpeed, fp16 Adam), from Sailor's memory model",
+    source="Sailor's runtime (DeepSpeed, fp32 Adam), from Sailor's memory model",
+    single_gpu_overhead_bytes=2.0e9,
+    device_overhead_bytes={"GH-96": 4.76e9 + 0.3e9},
 )
 
 # What jpipe's own runtime holds when nothing was measured: fp32 weights, gradients
@@ -249,6 +297,8 @@ class Profile:
       intra: ``{device: {gpus: Link}}`` inside one node.
       inter: ``{(device, gpus per node, device, gpus per node): Link}`` between nodes.
       missing: ``{device: why}`` for device files an importer could not use.
+      link_notes: ``{(device, gpus per node, device, gpus per node): why}`` for
+        links an importer read from another entry than their own (a flaw of the data).
       layer_blocks: transformer blocks per layer when a layer holds several
         (a profile of measured stages); `None` means one per ``"block"`` layer.
     """
@@ -266,6 +316,7 @@ class Profile:
     derived: set = dataclasses.field(default_factory=set, compare=False, repr=False)
     _links: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     missing: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    link_notes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     layer_blocks: tuple[int, ...] | None = None
 
     @property
@@ -382,13 +433,42 @@ def _sailor_link(entry) -> Link:
     return Link(float(peak), tuple(float(c) for c in coeffs))
 
 
-def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
+# A flaw of Sailor's network fits: the Titan-RTX <-> RTX-2080 links of nodes using 1 and
+# 8 GPUs carry, coefficient for coefficient, the RTX-2080 <-> RTX-3090 fit (the 1 GbE
+# link of the RTX-3090 node, 0.11 GB/s), while the same pair of nodes measures 2.86 GB/s
+# at 2 and 4 GPUs, as Titan-RTX <-> Titan-RTX and RTX-2080 <-> RTX-2080 do at every count.
+_COPIED_LINKS = (("Titan-RTX", "RTX-2080", (1, 8), 4, ("RTX-2080", "RTX-3090")),)
+
+
+def _repair_sailor_links(inter: dict) -> dict:
+    """Reads each link `_COPIED_LINKS` names from its own pair's fit, where the data still
+    holds the copy (the same figures as the other pair's); returns ``{key: why}``."""
+    notes = {}
+    for a, b, counts, own, (ca, cb) in _COPIED_LINKS:
+        for n in counts:
+            copy = inter.get((ca, n, cb, n)) or inter.get((cb, n, ca, n))
+            source = inter.get((a, own, b, own)) or inter.get((b, own, a, own))
+            for key in ((a, n, b, n), (b, n, a, n)):
+                if key in inter and copy is not None and source is not None and inter[key] == copy:
+                    inter[key] = source
+                    notes[key] = (
+                        f"the {a}<->{b} link at {n} GPUs per node repeats the {ca}<->{cb} fit; "
+                        f"read as the pair's own at {own} GPUs"
+                    )
+    return notes
+
+
+def load_sailor_profile(
+    model: str, directory: str | None = None, *, repair_links: bool = True
+) -> Profile:
     """Imports the published Sailor profiles of `model` (see ``jpipe/_data/sailor/README.md``).
 
     Args:
       model: a model folder under ``profiles/``, such as ``"OPT-350"``.
       directory: a Sailor data folder (``profiles/``, ``llm_info.json``,
         ``network/``); default: the copy inside jpipe.
+      repair_links: read the links the data copies from another pair of nodes
+        from their own pair's fit (`_COPIED_LINKS`); `False` keeps them as published.
     """
     directory = directory or SAILOR_DIR
     model_dir = os.path.join(directory, "profiles", model)
@@ -448,6 +528,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
                 for b, by_nb in to.get(zone, {}).items():
                     for nb, e in by_nb.items():
                         inter.setdefault((a, int(na), b, int(nb)), _sailor_link(e))
+    link_notes = _repair_sailor_links(inter) if repair_links else {}
     kinds = tuple(
         "embedding" if i == 0 else "head" if i == num_layers - 1 else "block"
         for i in range(num_layers)
@@ -464,6 +545,7 @@ def load_sailor_profile(model: str, directory: str | None = None) -> Profile:
         intra=intra,
         inter=inter,
         missing=missing,
+        link_notes=link_notes,
     )
 
 

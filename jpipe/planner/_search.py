@@ -312,15 +312,21 @@ def memory_footprint(
             stages = [s for s in range(S) if owner[s] == r]
             tp = plan.ranks[r][d].tensor_parallel
             own[r][d] = {
-                "overhead": terms.overhead_bytes,
+                "overhead": terms.overhead_for(plan.ranks[r][d].kind, tp),
                 "parameters": terms.bytes_per_param
                 * sum(_stage_params(profile, plan.stage_layers[s], tp) for s in stages),
                 "values": values[r],
                 "working": terms.working_factor * max((act[s] for s in stages), default=0.0),
             }
+    # Every device of one program holds the largest rank's parameters, values and working
+    # memory; its fixed overhead (context, libraries, kernels) is its own.
     largest = {
         k: max(own[r][d][k] for r in range(plan.pipe) for d in range(plan.data)) for k in own[0][0]
     }
+    spmd = [
+        [{**largest, "overhead": own[r][d]["overhead"]} for d in range(plan.data)]
+        for r in range(plan.pipe)
+    ]
 
     def device(r, d, parts):
         g = plan.ranks[r][d]
@@ -334,7 +340,7 @@ def memory_footprint(
                 tuple(device(r, d, own[r][d]) for d in range(plan.data)) for r in range(plan.pipe)
             ),
             "spmd": tuple(
-                tuple(device(r, d, largest) for d in range(plan.data)) for r in range(plan.pipe)
+                tuple(device(r, d, spmd[r][d]) for d in range(plan.data)) for r in range(plan.pipe)
             ),
         }
     )
@@ -680,10 +686,13 @@ def _fitting_split(
     S, owner = schedule.num_stages, schedule.stage_to_rank
     ranks = shape.ranks
     devs = [ranks[owner[s]][0] for s in range(S)]  # the first replica's devices decide it
+    # what each stage may hold besides the fixed overhead of the device that holds it
+    terms = profile.memory_terms
+    room_of = lambda g: usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel)  # noqa: E731
     if shape.memory_layout == "spmd":  # every device holds the largest need
-        capacity = [min(usable(g.kind) for row in ranks for g in row)] * S
+        capacity = [min(room_of(g) for row in ranks for g in row)] * S
     else:
-        capacity = [min(usable(g.kind) for g in ranks[owner[s]]) for s in range(S)]
+        capacity = [min(room_of(g) for g in ranks[owner[s]]) for s in range(S)]
     share = [x[0] for x in _sharing(ranks, owner)]
     live = _live_units(schedule)
     split = lambda budgets=None: _split_layers(  # noqa: E731
@@ -696,7 +705,7 @@ def _fitting_split(
     # The largest parameters, values and working memory may sit on different stages:
     # give each a share of what the smallest device has left after the overhead, and
     # keep the fastest split that fits as a whole.
-    room = min(capacity) - profile.memory_terms.overhead_bytes
+    room = min(capacity)
     best = None
     for i in range(1, attempts):
         budgets = (room * i / attempts, room * (attempts - i) / attempts)
@@ -723,10 +732,11 @@ def _split_layers(
 ) -> Partition:
     """The exact min-bottleneck split of layers over stages on `devs`, memory a hard limit.
 
-    A stage fits when its own footprint (the runtime's overhead, its
-    parameters, `live` (`_live_units`) microbatches of its residuals and one
-    piece's working memory) is within ``capacity[s]``: its own device's usable memory under
-    the ``per_rank`` layout, the smallest device's under ``spmd`` (where this
+    A stage fits when its own footprint (its parameters, `live`
+    (`_live_units`) microbatches of its residuals and one piece's working
+    memory) is within ``capacity[s]``, what a device may hold besides its fixed
+    overhead: its own devices' under the ``per_rank`` layout, the smallest
+    device's under ``spmd`` (where this
     is necessary but not sufficient: the plan's footprint is checked again
     after simulation). With `budgets` ``(parameters, values)`` each stage's
     parameter bytes and its live values and working memory must also stay
@@ -768,7 +778,7 @@ def _split_layers(
         values = (live[s] + terms.working_factor) * (abytes[s][b] - abytes[s][a])
         if budgets is not None and (params > budgets[0] or values > budgets[1]):
             return False
-        return terms.overhead_bytes + params + values <= capacity[s]
+        return params + values <= capacity[s]
 
     return partition(rows, fits, extra)
 

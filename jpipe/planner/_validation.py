@@ -132,10 +132,16 @@ def validate_directory(
     receiver_busy: bool = True,
     schedule: str = "1f1b",
     working_factor: float | None = None,
+    memory_terms: dict | None = None,
+    repair_links: bool = True,
+    element_scale: float = 1.0,
 ) -> list[Row]:
     """Predicts every plan file under `directory` (see the module docstring).
 
-    `working_factor`, if given, replaces the profiles' own (for the ablation).
+    For the ablations: `working_factor` and `memory_terms` (``{term: value}``),
+    if given, replace the profiles' own terms; `repair_links` `False` keeps the
+    links the data copies from another pair of nodes as published;
+    `element_scale` scales every residual and transfer byte (0.5: fp16).
     """
     profiles_dir = profiles_dir or SAILOR_DIR
     paths = sorted(glob.glob(os.path.join(directory, "**", "plan_config_*.json"), recursive=True))
@@ -162,7 +168,9 @@ def validate_directory(
         )
         if model not in cache:
             try:
-                profile = load_sailor_profile(model, profiles_dir)
+                profile = load_sailor_profile(model, profiles_dir, repair_links=repair_links)
+                if element_scale != 1.0:
+                    profile = _scale_elements(profile, element_scale)
                 cache[model] = monotone_in_batch(profile) if clean else profile
             except ValueError as e:
                 cache[model] = str(e)
@@ -175,10 +183,15 @@ def validate_directory(
         if isinstance(profile, str):
             rows.append(Row(**base, shape=shape, note=profile))
             continue
-        if working_factor is not None:
-            terms = dataclasses.replace(profile.memory_terms, working_factor=working_factor)
+        if working_factor is not None or memory_terms:
+            change = dict(memory_terms or {})
+            if working_factor is not None:
+                change["working_factor"] = working_factor
+            terms = dataclasses.replace(profile.memory_terms, **change)
             profile = dataclasses.replace(profile, memory_terms=terms, derived=set(), _links={})
         plan, repaired = repair_layers(plan, profile.num_layers)
+        links = _repaired_links(plan, profile)
+        repaired = "; ".join(x for x in (repaired, links) if x)
         mem, mem_note, min_need = None, repaired, None
         try:
             footprint = memory_footprint(plan, profile)
@@ -214,6 +227,32 @@ def validate_directory(
             )
         )
     return flaws(rows)
+
+
+def _scale_elements(profile: Profile, scale: float) -> Profile:
+    """`profile` with every residual and transfer byte times `scale`."""
+    return dataclasses.replace(
+        profile,
+        activation_bytes={
+            t: tuple(x * scale for x in v) for t, v in profile.activation_bytes.items()
+        },
+        output_bytes=tuple(x * scale for x in profile.output_bytes),
+        derived=set(),
+        _links={},
+    )
+
+
+def _repaired_links(plan: ClusterPlan, profile: Profile) -> str:
+    """The profile's notes on links it read from another entry, for those `plan` crosses."""
+    notes = getattr(profile, "link_notes", {})
+    used = []
+    for s in range(plan.pipe - 1):
+        for d in range(plan.data):
+            a, b = plan.ranks[s][d], plan.ranks[s + 1][d]
+            key = (a.kind, a.gpus_per_node, b.kind, b.gpus_per_node)
+            if a.node != b.node and key in notes and notes[key] not in used:
+                used.append(notes[key])
+    return "; ".join(used)
 
 
 def _live(plan: ClusterPlan, rank: int) -> int:
@@ -373,7 +412,7 @@ def markdown(
     if ablation:
         clusters = sorted({r.cluster for r in rows})
         lines += [
-            "### The two global modelling choices, switched",
+            "### The time model's choices, switched",
             "",
             "| variant | " + " | ".join(f"{c} jpipe | {c} closed form" for c in clusters) + " |",
             "|---|" + "---:|---:|" * len(clusters),
@@ -413,12 +452,12 @@ def markdown(
     if working:
         clusters = sorted({r.cluster for r in rows})
         lines += [
-            "### The working-memory factor, switched",
+            "### The memory model's choices, switched",
             "",
             "Median absolute memory error over the plans not left out (over all predicted "
             "in brackets).",
             "",
-            "| working factor | " + " | ".join(clusters) + " |",
+            "| variant | " + " | ".join(clusters) + " |",
             "|---|" + "---:|" * len(clusters),
         ]
         for factor, variant in working.items():
@@ -426,7 +465,8 @@ def markdown(
             for c in clusters:
                 kept, _, every, _ = memory_medians(variant, c)
                 cells.append(f"{kept * 100:.1f}% ({every * 100:.1f}%)")
-            lines.append(f"| {factor:g} | " + " | ".join(cells) + " |")
+            name = f"working factor {factor:g}" if isinstance(factor, int | float) else factor
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     chosen = picks(rows)
     if chosen:
