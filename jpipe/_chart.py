@@ -17,6 +17,14 @@ what the simulator computed.
 
 Labels are ``F3`` (kind and microbatch) when every rank holds one stage, and
 ``F3s2`` (stage 2) when some rank holds several.
+
+Memory actions have glyphs of their own: ``f3`` a forward that keeps only its
+input (``FC``), ``R3`` its recompute, on the rank's row; the transfers, which
+run beside the compute, on a row of their own under the rank (``r0 mem``):
+``E3`` an eviction to the partner, ``L3`` the load back, ``H3`` an offload to
+the host (from ``OFFLOAD_START``), ``D3`` the reload to the device (from
+``RELOAD_START``). The ends (``OFFLOAD_END``, ``RELOAD_END``) take no time and
+are not drawn; a wait at one shows as the rank idling.
 """
 
 from __future__ import annotations
@@ -28,9 +36,49 @@ from collections.abc import Sequence
 
 from jpipe._simulate import Event, Simulation
 
-_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
-_KIND_COLORS = {"F": "#3b6fb6", "B": "#3a9a5b", "I": "#e07b39", "W": "#8064b4"}
+_KIND_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input grad",
+    "W": "weight grad",
+    "FC": "forward keeping its input",
+    "RECOMPUTE": "recompute",
+    "EVICT": "evict to partner",
+    "LOAD": "load from partner",
+    "OFFLOAD_START": "offload to host",
+    "RELOAD_START": "reload from host",
+}
+_KIND_COLORS = {
+    "F": "#3b6fb6",
+    "B": "#3a9a5b",
+    "I": "#e07b39",
+    "W": "#8064b4",
+    "FC": "#8fb0dd",
+    "RECOMPUTE": "#c94f7c",
+    "EVICT": "#a08030",
+    "LOAD": "#d4b44a",
+    "OFFLOAD_START": "#707070",
+    "RELOAD_START": "#a8a8a8",
+}
+# The letter each drawn kind is labelled with (the ends of an offload or reload are not drawn).
+_GLYPHS = {
+    "F": "F",
+    "B": "B",
+    "I": "I",
+    "W": "W",
+    "FC": "f",
+    "RECOMPUTE": "R",
+    "EVICT": "E",
+    "LOAD": "L",
+    "OFFLOAD_START": "H",
+    "RELOAD_START": "D",
+}
+_TRANSFER_KINDS = ("EVICT", "LOAD", "OFFLOAD_START", "RELOAD_START")
 _LEGEND = "F forward, B backward, I input grad, W weight grad; '-' running, '.' idle"
+_MEMORY_LEGEND = (
+    "f forward keeping only its input, R recompute; on a 'mem' row: E evict to the "
+    "partner, L load back, H offload to host, D reload from host"
+)
 
 
 # -- shared helpers ---------------------------------------------------------------
@@ -48,14 +96,24 @@ def _multi_stage(sim: Simulation) -> bool:
 
 def _label(event: Event, with_stage: bool) -> str:
     a = event.action
-    return f"{a.kind}{a.microbatch}" + (f"s{a.stage}" if with_stage else "")
+    return f"{_GLYPHS[a.kind]}{a.microbatch}" + (f"s{a.stage}" if with_stage else "")
 
 
 def _rank_events(sim: Simulation) -> list[list[Event]]:
-    """The timeline split by rank, each in the rank's order."""
+    """The compute on the timeline split by rank, each in the rank's order."""
     rows: list[list[Event]] = [[] for _ in range(sim.schedule.num_ranks)]
     for e in sim.timeline:
-        rows[e.rank].append(e)
+        if e.action.kind in _GLYPHS and e.action.kind not in _TRANSFER_KINDS:
+            rows[e.rank].append(e)
+    return rows
+
+
+def _transfer_events(sim: Simulation) -> list[list[Event]]:
+    """The transfers (memory actions beside the compute) split by rank."""
+    rows: list[list[Event]] = [[] for _ in range(sim.schedule.num_ranks)]
+    for e in sim.timeline:
+        if e.action.kind in _TRANSFER_KINDS:
+            rows[e.rank].append(e)
     return rows
 
 
@@ -94,20 +152,42 @@ def text_chart(sim: Simulation, width: int = 120) -> str:
       The chart as lines of text (no trailing newline).
     """
     with_stage = _multi_stage(sim)
-    names = _row_names(sim)
+    names, rows, fixed = [], [], []  # `fixed`: a row whose labels must fit (not a mem row)
+    for r, (name, compute, moves) in enumerate(
+        zip(_row_names(sim), _rank_events(sim), _transfer_events(sim), strict=True)
+    ):
+        names.append(name)
+        rows.append(compute)
+        fixed.append(True)
+        if moves:
+            names.append(f"r{r} mem")
+            rows.append(moves)
+            fixed.append(False)
     name_w = max(len(n) for n in [*names, "time"]) + 2
     body_w = max(width - name_w, 10)
-    rows = _rank_events(sim)
     labels = [[_label(e, with_stage) for e in row] for row in rows]
     t0 = _t0(sim)
-    scale = _fit_scale(rows, labels, t0, sim.makespan, body_w)
+    # A transfer that takes no time (the default costs) has no room of its own: it
+    # is drawn as its glyph and does not keep time from running to scale.
+    sized = [
+        [(e, text) for e, text in zip(row, row_labels, strict=True) if must or e.end > e.start]
+        for row, row_labels, must in zip(rows, labels, fixed, strict=True)
+    ]
+    scale = _fit_scale(
+        [[e for e, _ in row] for row in sized],
+        [[text for _, text in row] for row in sized],
+        t0,
+        sim.makespan,
+        body_w,
+    )
     if scale is not None:
         body = _scaled(rows, labels, names, name_w, t0, sim.makespan, scale)
         mode = f"time to scale, {_fmt(round(scale, 3))} columns per unit"
     else:
         body = _ordered(rows, labels, names, name_w, body_w)
         mode = f"actions by start time, not to scale (to scale it would exceed {width} columns)"
-    return "\n".join([_headline(sim), mode, *body, _LEGEND])
+    legend = [_LEGEND] + ([_MEMORY_LEGEND] if sim.schedule.has_memory_actions else [])
+    return "\n".join([_headline(sim), mode, *body, *legend])
 
 
 def _columns(start: float, end: float, t0: float, scale: float) -> tuple[int, int]:
@@ -148,9 +228,14 @@ def _scaled(rows, labels, names, name_w, t0, makespan, scale) -> list[str]:
         line = ["."] * total
         for e, text in zip(row, row_labels, strict=True):
             c0, c1 = _columns(e.start, e.end, t0, scale)
-            bar = text + "-" * (c1 - c0 - len(text) - 1) + " "
+            if c1 - c0 >= len(text) + 1:
+                bar = text + "-" * (c1 - c0 - len(text) - 1) + " "
+            else:  # a transfer too short for its label: as much of it as fits, at least the glyph
+                c0 = min(c0, max(total - 1, 0))
+                c1 = max(c1, c0 + 1)
+                bar = text[: c1 - c0]
             line[c0:c1] = bar
-        lines.append(name.ljust(name_w) + "".join(line).rstrip())
+        lines.append(name.ljust(name_w) + "".join(line[:total]).rstrip())
     return lines
 
 
@@ -266,7 +351,7 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
                 linewidth=0.6,
             )
             # Two short lines fit narrower bars than one long label would.
-            text = f"{a.kind}{a.microbatch}" + (f"\ns{a.stage}" if with_stage else "")
+            text = f"{_GLYPHS[a.kind]}{a.microbatch}" + (f"\ns{a.stage}" if with_stage else "")
             if max(map(len, text.split())) * char_w <= 0.92 * (e.end - e.start):
                 ax.text(
                     (e.start + e.end) / 2 - t0,
@@ -278,6 +363,19 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
                     color=_text_color(color),
                 )
 
+    for r, row in enumerate(_transfer_events(sim)):  # beside the compute: a thin bar below it
+        for e in row:
+            a = e.action
+            ax.barh(
+                r + 0.3,
+                max(e.end - e.start, span * 0.002),  # a transfer taking no time stays visible
+                left=e.start - t0,
+                height=0.22,
+                color=_KIND_COLORS[a.kind],
+                edgecolor="black",
+                linewidth=0.3,
+                hatch="///",
+            )
     for r, start, end in overlapped_spans:
         ax.add_patch(
             Rectangle(
@@ -301,7 +399,12 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
         fontsize=10,
     )
     kinds = [k for k in _KIND_NAMES if any(e.action.kind == k for e in sim.timeline)]
-    handles = [Patch(color=_KIND_COLORS[k], label=f"{k} {_KIND_NAMES[k]}") for k in kinds]
+    handles = [
+        Patch(color=_KIND_COLORS[k], label=f"{_GLYPHS[k]} {_KIND_NAMES[k]}")
+        if k not in _TRANSFER_KINDS
+        else Patch(facecolor=_KIND_COLORS[k], hatch="///", edgecolor="black", label=_KIND_NAMES[k])
+        for k in kinds
+    ]
     if overlapped:
         handles.append(Patch(fill=False, edgecolor="black", label="overlapped F and B (one cell)"))
     fig.legend(
@@ -310,15 +413,13 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
     fig.savefig(os.fspath(path), dpi=dpi)
 
 
-def _overlapped(sim: Simulation) -> set[tuple[int, int]]:
-    """`(rank, index)` of every plain action that is half of an Overlap cell."""
+def _overlapped(sim: Simulation) -> set[tuple[int, object]]:
+    """`(rank, action)` of every plain action that is half of an Overlap cell."""
     marked = set()
     for r, row in enumerate(sim.schedule.ranks):
-        i = 0
         for step in row:
             if len(step.parts) > 1:
-                marked.update((r, i + j) for j in range(len(step.parts)))
-            i += len(step.parts)
+                marked.update((r, a) for a in step.parts)
     return marked
 
 
@@ -328,7 +429,7 @@ def _overlapped_spans(rows, overlapped) -> list[tuple[int, float, float]]:
     for r, row in enumerate(rows):
         i = 0
         while i < len(row):
-            if (r, i) in overlapped:
+            if (r, row[i].action) in overlapped and i + 1 < len(row):
                 spans.append((r, row[i].start, row[i + 1].end))
                 i += 2
             else:
@@ -381,24 +482,33 @@ def chrome_trace(
         ):
             events.append({"name": name, "ph": "M", "pid": r, "tid": r, "args": args})
     overlapped = _overlapped(sim)
-    for r, row in enumerate(_rank_events(sim)):
-        for i, e in enumerate(row):
+    R = schedule.num_ranks
+    for r, (compute, moves) in enumerate(zip(_rank_events(sim), _transfer_events(sim))):
+        if moves:  # transfers run beside the compute: a thread of their own
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": r,
+                    "tid": R + r,
+                    "args": {"name": "transfers"},
+                }
+            )
+        for e in compute + moves:
             a = e.action
+            args = {"kind": a.kind, "stage": a.stage, "microbatch": a.microbatch}
+            if a.partner is not None:
+                args["partner"] = a.partner
             events.append(
                 {
                     "name": f"{a.kind} s{a.stage} m{a.microbatch}",
                     "cat": _KIND_NAMES[a.kind],
                     "ph": "X",
                     "pid": r,
-                    "tid": r,
+                    "tid": r if a.kind not in _TRANSFER_KINDS else R + r,
                     "ts": (e.start - t0) * us_per_unit,
                     "dur": (e.end - e.start) * us_per_unit,
-                    "args": {
-                        "kind": a.kind,
-                        "stage": a.stage,
-                        "microbatch": a.microbatch,
-                        "overlapped": (r, i) in overlapped,
-                    },
+                    "args": {**args, "overlapped": (r, a) in overlapped},
                 }
             )
     trace = {

@@ -23,6 +23,24 @@ cells that are not compute: transfers ``{stage}SEND_F{microbatch}``,
 jpipe makes its own transfers and reductions, so `Schedule.from_csv` reads
 these and drops them, after checking that each names a stage its rank
 computes (PyTorch writes them so); what remains is the compute order.
+
+Memory actions (issue 23) say where a `(stage, microbatch)`'s residuals live
+between its forward and the backward that reads them. PyTorch has none, so
+their cells are jpipe's own, written in PyTorch's style (upper-case names
+like ``SEND_F``, ``{stage}{KIND}{microbatch}``):
+
+- ``2FC0`` (`FC`): a forward that keeps only its input; its residuals are
+  rebuilt by ``2RECOMPUTE0`` (`RECOMPUTE`, the cost of a forward) before the
+  stage's ``B`` or ``I``;
+- ``2EVICT0@5`` (`EVICT`): the residuals go to partner rank 5;
+  ``2LOAD0@5`` (`LOAD`) brings them back before they are read;
+- ``2OFFLOAD_START0``, ``2OFFLOAD_END0`` (`OFFLOAD_START`, `OFFLOAD_END`):
+  a copy to host memory, begun and then waited for (the device copy is
+  freed at the end), so the work between the two can hide it;
+  ``2RELOAD_START0``, ``2RELOAD_END0`` (`RELOAD_START`, `RELOAD_END`): the
+  copy back, whose end the residuals' reader waits for.
+
+A cell that is neither PyTorch's nor one of these is refused by name.
 """
 
 from __future__ import annotations
@@ -37,8 +55,23 @@ from collections.abc import Iterable, Sequence
 
 KINDS = ("F", "B", "I", "W")
 BACKWARD_KINDS = ("B", "I")  # the kinds that pass a gradient upstream
+# Memory actions (see the module docstring): where residuals live, not compute.
+MEMORY_KINDS = (
+    "FC",
+    "RECOMPUTE",
+    "EVICT",
+    "LOAD",
+    "OFFLOAD_START",
+    "OFFLOAD_END",
+    "RELOAD_START",
+    "RELOAD_END",
+)
+ALL_KINDS = KINDS + MEMORY_KINDS
+PARTNER_KINDS = ("EVICT", "LOAD")  # the kinds that name a partner rank
+COMPUTE_KINDS = KINDS + ("FC", "RECOMPUTE")  # the kinds that occupy a rank's compute
 
-_CELL_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+_KIND_ALTERNATIVES = "|".join(sorted(ALL_KINDS, key=len, reverse=True))
+_CELL_RE = re.compile(rf"^\s*(\d+)\s*({_KIND_ALTERNATIVES})\s*(\d+)\s*(?:@\s*(\d+)\s*)?$")
 _OVERLAP_RE = re.compile(r"^\s*\((.+?);(.+?)\)\s*OVERLAP_F_B\s*$")
 # PyTorch's cells that jpipe reads and drops (see the module docstring).
 DROPPED_CSV_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
@@ -51,22 +84,44 @@ class Action:
     """One unit of pipeline work: `kind` of `stage` on `microbatch`.
 
     Attributes:
-      kind: ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
+      kind: ``"F"``, ``"B"``, ``"I"`` or ``"W"``, or a memory action
+        (`MEMORY_KINDS`: ``"FC"``, ``"RECOMPUTE"``, ``"EVICT"``, ``"LOAD"``,
+        ``"OFFLOAD_START"``, ``"OFFLOAD_END"``, ``"RELOAD_START"``,
+        ``"RELOAD_END"``; see the module docstring).
       stage: the pipeline stage, counted from 0 (the one that embeds inputs).
       microbatch: the microbatch, counted from 0.
+      partner: for ``EVICT`` and ``LOAD`` only, the rank that holds the
+        residuals in between; `None` for every other kind.
     """
 
     kind: str
     stage: int
     microbatch: int
+    partner: int | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Action kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind not in ALL_KINDS:
+            raise ValueError(
+                f"Action kind must be one of {', '.join(ALL_KINDS)}, got {self.kind!r}"
+            )
         for name in ("stage", "microbatch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Action {name} must be an int, got {value!r}")
+        if self.kind in PARTNER_KINDS:
+            p = self.partner
+            if not isinstance(p, int) or isinstance(p, bool):
+                raise TypeError(
+                    f"{self.kind} names the partner rank that holds the residuals: "
+                    f"{self.kind}(stage, microbatch, partner), got partner={p!r}"
+                )
+        elif self.partner is not None:
+            raise ValueError(f"only EVICT and LOAD name a partner rank, not {self.kind}")
+
+    @property
+    def is_memory(self) -> bool:
+        """Whether this is a memory action (`MEMORY_KINDS`)."""
+        return self.kind in MEMORY_KINDS
 
     @property
     def key(self) -> tuple[int, int]:
@@ -78,10 +133,12 @@ class Action:
         return (self,)
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        tail = "" if self.partner is None else f"@{self.partner}"
+        return f"{self.stage}{self.kind}{self.microbatch}{tail}"
 
     def __repr__(self) -> str:
-        return f"{self.kind}({self.stage},{self.microbatch})"
+        tail = "" if self.partner is None else f",{self.partner}"
+        return f"{self.kind}({self.stage},{self.microbatch}{tail})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +192,49 @@ def W(stage: int, microbatch: int) -> Action:
     return Action("W", stage, microbatch)
 
 
+def FC(stage: int, microbatch: int) -> Action:
+    """A forward of `stage` on `microbatch` that keeps only its input.
+
+    Its residuals are rebuilt by `RECOMPUTE` before the stage's ``B`` or ``I``.
+    """
+    return Action("FC", stage, microbatch)
+
+
+def RECOMPUTE(stage: int, microbatch: int) -> Action:
+    """Rebuilds the residuals of an `FC` from its kept input (the cost of a forward)."""
+    return Action("RECOMPUTE", stage, microbatch)
+
+
+def EVICT(stage: int, microbatch: int, partner: int) -> Action:
+    """Moves the residuals of `(stage, microbatch)` to rank `partner`, which holds them."""
+    return Action("EVICT", stage, microbatch, partner)
+
+
+def LOAD(stage: int, microbatch: int, partner: int) -> Action:
+    """Brings evicted residuals back from rank `partner`; their reader waits for it."""
+    return Action("LOAD", stage, microbatch, partner)
+
+
+def OFFLOAD_START(stage: int, microbatch: int) -> Action:
+    """Begins copying the residuals of `(stage, microbatch)` to host memory."""
+    return Action("OFFLOAD_START", stage, microbatch)
+
+
+def OFFLOAD_END(stage: int, microbatch: int) -> Action:
+    """Waits for the copy to host to finish and frees the device copy."""
+    return Action("OFFLOAD_END", stage, microbatch)
+
+
+def RELOAD_START(stage: int, microbatch: int) -> Action:
+    """Begins copying offloaded residuals back to the device (their buffer is taken here)."""
+    return Action("RELOAD_START", stage, microbatch)
+
+
+def RELOAD_END(stage: int, microbatch: int) -> Action:
+    """Waits for the copy back from host; the residuals can be read after it."""
+    return Action("RELOAD_END", stage, microbatch)
+
+
 def parse_action(text: str) -> Step:
     """Reads one CSV cell such as ``2F0`` or ``(0F7;7B3)OVERLAP_F_B``."""
     match = _OVERLAP_RE.match(text)
@@ -145,10 +245,15 @@ def parse_action(text: str) -> Step:
     if not match:
         raise ValueError(
             f"cannot read schedule cell {text!r}: expected STAGE KIND MICROBATCH "
-            "like '2F0' or '1I3', or '(0F7;7B3)OVERLAP_F_B'"
+            "like '2F0' or '1I3', or '(0F7;7B3)OVERLAP_F_B', with KIND one of F, B, I, W "
+            "or a memory action (FC, RECOMPUTE, EVICT and LOAD with @PARTNER as in "
+            "'2EVICT0@5', OFFLOAD_START, OFFLOAD_END, RELOAD_START, RELOAD_END)"
         )
-    stage, kind, microbatch = match.groups()
-    return Action(kind, int(stage), int(microbatch))
+    stage, kind, microbatch, partner = match.groups()
+    if (partner is None) == (kind in PARTNER_KINDS):
+        need = "needs @PARTNER, as in '2EVICT0@5'" if partner is None else "takes no @PARTNER"
+        raise ValueError(f"cannot read schedule cell {text!r}: {kind} {need}")
+    return Action(kind, int(stage), int(microbatch), None if partner is None else int(partner))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +336,31 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages placed on `rank`, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    @functools.cached_property
+    def has_memory_actions(self) -> bool:
+        """Whether any action is a memory action (`MEMORY_KINDS`)."""
+        return any(a.kind in MEMORY_KINDS for _, _, a in self.all_actions())
+
+    def without_memory_actions(self) -> Schedule:
+        """The same compute order with every residual kept on its rank.
+
+        Each ``FC`` becomes an ``F`` and every other memory action is dropped:
+        the schedule the memory actions were added to.
+        """
+        if not self.has_memory_actions:
+            return self
+        rows = []
+        for row in self.ranks:
+            cells = []
+            for step in row:
+                if isinstance(step, Action) and step.kind == "FC":
+                    step = Action("F", step.stage, step.microbatch)
+                elif isinstance(step, Action) and step.kind in MEMORY_KINDS:
+                    continue
+                cells.append(step)
+            rows.append(tuple(cells))
+        return Schedule(tuple(rows), name=self.name)
 
     @functools.cached_property
     def splits_backward(self) -> bool:

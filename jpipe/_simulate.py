@@ -23,6 +23,32 @@ count: jpipe's ``W`` piece reads the residuals too); an ``I`` adds its
 ``carry`` bytes (what it hands ``W``), live until the ``W``. A rank runs
 its list in order, so walking the list gives its live bytes after every action;
 the maximum plus the parameters of its stages is the rank's ``peak_bytes``.
+
+Memory actions (`jpipe._schedule.MEMORY_KINDS`) change both figures.
+
+Time. ``FC`` costs a forward and ``RECOMPUTE`` costs a forward too (or
+`Costs.recompute`), on the rank's compute like any action. A transfer runs
+beside the compute: ``EVICT`` and ``LOAD`` on the rank's link to its partner
+(`Costs.evict`, `Costs.load`), ``OFFLOAD_START`` and ``RELOAD_START`` on its
+copy engine to the host (`Costs.offload`, `Costs.reload`), one transfer at a
+time on each, beginning when the rank reaches it in its list (when the action
+before it ends), a load or reload no earlier than the eviction or offload
+ended. The rank goes on computing meanwhile: an ``OFFLOAD_END`` or
+``RELOAD_END`` waits (taking no time itself) for its copy, and whatever reads
+residuals (``RECOMPUTE``, ``B``, ``I``, ``W``) waits for a ``LOAD`` to land.
+So the work between a start and its end, or between a ``LOAD`` and the
+reader, hides the transfer. Transfers are on the timeline, not in ``busy``.
+
+Bytes are then counted in time, not along the list: an ``FC`` holds the
+stage's `Sizes.input` bytes until its ``RECOMPUTE`` ends, which holds the
+residuals from its start; an evicted microbatch's residuals stay on the rank
+until the eviction lands and are held by the partner from the moment it
+begins until the ``LOAD`` back has landed, which takes the rank's buffer when
+it is issued (so both count while a transfer is in flight); an offload frees
+the device copy at its ``OFFLOAD_END``, a ``RELOAD_START`` takes it again.
+What a rank holds for a partner is in its ``peak_bytes``;
+``peak_bytes_without`` is the same figure for the schedule without its memory
+actions (`Schedule.without_memory_actions`). Host memory is not counted.
 """
 
 from __future__ import annotations
@@ -32,7 +58,7 @@ import functools
 import math
 from collections.abc import Sequence
 
-from jpipe._schedule import Action, Schedule
+from jpipe._schedule import COMPUTE_KINDS, Action, Schedule
 from jpipe._validate import analyze
 
 Number = float | int
@@ -89,6 +115,11 @@ class Costs:
       F, I, W: forward, input-gradient and weight-gradient costs.
       B: full-backward cost; `None` means ``I + W``.
       comm: latency of a transfer between two different ranks.
+      recompute: a ``RECOMPUTE``'s cost; `None` means ``F`` (an ``FC`` costs ``F``).
+      evict, load: moving one microbatch's residuals to the partner and back
+        (`None` for `load` means `evict`); they run beside the compute.
+      offload, reload: copying them to the host and back (`None` for
+        `reload` means `offload`); beside the compute too.
     """
 
     F: PerStage = 1
@@ -96,14 +127,47 @@ class Costs:
     W: PerStage = 1
     B: PerStage | None = None
     comm: PerStage = 0
+    recompute: PerStage | None = None
+    evict: PerStage = 0
+    load: PerStage | None = None
+    offload: PerStage = 0
+    reload: PerStage | None = None
+
+    _KEYS = ("F", "I", "W", "B", "comm", "recompute", "evict", "load", "offload", "reload")
 
     def __post_init__(self):
-        _check_values(self, ("F", "I", "W", "B", "comm"), "cost", allow_none=True)
+        _check_values(self, self._KEYS, "cost", allow_none=True)
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Reads ``"F=1,I=1,W=1,B=2,comm=0"``; every key is optional."""
-        return cls(**_parse_items(text, ("F", "I", "W", "B", "comm"), "cost", "a number"))
+        """Reads ``"F=1,I=1,W=1,B=2,comm=0"`` (and the memory actions' keys); all optional."""
+        return cls(**_parse_items(text, cls._KEYS, "cost", "a number"))
+
+    def memory_table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
+        """Per-stage costs of the memory actions, `{kind: (stage 0, ...)}`.
+
+        ``FC`` and ``RECOMPUTE`` run on the compute; the transfers
+        (``EVICT``, ``LOAD``, ``OFFLOAD_START``, ``RELOAD_START``) beside it; the
+        ends take no time of their own.
+        """
+
+        def per_stage(name, value):
+            return _per_stage("cost", name, value, num_stages)
+
+        f = per_stage("F", self.F)
+        evict = per_stage("evict", self.evict)
+        offload = per_stage("offload", self.offload)
+        zero = (0.0,) * num_stages
+        return {
+            "FC": f,
+            "RECOMPUTE": f if self.recompute is None else per_stage("recompute", self.recompute),
+            "EVICT": evict,
+            "LOAD": evict if self.load is None else per_stage("load", self.load),
+            "OFFLOAD_START": offload,
+            "RELOAD_START": offload if self.reload is None else per_stage("reload", self.reload),
+            "OFFLOAD_END": zero,
+            "RELOAD_END": zero,
+        }
 
     def table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
         """Per-stage costs, `{kind: (cost of stage 0, cost of stage 1, ...)}`."""
@@ -138,26 +202,29 @@ class Sizes:
         (or ``W``, which reads them too).
       carry: what an ``I`` hands its ``W``, live from the ``I`` until the ``W``.
       params: bytes held for the whole step (weights, gradients, optimizer state).
+      input: what an ``FC`` keeps of one microbatch (the stage's input) until
+        its ``RECOMPUTE`` has rebuilt the residuals.
     """
 
     activation: PerStage = 0
     carry: PerStage = 0
     params: PerStage = 0
+    input: PerStage = 0
+
+    _KEYS = ("activation", "carry", "params", "input")
 
     def __post_init__(self):
-        _check_values(self, ("activation", "carry", "params"), "size")
+        _check_values(self, self._KEYS, "size")
 
     @classmethod
     def parse(cls, text: str) -> Sizes:
-        """Reads ``"activation=1e6,carry=5e5,params=4e8"``; every key is optional."""
-        keys = ("activation", "carry", "params")
-        return cls(**_parse_items(text, keys, "size", "a number of bytes"))
+        """Reads ``"activation=1e6,carry=5e5,params=4e8,input=2e5"``; every key is optional."""
+        return cls(**_parse_items(text, cls._KEYS, "size", "a number of bytes"))
 
     def table(self, num_stages: int) -> dict[str, tuple[float, ...]]:
         """Per-stage sizes, `{name: (bytes of stage 0, ...)}`."""
         return {
-            name: _per_stage("size", name, getattr(self, name), num_stages)
-            for name in ("activation", "carry", "params")
+            name: _per_stage("size", name, getattr(self, name), num_stages) for name in self._KEYS
         }
 
 
@@ -206,6 +273,7 @@ class Simulation:
     ends: tuple[tuple[float, ...], ...] = dataclasses.field(repr=False)
     sizes: Sizes | None = None
     peak_bytes: tuple[float, ...] | None = None
+    peak_bytes_without: tuple[float, ...] | None = None
 
     @functools.cached_property
     def timeline(self) -> tuple[Event, ...]:
@@ -227,7 +295,14 @@ class Simulation:
             "bubble_fraction": self.bubble_fraction,
             "busy": list(self.busy),
             "peak_activations": list(self.peak_activations),
-            **({} if self.peak_bytes is None else {"peak_bytes": list(self.peak_bytes)}),
+            **(
+                {}
+                if self.peak_bytes is None
+                else {
+                    "peak_bytes": list(self.peak_bytes),
+                    "peak_bytes_without_memory_actions": list(self.peak_bytes_without),
+                }
+            ),
         }
 
 
@@ -237,65 +312,183 @@ def simulate(
     """Runs `schedule` (validated first) as timed events with `costs`.
 
     With `sizes`, the result also has each rank's `peak_bytes` (see the module
-    docstring); without, it is `None`.
+    docstring), and `peak_bytes_without`, the same for the schedule without its
+    memory actions; without `sizes`, both are `None`.
     """
     costs = costs or Costs()
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
-    cost = costs.table(S)
-    comm = costs.comm_table(S)
-    owner = info.stage_to_rank
     rows = [schedule.actions(r) for r in range(schedule.num_ranks)]
-
-    end_f = [0.0] * (S * M)
-    end_g = [0.0] * (S * M)  # end of the B or I of (s, m)
-    end_i = [0.0] * (S * M)
-    free = [0.0] * len(rows)
-    busy = [0.0] * len(rows)
-    starts = [[0.0] * len(row) for row in rows]
-    ends = [[0.0] * len(row) for row in rows]
-    first_start = None
-    for r, i in info.order:
-        a = rows[r][i]
-        s, m, kind = a.stage, a.microbatch, a.kind
-        k = s * M + m
-        ready = free[r]
-        if kind == "F":
-            if s > 0:
-                ready = max(ready, end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0))
-        elif kind == "W":
-            ready = max(ready, end_i[k])
-        else:
-            ready = max(ready, end_f[k])
-            if s < S - 1:
-                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
-        duration = cost[kind][s]
-        finish = ready + duration
-        starts[r][i], ends[r][i] = ready, finish
-        free[r] = finish
-        busy[r] += duration
-        if first_start is None or ready < first_start:
-            first_start = ready
-        if kind == "F":
-            end_f[k] = finish
-        elif kind == "W":
-            pass
-        else:
-            end_g[k] = finish
-            if kind == "I":
-                end_i[k] = finish
-    makespan = max(free) - (first_start or 0.0)
+    starts, ends, issue, busy = _run(rows, info.order, S, M, info.stage_to_rank, costs)
+    first_start = min((min(row) for row in starts if row), default=0.0)
+    last_end = max((max(row) for row in ends if row), default=0.0)
+    makespan = last_end - first_start
     total = len(rows) * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
+    peak_live = info.peak_live
+    peaks = plain = None
+    if schedule.has_memory_actions:
+        ones = ((1.0,) * S, (0.0,) * S, (0.0,) * S)
+        events = _live_events(rows, starts, ends, issue, S, M, len(rows), *ones)
+        peak_live = tuple(int(p) for p in _peaks(events))
+        if sizes is not None:
+            size = sizes.table(S)
+            events = _live_events(
+                rows, starts, ends, issue, S, M, len(rows),
+                size["activation"], size["input"], size["carry"],
+            )  # fmt: skip
+            peaks = tuple(
+                p + sum(size["params"][s] for s in schedule.stages_of(r))
+                for r, p in enumerate(_peaks(events))
+            )
+            plain = peak_bytes(schedule.without_memory_actions(), sizes, S)
+    elif sizes is not None:
+        peaks = plain = peak_bytes(schedule, sizes, S)
     return Simulation(
         schedule=schedule,
         costs=costs,
         makespan=makespan,
         busy=tuple(busy),
         bubble_fraction=bubble,
-        peak_activations=info.peak_live,
+        peak_activations=peak_live,
         starts=tuple(map(tuple, starts)),
         ends=tuple(map(tuple, ends)),
         sizes=sizes,
-        peak_bytes=None if sizes is None else peak_bytes(schedule, sizes, S),
+        peak_bytes=peaks,
+        peak_bytes_without=plain,
     )
+
+
+def _run(rows, order, S: int, M: int, owner, costs: Costs):
+    """Times every action in `order` (a dependency order, `Analysis.order`).
+
+    Returns `(starts, ends, issue, busy)`: per rank, each action's start and end
+    (a transfer's span for the transfers), the time its rank reached it in its
+    list, and the rank's busy (compute) time. See the module docstring.
+    """
+    cost = costs.table(S)
+    comm = costs.comm_table(S)
+    if any(a.kind not in cost for row in rows for a in row):
+        cost = {**cost, **costs.memory_table(S)}
+    R = len(rows)
+    end_f = [0.0] * (S * M)
+    end_g = [0.0] * (S * M)  # end of the B or I of (s, m)
+    end_i = [0.0] * (S * M)
+    readable = [0.0] * (S * M)  # when the residuals can be read on their rank
+    away = [0.0] * (S * M)  # when the eviction or offload of (s, m) ended
+    free = [0.0] * R  # the rank's compute (and its place in its list)
+    link = [0.0] * R  # its transfers to and from its partner
+    host = [0.0] * R  # its copies to and from the host
+    busy = [0.0] * R
+    starts = [[0.0] * len(row) for row in rows]
+    ends = [[0.0] * len(row) for row in rows]
+    issue = [[0.0] * len(row) for row in rows]
+    for r, i in order:
+        a = rows[r][i]
+        s, m, kind = a.stage, a.microbatch, a.kind
+        k = s * M + m
+        ready = issue[r][i] = free[r]
+        if kind in ("F", "FC"):
+            if s > 0:
+                ready = max(ready, end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0))
+        elif kind == "W":
+            ready = max(ready, end_i[k], readable[k])
+        elif kind in ("B", "I"):
+            ready = max(ready, end_f[k], readable[k])
+            if s < S - 1:
+                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
+        elif kind == "RECOMPUTE":
+            ready = max(ready, readable[k])
+        elif kind in ("EVICT", "LOAD"):
+            ready = max(ready, link[r], away[k] if kind == "LOAD" else 0.0)
+        elif kind in ("OFFLOAD_START", "RELOAD_START"):
+            ready = max(ready, host[r], away[k] if kind == "RELOAD_START" else 0.0)
+        elif kind == "OFFLOAD_END":
+            ready = max(ready, away[k])
+        else:  # RELOAD_END
+            ready = max(ready, readable[k])
+        duration = cost[kind][s]
+        finish = ready + duration
+        starts[r][i], ends[r][i] = ready, finish
+        if kind in COMPUTE_KINDS:
+            free[r] = finish
+            busy[r] += duration
+        if kind in ("F", "FC"):
+            end_f[k] = finish
+            readable[k] = finish
+        elif kind in ("B", "I"):
+            end_g[k] = finish
+            if kind == "I":
+                end_i[k] = finish
+        elif kind == "RECOMPUTE":
+            readable[k] = finish
+        elif kind in ("EVICT", "LOAD"):
+            link[r] = finish
+            if kind == "EVICT":
+                away[k] = finish
+            else:
+                readable[k] = finish
+        elif kind in ("OFFLOAD_START", "RELOAD_START"):
+            host[r] = finish
+            if kind == "OFFLOAD_START":
+                away[k] = finish
+            else:
+                readable[k] = finish
+        elif kind in ("OFFLOAD_END", "RELOAD_END"):
+            free[r] = finish  # the rank waited for its copy
+    return starts, ends, issue, busy
+
+
+def _live_events(rows, starts, ends, issue, S, M, R, act, inp, carry):
+    """Per rank, its changes of live bytes in time order: `(key, delta, (rank, index))`.
+
+    `act`, `inp` and `carry` give each stage's residual, kept-input and carry
+    sizes. The rank's own changes are ordered as its list runs them; at one
+    instant what it takes for a partner comes before them and what it gives
+    back after them (the larger count, where times tie). See the module docstring.
+    """
+    events: list[list] = [[] for _ in range(R)]
+    for r, row in enumerate(rows):
+        own = events[r]
+        for i, a in enumerate(row):
+            s, kind = a.stage, a.kind
+            t0, t1 = starts[r][i], ends[r][i]
+            at_start, at_end = (t0, 1, i, 0), (t1, 1, i, 1)
+            if kind == "F":
+                own.append((at_start, act[s], (r, i)))
+            elif kind == "FC":
+                own.append((at_start, inp[s], (r, i)))
+            elif kind == "RECOMPUTE":
+                own.append((at_start, act[s], (r, i)))
+                own.append((at_end, -inp[s], (r, i)))
+            elif kind == "B":
+                own.append((at_end, -act[s], (r, i)))
+            elif kind == "I":
+                own.append((at_start, carry[s], (r, i)))
+            elif kind == "W":
+                own.append((at_end, -act[s] - carry[s], (r, i)))
+            elif kind == "EVICT":
+                own.append((at_end, -act[s], (r, i)))
+                events[a.partner].append(((t0, 0, r, i), act[s], (r, i)))
+            elif kind == "LOAD":
+                own.append(((issue[r][i], 1, i, 0), act[s], (r, i)))
+                events[a.partner].append(((t1, 2, r, i), -act[s], (r, i)))
+            elif kind == "OFFLOAD_END":
+                own.append((at_end, -act[s], (r, i)))
+            elif kind == "RELOAD_START":
+                own.append(((issue[r][i], 1, i, 0), act[s], (r, i)))
+    for row in events:
+        row.sort(key=lambda e: e[0])
+    return events
+
+
+def _peaks(events) -> list[float]:
+    """The most live at once on each rank, from `_live_events`."""
+    peaks = []
+    for row in events:
+        live = peak = 0.0
+        for _, delta, _ in row:
+            live += delta
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks

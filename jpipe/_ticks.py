@@ -428,6 +428,7 @@ def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
     ``python -m jpipe.show`` prints; `sim`, a unit-cost simulation of
     `schedule` where one is at hand, saves simulating it again.
     """
+    refuse_memory_actions(schedule)
     chosen = _choose_layout(schedule, layout, sim)
     owner = analyze(schedule).stage_to_rank
     channels = _channels(schedule, chosen)
@@ -541,6 +542,22 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     return extent, out
 
 
+def refuse_memory_actions(schedule: Schedule) -> None:
+    """Raises `NotImplementedError` naming the first memory action of `schedule`, if any.
+
+    The simulator and the charts run `FC`, `RECOMPUTE`, `EVICT`/`LOAD` and the
+    offloads (issue 23); the compiler does not lower them yet.
+    """
+    if not schedule.has_memory_actions:
+        return
+    r, pos, a = next((r, p, a) for r, p, a in schedule.all_actions() if a.is_memory)
+    raise NotImplementedError(
+        f"rank {r}, position {pos} ({a!r}): lowering of memory actions ({a.kind}) is not "
+        "built yet; jpipe.simulate and python -m jpipe.show run this schedule, "
+        "and Schedule.without_memory_actions() is the schedule the compiler can build"
+    )
+
+
 def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = False) -> Plan:
     """Lays `schedule` out in ticks and assigns its buffer slots.
 
@@ -553,6 +570,7 @@ def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = 
     With `forward_only`, the plan runs only the schedule's forwards, to
     compute a loss (`make_forward_plan`; `layout` is ignored).
     """
+    refuse_memory_actions(schedule)
     if forward_only:
         return make_forward_plan(schedule)
     if layout not in LAYOUTS:
@@ -569,6 +587,7 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     soon as the forward it depends on has run; nothing is kept for a backward
     (every residual write goes to the spare slot).
     """
+    refuse_memory_actions(schedule)
     info = analyze(schedule)
     # One piece of one kind per tick: labelled unit (see `Plan.layout`).
     layout = _packed_layout(schedule, kinds=("F",))._replace(name="unit")

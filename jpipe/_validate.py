@@ -17,6 +17,22 @@ what is wrong:
    for. The walk visits each action once, so it never hangs;
 7. optionally, a budget of live activations per rank.
 
+Memory actions (`jpipe._schedule.MEMORY_KINDS`) are checked in step 5, on
+the owner rank in its list order, each `(stage, microbatch)`'s residuals
+being in one place at a time: on the device (after ``F``, ``RECOMPUTE``,
+``LOAD`` or ``RELOAD_END``), only the input (after ``FC``), evicted to a
+partner (``EVICT`` to ``LOAD``), or offloaded (``OFFLOAD_START`` to
+``RELOAD_END``). So a ``LOAD`` comes after its ``EVICT``, names the same
+partner and comes before the residuals' reader; a reload after its offload,
+each end after its start; a ``RECOMPUTE`` after an ``FC`` and before the
+``B`` or ``I`` that needs it; nothing reads residuals (``RECOMPUTE``, ``B``,
+``I``, ``W``) while they are evicted or offloaded, and nothing moves them
+once ``B`` or ``W`` has freed them. Each kind appears at most once per
+`(stage, microbatch)`; a partner is another rank of the schedule. An
+evicted microbatch counts on its partner: ``peak_live`` and ``max_live``
+include what a rank holds for another, placed in time by running the
+schedule with unit costs (`jpipe.Costs()`, transfers free).
+
 Dependencies: ``F(s,m)`` after ``F(s-1,m)``; the backward of ``(s,m)`` (``B`` or
 ``I``) after ``F(s,m)`` and after the backward of ``(s+1,m)``; ``W(s,m)`` after
 ``I(s,m)``.
@@ -31,7 +47,7 @@ import dataclasses
 import operator
 from collections.abc import Sequence
 
-from jpipe._schedule import Action, Schedule
+from jpipe._schedule import MEMORY_KINDS, Action, Schedule
 
 
 class ScheduleError(ValueError):
@@ -57,7 +73,9 @@ class Analysis:
       order: every plain action as `(rank, index)` in an order that respects
         all dependencies, `index` counting the rank's plain actions
         (`Schedule.actions`).
-      peak_live: the most live activations on each rank.
+      peak_live: the most live activations on each rank (with memory
+        actions, what it holds for a partner included; see the module
+        docstring).
     """
 
     num_stages: int
@@ -141,6 +159,11 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"range; there {'is' if num_microbatches == 1 else 'are'} "
                     f"{_count(num_microbatches, 'microbatch')} (0..{num_microbatches - 1})"
                 )
+            if a.partner is not None and not (0 <= a.partner < len(rows) and a.partner != r):
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], a)}: partner rank {a.partner} must be another "
+                    f"rank of the schedule (0..{len(rows) - 1}, not {r} itself)"
+                )
             stages_seen.add(a.stage)
             mbs_seen.add(a.microbatch)
     S = num_stages if num_stages is not None else max(stages_seen) + 1
@@ -174,7 +197,10 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
 
     # 2. placement, 3. duplicates; where[kind][s * M + m] = (rank, index) or None
     owner: list[int] = [-1] * S
-    where: dict[str, list] = {kind: [None] * (S * M) for kind in "FBIW"}
+    where: dict[str, list] = {kind: [None] * (S * M) for kind in ("F", "B", "I", "W")}
+    memory = schedule.has_memory_actions
+    if memory:  # an FC is the key's forward (in F's slot); each other kind has its own
+        where.update({kind: [None] * (S * M) for kind in MEMORY_KINDS if kind != "FC"})
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
             s = a.stage
@@ -186,12 +212,18 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"{_where(r, cell_pos[r][i], a)}: stage {s} is on two ranks, "
                     f"{o} and {r}; a stage must live on exactly one rank"
                 )
-            slots = where[a.kind]
+            slots = where["F" if a.kind == "FC" else a.kind]
             k = s * M + a.microbatch
             prev = slots[k]
             if prev is not None:
+                first = rows[prev[0]][prev[1]]
+                what = (
+                    f"duplicate; {first!r}"
+                    if first.kind == a.kind
+                    else f"a second forward of ({s},{a.microbatch}); {first!r}"
+                )
                 raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: duplicate; {a!r} already appears "
+                    f"{_where(r, cell_pos[r][i], a)}: {what} already appears "
                     f"at rank {prev[0]}, position {cell_pos[prev[0]][prev[1]]}"
                 )
             slots[k] = (r, i)
@@ -238,23 +270,22 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"{cell_pos[r][need]}, which it needs"
                 )
 
+    # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
+    if memory:
+        _check_residual_places(rows, cell_pos, M)
+
     # 6. deadlock: walk the dependency graph
     order, peak = _walk(rows, cell_pos, S, M, owner)
+    if memory:  # what a rank holds for a partner is placed in time
+        budgets = None if max_live is None else _budgets(max_live, len(rows))
+        peak, over = _held_in_time(rows, cell_pos, order, S, M, owner, budgets)
+        if over:
+            raise ScheduleError(over)
+        return Analysis(S, M, tuple(owner), tuple(order), tuple(peak))
 
     # 7. live-activation budget
     if max_live is not None:
-        try:
-            budgets = (
-                [operator.index(max_live)] * len(rows)
-                if not hasattr(max_live, "__iter__")
-                else [operator.index(b) for b in max_live]
-            )
-        except TypeError:
-            raise ScheduleError(
-                f"max_live must be an integer or one integer per rank, got {max_live!r}"
-            ) from None
-        if len(budgets) != len(rows):
-            raise ScheduleError(f"max_live has {len(budgets)} entries for {len(rows)} ranks")
+        budgets = _budgets(max_live, len(rows))
         for r, row in enumerate(rows):
             live = 0
             for i, a in enumerate(row):
@@ -266,6 +297,181 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     )
                 live -= a.kind in ("B", "W")
     return Analysis(S, M, tuple(owner), tuple(order), tuple(peak))
+
+
+def _budgets(max_live, num_ranks: int) -> list[int]:
+    try:
+        budgets = (
+            [operator.index(max_live)] * num_ranks
+            if not hasattr(max_live, "__iter__")
+            else [operator.index(b) for b in max_live]
+        )
+    except TypeError:
+        raise ScheduleError(
+            f"max_live must be an integer or one integer per rank, got {max_live!r}"
+        ) from None
+    if len(budgets) != num_ranks:
+        raise ScheduleError(f"max_live has {len(budgets)} entries for {num_ranks} ranks")
+    return budgets
+
+
+# Where a key's residuals are, along its owner's list (see `_check_residual_places`).
+_NONE, _INPUT, _HERE, _EVICTED, _OFFLOADING, _OFFLOADED, _RELOADING, _FREED = range(8)
+_PLACE = {
+    _NONE: "not made yet (no forward has run)",
+    _INPUT: "not made: {fwd} kept only its input",
+    _HERE: "on the device",
+    _EVICTED: "evicted to rank {partner} by {moved}",
+    _OFFLOADING: "being offloaded to the host by {moved}",
+    _OFFLOADED: "offloaded to the host by {moved}",
+    _RELOADING: "still coming back from the host ({moved})",
+    _FREED: "freed by {freed}",
+}
+# kind: (the places it may run in, the place after it). B frees; I keeps them for W.
+_MOVES = {
+    "F": ((_NONE,), _HERE),
+    "FC": ((_NONE,), _INPUT),
+    "RECOMPUTE": ((_INPUT,), _HERE),
+    "B": ((_HERE,), _FREED),
+    "I": ((_HERE,), _HERE),
+    "W": ((_HERE,), _FREED),
+    "EVICT": ((_HERE,), _EVICTED),
+    "LOAD": ((_EVICTED,), _HERE),
+    "OFFLOAD_START": ((_HERE,), _OFFLOADING),
+    "OFFLOAD_END": ((_OFFLOADING,), _OFFLOADED),
+    "RELOAD_START": ((_OFFLOADED,), _RELOADING),
+    "RELOAD_END": ((_RELOADING,), _HERE),
+}
+# What must come first, by place: the action that would have moved them on.
+_NEEDED = {
+    ("RECOMPUTE", _NONE): "FC",
+    ("LOAD", _HERE): "EVICT",
+    ("OFFLOAD_END", _HERE): "OFFLOAD_START",
+    ("RELOAD_START", _HERE): "OFFLOAD_START",
+    ("RELOAD_START", _OFFLOADING): "OFFLOAD_END",
+    ("RELOAD_END", _HERE): "RELOAD_START",
+    ("RELOAD_END", _OFFLOADED): "RELOAD_START",
+}
+_BRINGS_BACK = {
+    _INPUT: "RECOMPUTE",
+    _EVICTED: "LOAD",
+    _OFFLOADING: "OFFLOAD_END, RELOAD_START and RELOAD_END",
+    _OFFLOADED: "RELOAD_START and RELOAD_END",
+    _RELOADING: "RELOAD_END",
+}
+
+
+def _check_residual_places(rows, cell_pos, M: int) -> None:
+    """Step 5b: each action finds its key's residuals where it needs them (module docstring)."""
+    for r, row in enumerate(rows):
+        place: dict[int, int] = {}
+        moved: dict[int, int] = {}  # index of the last action that put them where they are
+        made: dict[int, int] = {}  # index of the key's F or FC
+        for i, a in enumerate(row):
+            k = a.stage * M + a.microbatch
+            here = place.get(k, _NONE)
+            allowed, after = _MOVES[a.kind]
+            if here not in allowed:
+                why = _misplaced(r, row, cell_pos, i, here, moved.get(k), made.get(k))
+                raise ScheduleError(why)
+            if a.kind == "LOAD" and a.partner != row[moved[k]].partner:
+                ev = row[moved[k]]
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], a)}: loads from rank {a.partner}, but {ev!r} at "
+                    f"position {cell_pos[r][moved[k]]} evicted them to rank {ev.partner}"
+                )
+            if a.kind in ("F", "FC"):
+                made[k] = i
+            if after != here or a.kind in MEMORY_KINDS:
+                moved[k] = i
+            place[k] = after
+
+
+def _misplaced(r, row, cell_pos, i, here, moved, made) -> str:
+    """Why `row[i]` cannot run with its residuals in `here` (see `_check_residual_places`)."""
+    a = row[i]
+    key = f"({a.stage},{a.microbatch})"
+    where = _where(r, cell_pos[r][i], a)
+
+    def at(j):
+        return f"{row[j]!r} at position {cell_pos[r][j]}"
+
+    need = _NEEDED.get((a.kind, here))
+    if need is not None:
+        later = next(
+            (j for j in range(i + 1, len(row)) if row[j].kind == need and row[j].key == a.key),
+            None,
+        )
+        if later is not None:
+            return f"{where}: comes before {at(later)}, which it needs"
+        return f"{where}: needs an {need} of {key} before it, and rank {r} has none"
+    if here == _NONE:
+        return f"{where}: comes before the forward of {key}, which it needs"
+    if a.kind == "RECOMPUTE" and here in (_HERE, _FREED) and row[made].kind == "F":
+        return f"{where}: nothing to recompute: {at(made)} kept its residuals (an FC drops them)"
+    text = _PLACE[here].format(
+        fwd=at(made) if made is not None else "its forward",
+        partner=row[moved].partner if moved is not None else None,
+        moved=at(moved) if moved is not None else "",
+        freed=at(moved) if moved is not None else "",
+    )
+    reads = a.kind in ("RECOMPUTE", "B", "I", "W")
+    tail = ""
+    if reads and here == _INPUT:
+        tail = "; a RECOMPUTE must come before it (missing recompute)"
+    elif reads and here in _BRINGS_BACK:
+        tail = f"; {_BRINGS_BACK[here]} must come before it"
+    verb = "reads" if reads else "moves"
+    return f"{where}: {verb} the residuals of {key} while they are {text}{tail}"
+
+
+def _held_in_time(rows, cell_pos, order, S, M, owner, budgets):
+    """Live activations per rank in time (unit costs), what it holds for a partner included.
+
+    Returns `(peak per rank, message)`, the message naming where `budgets` are
+    first exceeded (or `None`).
+    """
+    from jpipe._simulate import Costs, _live_events, _run
+
+    starts, ends, issue, _ = _run(rows, order, S, M, owner, Costs())
+    ones = ((1.0,) * S, (0.0,) * S, (0.0,) * S)  # residuals count; inputs and carries do not
+    peaks, message = [], None
+    for r, events in enumerate(_live_events(rows, starts, ends, issue, S, M, len(rows), *ones)):
+        live = peak = 0.0
+        held = 0
+        for key, delta, (src, j) in events:
+            live += delta
+            if src != r:
+                held += 1 if delta > 0 else -1
+            peak = max(peak, live)
+            if budgets is not None and message is None and live > budgets[r]:
+                own_pos = _position_at(starts[r], key[0])
+                a = rows[r][own_pos] if own_pos is not None else None
+                where = (
+                    _where(r, cell_pos[r][own_pos], a) if a is not None else f"rank {r} (no action)"
+                )
+                extra = ""
+                if held:
+                    b = rows[src][j]
+                    extra = (
+                        f" ({held} of them held for another rank, such as {b!r} from rank "
+                        f"{src}, position {cell_pos[src][j]})"
+                    )
+                message = (
+                    f"{where}: {int(live)} live activations{extra} exceed the budget of "
+                    f"{budgets[r]} on rank {r}"
+                )
+        peaks.append(int(peak))
+    return peaks, message
+
+
+def _position_at(starts, t) -> int | None:
+    """The rank's action that starts last at or before `t` (else its first)."""
+    best = None
+    for i, s in enumerate(starts):
+        if s <= t and (best is None or s >= starts[best]):
+            best = i
+    return best if best is not None else (0 if starts else None)
 
 
 def _refuse_a_stray_microbatch(rows, cell_pos, S: int, M: int, where) -> None:
@@ -315,27 +521,30 @@ def _walk(rows, cell_pos, S, M, owner):
             s, m = a.stage, a.microbatch
             k = s * M + m
             need = None
-            if a.kind == "F":
+            if a.kind in ("F", "FC"):
                 if s > 0 and not done_f[k - M]:
                     need = ("F", k - M)
             elif a.kind == "W":
                 if not done_i[k]:
                     need = ("I", k)
-            else:  # B or I
+            elif a.kind in ("B", "I"):
                 if not done_f[k]:
                     need = ("F", k)
                 elif s < S - 1 and not done_g[k + M]:
                     need = ("G", k + M)
+            # a memory action needs only what its own rank ran before it (step 5b)
             if need is not None:
                 waiting.setdefault(need, []).append(r)
                 break
             order.append((r, i))
-            if a.kind == "F":
+            if a.kind in ("F", "FC"):
                 done_f[k] = 1
-                live[r] += 1
+                live[r] += a.kind == "F"
                 if live[r] > peak[r]:
                     peak[r] = live[r]
                 woken = waiting.pop(("F", k), None)
+            elif a.kind not in ("B", "I", "W"):
+                woken = None  # memory actions: the peak is counted in time (_held_in_time)
             elif a.kind == "W":
                 live[r] -= 1
                 woken = None
@@ -366,21 +575,26 @@ def _deadlock_message(rows, cell_pos, pc, S, M, owner) -> str:
             continue
         a = row[pc[r]]
         s, m = a.stage, a.microbatch
-        if a.kind == "F":
-            deps = [Action("F", s - 1, m)]
+        if a.kind in ("F", "FC"):
+            deps = [Action("F", s - 1, m), Action("FC", s - 1, m)]
         elif a.kind == "W":
             deps = [Action("I", s, m)]
-        elif not _ran_before(rows, pc, owner[s], Action("F", s, m)):
-            deps = [Action("F", s, m)]
+        elif not _ran_before(rows, pc, owner[s], Action("F", s, m)) and not _ran_before(
+            rows, pc, owner[s], Action("FC", s, m)
+        ):
+            deps = [Action("F", s, m), Action("FC", s, m)]
         else:
             deps = [Action("B", s + 1, m), Action("I", s + 1, m)]
         dep_rank = owner[deps[0].stage]
         dep_row = rows[dep_rank]
         dep_pos = next((i for i, b in enumerate(dep_row) if b in deps), None)
         dep = deps[0] if dep_pos is None else dep_row[dep_pos]
-        name = (
-            repr(dep) if len(deps) == 1 or dep_pos is not None else f"the backward of ({s + 1},{m})"
-        )
+        if len(deps) == 1 or dep_pos is not None:
+            name = repr(dep)
+        elif deps[0].kind == "F":
+            name = f"the forward of ({deps[0].stage},{m})"
+        else:
+            name = f"the backward of ({s + 1},{m})"
         if dep_rank == r and dep_pos is not None:
             where = f"which comes later on this rank, at position {cell_pos[r][dep_pos]}"
         else:

@@ -21,10 +21,14 @@ given by ``--cost``; ``B`` defaults to ``I + W``). The output is a text chart,
 one row per rank (see `text_chart`), then the makespan, the bubble fraction,
 and the busy time and peak live activations of each rank; with ``--bytes``
 (per-stage residual, I-to-W carry and parameter bytes) also each rank's peak
-bytes. Last comes the shape of the program the compiler would build
+bytes, and beside them the same without the schedule's memory actions
+(`jpipe.Schedule.without_memory_actions`; ``--bytes input=...`` sizes what an
+``FC`` keeps). Last comes the shape of the program the compiler would build
 (`jpipe.make_plan`): its lock-step ticks, and its transfers between ranks,
 how many are read in the very next tick (so nothing can hide them) and how
-many collectives carry nothing (`jpipe.Plan.transfers`). ``--json`` prints
+many collectives carry nothing (`jpipe.Plan.transfers`); for a schedule
+with memory actions, whose lowering is not built yet, a line saying so
+(``"program": null`` in the JSON). ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
 Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
 https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
@@ -97,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bytes",
         default=None,
-        metavar="activation=0,carry=0,params=0",
-        help="bytes per stage: residuals of a microbatch, I-to-W carry, parameters; "
-        "adds each rank's peak bytes",
+        metavar="activation=0,carry=0,params=0,input=0",
+        help="bytes per stage: residuals of a microbatch, I-to-W carry, parameters, "
+        "what an FC keeps; adds each rank's peak bytes (with and without memory actions)",
     )
     parser.add_argument("--width", type=_positive_int, default=120, help="chart width in columns")
     parser.add_argument(
@@ -119,7 +123,8 @@ def _figures(sim: Simulation) -> str:
         f"bubble fraction  {sim.bubble_fraction:.4f}",
         "",
         "rank  stages        busy      idle  peak live"
-        + ("  peak bytes" if sim.peak_bytes else ""),
+        + ("  peak bytes" if sim.peak_bytes else "")
+        + ("  without memory actions" if sim.peak_bytes and s.has_memory_actions else ""),
     ]
     for r in range(s.num_ranks):
         stages = ",".join(str(x) for x in s.stages_of(r)) or "-"
@@ -127,6 +132,11 @@ def _figures(sim: Simulation) -> str:
             f"{r:>4}  {stages:<10}{sim.busy[r]:>8g}{sim.makespan - sim.busy[r]:>10g}"
             f"{sim.peak_activations[r]:>11}"
             + (f"{sim.peak_bytes[r]:>12.4g}" if sim.peak_bytes else "")
+            + (
+                f"{sim.peak_bytes_without[r]:>25.4g}"
+                if sim.peak_bytes and s.has_memory_actions
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -150,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
         )
         sim = simulate(schedule, costs, sizes)  # validates first
-        # The shape of the program `jpipe.make_plan` would lay out, without its table.
-        program = program_shape(schedule, sim=sim)
+        # The shape of the program `jpipe.make_plan` would lay out, without its table;
+        # memory actions are not lowered yet (`jpipe._ticks.refuse_memory_actions`).
+        program = None if schedule.has_memory_actions else program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -180,12 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
-        print(
-            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
-            f"{program['channels']} channel(s); {program['sent']} transfers between ranks, "
-            f"{program['exposed']} read the very next tick; {program['collectives']} "
-            f"collectives, {program['idle']} with nothing to send"
-        )
+        if program is None:
+            kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
+            print(
+                f"program: not built; lowering of memory actions ({', '.join(kinds)}) "
+                "is not built yet"
+            )
+        else:
+            print(
+                f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+                f"{program['channels']} channel(s); {program['sent']} transfers between "
+                f"ranks, {program['exposed']} read the very next tick; "
+                f"{program['collectives']} collectives, {program['idle']} with nothing to send"
+            )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)
