@@ -33,6 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.num_microbatches = 8  # M; must divide batch_size / (mesh.data * mesh.fsdp)
     config.chunks = 0  # stages per rank V; 0 = the schedule's own (interleaved_1f1b, zbv: 2)
     config.tick_layout = "auto"  # "unit", "packed", or "auto": packed where no slower
+    # "spmd": the step is one program every device runs in lock step (TPUs, one jit);
+    # "mpmd": one program per piece on its rank's devices, no conditionals (GPUs).
+    config.lowering = "spmd"
     config.layers_per_stage = ""  # blocks per stage, e.g. "3,4,4,3"; "" = balanced
     # A plan file from `python -m jpipe.plan ... --save FILE`; "" = none. When set, it
     # sets mesh, layers_per_stage, schedule, chunks, num_microbatches and batch_size.

@@ -31,9 +31,10 @@ CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
 CASES += [(name, r, m, 2) for name in ["vhalf", "vmin"] for r, m in [(2, 1), (2, 3), (4, 6)]]
 
 
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("name,ranks,microbatches,chunks", CASES)
-def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks):
-    result = testing.check_schedule(name, ranks, microbatches, chunks)
+def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks, lowering):
+    result = testing.check_schedule(name, ranks, microbatches, chunks, lowering=lowering)
     assert result.passed, result
     assert result.max_rel_err <= RTOL
 
@@ -73,8 +74,9 @@ def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chu
         ("vmin", 3, 2),
     ],
 )
-def test_pipe_by_data_mesh(name, microbatches, chunks):
-    result = testing.check_schedule(name, 2, microbatches, chunks, data=2)
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_pipe_by_data_mesh(name, microbatches, chunks, lowering):
+    result = testing.check_schedule(name, 2, microbatches, chunks, data=2, lowering=lowering)
     assert result.passed, result
 
 

@@ -39,13 +39,14 @@ def whole_batch(model):
     "name,data,scan_layers",
     [("1f1b", 2, False), ("zb_h1", 1, True)],
 )
-def test_pipelined_dropout_equals_the_whole_batch(name, data, scan_layers):
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_pipelined_dropout_equals_the_whole_batch(name, data, scan_layers, lowering):
     config = models.GPTConfig(**{**CONFIG.__dict__, "scan_layers": scan_layers})
     schedule = jpipe.get_schedule(name, 2, 4)
     model = models.make_stages(config, (1, 1))
     params = model.init(0)
     batch = keyed_batch(16)
-    pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(2, data))
+    pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(2, data), lowering=lowering)
     packed = pipe.pack(params)
     loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
     # The reference runs the whole batch at once, unpipelined: equal only if

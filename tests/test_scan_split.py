@@ -229,14 +229,16 @@ def test_scanned_gpt_splits_like_the_unrolled_one():
     assert bubbles[0] == bubbles[1] and 0 < bubbles[0] < 1, bubbles
 
 
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("name,ranks", [("1f1b", 2), ("zb_h1", 4)])
-def test_scanned_gpt_is_exact(name, ranks):
+def test_scanned_gpt_is_exact(name, ranks, lowering):
     model, params = _gpt(True)
     if ranks != 2:  # the same weights cut into one block per stage
         model = gpt.make_stages(dataclasses.replace(_GPT, scan_layers=True), [1] * 4)
         params = split_stage_params(merge_stage_params(params), [1] * 4, scan_layers=True)
     batch = gpt.example_batch(_GPT, 8)
-    pipe = Pipeline(model.stages, jpipe.get_schedule(name, ranks, 4), make_mesh(ranks, 1))
+    schedule = jpipe.get_schedule(name, ranks, 4)
+    pipe = Pipeline(model.stages, schedule, make_mesh(ranks, 1), lowering=lowering)
     loss, grads = pipe.value_and_grad(pipe.pack(params), batch)
     with jax.default_device(jax.devices("cpu")[0]):
         reference = jpipe.reference_value_and_grad(model.stages, params, batch)

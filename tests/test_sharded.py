@@ -35,8 +35,9 @@ def per_device_bytes(packed: dict) -> int:
     return sum(v.addressable_shards[0].data.nbytes for v in packed.values())
 
 
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("axes", [{"data": 2, "tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=str)
-def test_split_stages_equal_the_whole_model(axes):
+def test_split_stages_equal_the_whole_model(axes, lowering):
     mesh = jpipe.make_mesh(2, **axes)
     batch = models.example_batch(CONFIG, batch_size=8, seed=3)
     # Random token masks (a jpipe.WeightedLoss): the pipeline sums weighted
@@ -47,7 +48,7 @@ def test_split_stages_equal_the_whole_model(axes):
         model = models.make_stages(CONFIG, split, tensor_axis="tensor")
         params = model.init(0)
         schedule = jpipe.get_schedule(name, 2, 4, chunks)
-        pipe = jpipe.Pipeline(model.stages, schedule, mesh)
+        pipe = jpipe.Pipeline(model.stages, schedule, mesh, lowering=lowering)
         packed = pipe.pack(params, gpt.tensor_specs(CONFIG, params))
         loss, grads = pipe.value_and_grad(packed, jax.device_put(inputs, pipe.batch_sharding))
         # The reference is the whole model on the whole batch: no pipeline,
@@ -159,21 +160,27 @@ COLLECTIVE_SCHEDULES = (("1f1b", None), ("zb_h1", None), ("interleaved_1f1b", 2)
 
 @pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
 @pytest.mark.parametrize("block", ["mlp", "attention", "two_blocks"])
-def test_plain_collectives_give_the_unsplit_models_gradients(block, mesh):
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_plain_collectives_give_the_unsplit_models_gradients(block, mesh, lowering):
     ranks, axes = COLLECTIVE_MESHES[mesh]
     for name, chunks in COLLECTIVE_SCHEDULES:
-        result = testing.check_schedule(name, ranks, 4, chunks, model=f"tensor:{block}", **axes)
+        result = testing.check_schedule(
+            name, ranks, 4, chunks, model=f"tensor:{block}", lowering=lowering, **axes
+        )
         assert result.passed, (name, result.max_rel_err)
         assert result.max_rel_err <= RTOL
 
 
 @pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
-def test_sequence_parallelism_inside_a_stage(mesh):
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_sequence_parallelism_inside_a_stage(mesh, lowering):
     # psum_scatter splits a block's sum over the sequence, each device works
     # on its positions, all_gather(..., to="invarying") gathers them back.
     ranks, axes = COLLECTIVE_MESHES[mesh]
     for name, chunks in COLLECTIVE_SCHEDULES[:2]:
-        result = testing.check_schedule(name, ranks, 4, chunks, model="tensor:sequence", **axes)
+        result = testing.check_schedule(
+            name, ranks, 4, chunks, model="tensor:sequence", lowering=lowering, **axes
+        )
         assert result.passed, (name, result.max_rel_err)
 
 

@@ -45,13 +45,14 @@ def full_batch_masked_mean(model, params, batch):
     # With a data axis (and tensor and fsdp): tests/test_sharded.py.
     [("1f1b", 2, 4, 1, 1), ("zb_h1", 4, 4, 1, 1), ("interleaved_1f1b", 2, 4, 2, 1)],
 )
-def test_masked_mean_matches_the_whole_batch(name, ranks, microbatches, chunks, data):
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_masked_mean_matches_the_whole_batch(name, ranks, microbatches, chunks, data, lowering):
     schedule = jpipe.get_schedule(name, ranks, microbatches, chunks if chunks > 1 else None)
     S = schedule.num_stages
     model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, S))
     params = sharp(model.init(0))
     batch = masked_batch(4 * microbatches)
-    pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(ranks, data))
+    pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(ranks, data), lowering=lowering)
     packed, placed = pipe.pack(params), jax.device_put(batch, pipe.batch_sharding)
     loss, grads = pipe.value_and_grad(packed, placed)
     want = jax.jit(jax.value_and_grad(lambda p: full_batch_masked_mean(model, p, batch)))(params)

@@ -306,6 +306,7 @@ class TrainConfig:
     optimizer: OptimizerConfig
     chunks: int = 0  # 0: the schedule's own default
     tick_layout: str = "auto"  # "auto", "unit" or "packed" (see jpipe.Pipeline)
+    lowering: str = "spmd"  # "spmd" or "mpmd" (per rank; see jpipe.Pipeline)
     layers_per_stage: str = ""
     cpu_devices: int = 0
     profile: bool = False
@@ -324,6 +325,10 @@ class TrainConfig:
             raise config_error(
                 "tick_layout", self.tick_layout, f"must be one of {', '.join(jpipe.TICK_LAYOUTS)}"
             )
+        if self.lowering not in jpipe.LOWERINGS:
+            raise config_error(
+                "lowering", self.lowering, f"must be one of {', '.join(jpipe.LOWERINGS)}"
+            )
         _check_type("layers_per_stage", self.layers_per_stage, str, "a string such as '3,4,4,3'")
         _check_int("steps", self.steps, 1)
         _check_int("log_every", self.log_every, 1)
@@ -334,6 +339,13 @@ class TrainConfig:
         _check_int("batch_size", self.batch_size, 1)
         _check_int("cpu_devices", self.cpu_devices, 0)
         _check_type("profile", self.profile, bool, "True or False")
+        if self.profile and self.lowering != "spmd":
+            raise config_error(
+                "profile",
+                self.profile,
+                "measures the SPMD step's memory and stage times; the per-rank lowering's "
+                "profile is not built yet; accepted: profile=False with lowering='mpmd'",
+            )
         if self.profile and self.mesh.tensor > 1:
             raise config_error(
                 "profile",

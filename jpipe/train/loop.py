@@ -235,7 +235,9 @@ def _run(
             f"leaf {model.keys!r}, but the trainer adds them as {ROW_KEYS!r}; build the model "
             f"with keys={ROW_KEYS!r}"
         )
-    pipeline = jpipe.Pipeline(model.stages, schedule, mesh, tick_layout=c.tick_layout)
+    pipeline = jpipe.Pipeline(
+        model.stages, schedule, mesh, tick_layout=c.tick_layout, lowering=c.lowering
+    )
 
     # Each rank's devices make only that rank's parameters, each device its
     # own block of them (`Pipeline.init`): no device or host holds the model.

@@ -91,6 +91,11 @@ def train_step(
     if row_keys_seed is not None:
         batch = with_row_keys(batch, row_keys_seed, state.step, batch_sharding)
     loss, grads = value_and_grad(state.params, batch)
+    return apply_gradients(state, loss, grads, optimizer=optimizer, lr=lr)
+
+
+def apply_gradients(state: TrainState, loss, grads, *, optimizer, lr):
+    """The optimizer's update of `state` from `grads`: ``(new_state, metrics)`` as `train_step`."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -141,6 +146,10 @@ def compile_train_step(
     per-row keys from it (`with_row_keys`); `shard_over_data` splits the
     optimizer state over ``data`` (`state_shardings`).
     """
+    if pipeline.lowering == "mpmd":
+        return PerRankTrainStep(
+            pipeline, optimizer, lr, state, batch, row_keys_seed, shard_over_data
+        )
     shardings = state_shardings(state, pipeline, shard_over_data)
     keyed = batch
     if row_keys_seed is not None:
@@ -160,3 +169,50 @@ def compile_train_step(
         donate_argnums=0,
     )
     return jitted.lower(state, batch).compile()
+
+
+class PerRankTrainStep:
+    """The train step under the per-rank lowering (``lowering="mpmd"``).
+
+    Not one program: the pipeline's pieces run from the host
+    (`jpipe.RankPrograms`), so the step is three calls, each jitted once
+    here: the batch's dropout keys (when the model draws any), the
+    pipeline's ``value_and_grad``, and the optimizer's update with the
+    state donated. Called as `compile_train_step`'s result is:
+    ``step(state, batch) -> (state, metrics)``.
+    """
+
+    def __init__(self, pipeline, optimizer, lr, state, batch, row_keys_seed, shard_over_data):
+        self.pipeline = pipeline
+        shardings = state_shardings(state, pipeline, shard_over_data)
+        replicated = NamedSharding(pipeline.mesh, P())
+        self._keys = None
+        keyed = batch
+        if row_keys_seed is not None:
+            self._keys = jax.jit(
+                lambda step, b: with_row_keys(b, row_keys_seed, step, pipeline.batch_sharding),
+                out_shardings=pipeline.batch_sharding,
+            )
+            keyed = jax.eval_shape(lambda b: with_row_keys(b, row_keys_seed, 0), batch)
+        update = functools.partial(apply_gradients, optimizer=optimizer, lr=lr)
+        self._update = jax.jit(
+            update,
+            in_shardings=(shardings, replicated, pipeline.param_sharding),
+            out_shardings=(shardings, replicated),
+            donate_argnums=0,  # the gradients have no output to reuse their buffers
+        )
+        keyed = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pipeline.batch_sharding),
+            keyed,
+        )
+        self.programs = pipeline.compile(state.params, keyed)
+
+    def __call__(self, state, batch):
+        if self._keys is not None:
+            batch = self._keys(state.step, batch)
+        loss, grads = self.pipeline.value_and_grad(state.params, batch)
+        return self._update(state, loss, grads)
+
+    def memory_analysis(self):
+        """None: the step is many programs (`RankPrograms.compiled` has each one's)."""
+        return None
