@@ -649,7 +649,9 @@ class Pipeline:
         Its `classes` say which stages share one branch of the program, its
         `table` what every rank does each tick, and its `arena_rows` how big
         the residual and carry buffers are (in rows of `Program.ROW` elements).
+        The per-rank lowering's counterpart is `rank_programs`.
         """
+        self._only_spmd("Pipeline.program (the SPMD program's tick table)")
         _, program = self._build(batch)
         return program
 

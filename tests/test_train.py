@@ -291,6 +291,8 @@ def _count_compiles():
         ({"model.d_model": 33}, "config.model: GPTConfig.d_model=33"),
         ({"data.max_bytes": 2000}, "config.data: the eval part of the corpus"),
         ({"tick_layout": "fast"}, "config.tick_layout='fast': must be one of auto, unit, packed"),
+        ({"lowering": "per-rank"}, "config.lowering='per-rank': must be one of spmd, mpmd"),
+        ({"lowering": "mpmd", "profile": True}, "config.profile=True: measures the SPMD step"),
         (
             {"mesh.pipe": 2, "mesh.tensor": 2, "model.num_heads": 3, "model.d_model": 48},
             "config.mesh.tensor=2: must divide model.num_heads=3",

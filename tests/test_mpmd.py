@@ -1,0 +1,155 @@
+"""The per-rank lowering (``lowering="mpmd"``): its op list, programs, refusals and trainer.
+
+Its exactness against the unpipelined model is tested with the SPMD
+lowering's, by the same tests parametrized over `jpipe.LOWERINGS`
+(test_compiler, test_sharded, test_weighted_loss, test_dropout,
+test_scan_split, the fuzz in test_compiler_properties).
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jpipe
+from jpipe import models, testing
+from jpipe._mpmd import issue_order
+from jpipe.models import gpt
+
+RTOL = 1e-5
+CONFIG = gpt.GPTConfig(vocab_size=64, num_layers=4, d_model=32, num_heads=2, seq_len=8, d_ff=64)
+
+
+def _pipeline(name="1f1b", ranks=2, microbatches=4, chunks=None, data=1, lowering="mpmd"):
+    schedule = jpipe.get_schedule(name, ranks, microbatches, chunks)
+    model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, schedule.num_stages))
+    params = model.init(0)
+    pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(ranks, data), lowering=lowering)
+    batch = jax.device_put(
+        models.example_batch(CONFIG, batch_size=8 * data, seed=1), pipe.batch_sharding
+    )
+    return pipe, model, params, batch
+
+
+@pytest.mark.parametrize(
+    "name,ranks,microbatches,chunks",
+    [("1f1b", 4, 8, None), ("zb_h1", 4, 8, None), ("interleaved_1f1b", 2, 4, 2), ("zbv", 2, 4, 2)],
+)
+def test_the_op_list_keeps_each_ranks_order_and_puts_inputs_first(
+    name, ranks, microbatches, chunks
+):
+    schedule = jpipe.get_schedule(name, ranks, microbatches, chunks)
+    order = issue_order(schedule)
+    for r in range(ranks):
+        mine = [a for rank, a in order if rank == r]
+        assert mine == [a for step in schedule.actions(r) for a in step.parts]
+    issued = set()
+    S = schedule.num_stages
+    for _, a in order:
+        s, m = a.stage, a.microbatch
+        if a.kind == "F" and s > 0:
+            assert ("F", s - 1, m) in issued
+        if a.kind in "IB" and s < S - 1:
+            assert ("I", s + 1, m) in issued
+        if a.kind == "W":
+            assert ("I", s, m) in issued
+        issued.add((a.kind, s, m))
+        if a.kind == "B":
+            issued.add(("I", s, m))
+
+
+def test_a_schedule_that_waits_forever_is_refused_by_name():
+    # Rank 1 runs the backward of microbatch 0 before the forward that feeds
+    # it can come; the op list names what each rank waits on.
+    bad = jpipe.Schedule.of([["0F0", "0B0"], ["1B0", "1F0"]])
+    with pytest.raises(ValueError, match=r"every rank waits \(rank 0: 0B0, rank 1: 1B0\)"):
+        issue_order(bad)
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", None), ("zb_h1", None), ("zbv", 2)])
+def test_no_piece_holds_a_conditional(name, chunks):
+    pipe, _, params, batch = _pipeline(name, chunks=chunks)
+    packed = pipe.pack(params)
+    compiled = pipe.compile(packed, batch).compiled
+    texts = [c.as_text() for pieces in compiled for c in pieces.values()]
+    assert len(texts) == pipe.schedule.num_stages * len(compiled[0])
+    assert all(re.search(r"\bconditional\(", t) is None for t in texts)
+    # The SPMD program of the same schedule has them (the test can fail).
+    spmd = jpipe.Pipeline(pipe.stages, pipe.schedule, pipe.mesh)
+    text = spmd.compile(spmd.pack(params), batch).as_text()
+    assert re.search(r"\bconditional\(", text) is not None
+
+
+def test_forward_only_loss_and_repeated_steps():
+    pipe, model, params, batch = _pipeline("interleaved_1f1b", chunks=2, data=2)
+    packed = pipe.pack(params)
+    ref_loss, ref_grads = jpipe.reference_value_and_grad(model.stages, params, batch)
+    for _ in range(2):  # the second step reuses every program and buffer
+        loss, grads = pipe.value_and_grad(packed, batch)
+        _, rel = testing.compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
+        assert rel <= RTOL
+    np.testing.assert_allclose(float(pipe.loss(packed, batch)), float(ref_loss), rtol=RTOL)
+    # The loss and gradients are laid out as the SPMD lowering's.
+    assert loss.sharding == jax.sharding.NamedSharding(pipe.mesh, jax.P())
+    assert {b: g.sharding for b, g in grads.items()} == pipe.param_sharding
+    ops = pipe.rank_programs(batch).last_run["host_ops"]
+    # One op per piece, one per transfer, plus the step's set-up and finish.
+    pieces = sum(len(pipe.schedule.actions(r)) for r in range(2))
+    assert pieces <= ops <= 3 * pieces
+
+
+def test_what_only_the_spmd_lowering_does_is_refused_naming_the_lowering():
+    pipe, _, params, batch = _pipeline()
+    packed = pipe.pack(params)
+    for call in (
+        lambda: pipe.step_fn(batch),
+        lambda: pipe.lower(packed, batch),
+        lambda: pipe.program(batch),
+    ):
+        with pytest.raises(ValueError, match=r"lowering='mpmd'.*lowering='spmd'"):
+            call()
+    with pytest.raises(ValueError, match=r"cannot be traced: it cannot sit inside jax.jit"):
+        jax.jit(pipe.value_and_grad)(packed, batch)
+    with pytest.raises(ValueError, match=r"cannot be traced"):
+        jax.grad(lambda p: pipe.value_and_grad(p, batch)[0])(packed)
+    with pytest.raises(ValueError, match=r"lowering must be one of 'spmd', 'mpmd'; got 'per-rank'"):
+        jpipe.Pipeline(pipe.stages, pipe.schedule, pipe.mesh, lowering="per-rank")
+    with pytest.raises(ValueError, match="all_idle"):
+        jpipe.Pipeline(pipe.stages, pipe.schedule, pipe.mesh, lowering="mpmd", all_idle=True)
+
+
+def test_a_stage_reading_its_pipe_index_is_refused():
+    # Under the per-rank lowering a rank's sub-mesh has one device on pipe,
+    # so axis_index("pipe") would be 0 everywhere: refused, not wrong.
+    def stage(params, x, inputs):
+        x = inputs["x"] if x is None else x
+        return x * params["w"] + jax.lax.axis_index("pipe").astype(x.dtype)
+
+    def last(params, x, inputs):
+        return jax.numpy.mean((x * params["w"]) ** 2)
+
+    schedule = jpipe.get_schedule("1f1b", 2, 2)
+    pipe = jpipe.Pipeline([stage, last], schedule, jpipe.make_mesh(2), lowering="mpmd")
+    params = [{"w": np.ones((3,), np.float32)}] * 2
+    packed = pipe.pack(params)
+    with pytest.raises(ValueError, match=r"stage 0 reads lax.axis_index\('pipe'\)"):
+        pipe.value_and_grad(packed, {"x": np.ones((4, 3), np.float32)})
+
+
+def test_the_trainer_runs_the_per_rank_lowering_to_the_spmd_losses(tmp_path):
+    from test_train import tiny_config
+
+    from jpipe import train as trainer
+
+    def run(lowering, dropout):
+        config = tiny_config(steps=3, eval_every=3, lowering=lowering, **{"model.dropout": dropout})
+        return trainer.train(config, str(tmp_path / f"{lowering}{dropout}"), progress=False)
+
+    for dropout in (0.0, 0.1):
+        spmd, mpmd = run("spmd", dropout), run("mpmd", dropout)
+        assert sorted(mpmd.losses) == [1, 2, 3]
+        np.testing.assert_allclose(
+            [mpmd.losses[s] for s in (1, 2, 3)], [spmd.losses[s] for s in (1, 2, 3)], rtol=RTOL
+        )
+        np.testing.assert_allclose(mpmd.eval_losses[3], spmd.eval_losses[3], rtol=RTOL)
