@@ -44,8 +44,8 @@ stage's `Sizes.input` bytes until its ``RECOMPUTE`` ends, which holds the
 residuals from its start; an evicted microbatch's residuals stay on the rank
 until the eviction lands and are held by the partner from the moment it
 begins until the ``LOAD`` back has landed, which takes the rank's buffer when
-it is issued (so both count while a transfer is in flight); an offload frees
-the device copy at its ``OFFLOAD_END``, a ``RELOAD_START`` takes it again.
+it begins (so both count while a transfer is in flight); an offload frees the
+device copy at its ``OFFLOAD_END``, a reload takes it again when its copy begins.
 What a rank holds for a partner is in its ``peak_bytes``;
 ``peak_bytes_without`` is the same figure for the schedule without its memory
 actions (`Schedule.without_memory_actions`). Host memory is not counted.
@@ -471,12 +471,12 @@ def _live_events(rows, starts, ends, issue, S, M, R, act, inp, carry):
                 own.append((at_end, -act[s], (r, i)))
                 events[a.partner].append(((t0, 0, r, i), act[s], (r, i)))
             elif kind == "LOAD":
-                own.append(((issue[r][i], 1, i, 0), act[s], (r, i)))
+                own.append((at_start, act[s], (r, i)))
                 events[a.partner].append(((t1, 2, r, i), -act[s], (r, i)))
             elif kind == "OFFLOAD_END":
                 own.append((at_end, -act[s], (r, i)))
             elif kind == "RELOAD_START":
-                own.append(((issue[r][i], 1, i, 0), act[s], (r, i)))
+                own.append((at_start, act[s], (r, i)))
     for row in events:
         row.sort(key=lambda e: e[0])
     return events

@@ -256,7 +256,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     # 5. order on one rank: a backward after its forward, a W after its I
     for k in range(S * M):
         fi = f_at[k][1]
-        for later, need, name in ((b_at[k], fi, "F"), (i_at[k], fi, "F"), (w_at[k], None, "I")):
+        for later, need in ((b_at[k], fi), (i_at[k], fi), (w_at[k], None)):
             if later is None:
                 continue
             r, i = later
@@ -264,7 +264,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                 need = i_at[k][1]
             if need > i:
                 a = rows[r][i]
-                before = Action(name, a.stage, a.microbatch)
+                before = rows[r][need]  # the F (or FC) or the I
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: comes before {before!r} at position "
                     f"{cell_pos[r][need]}, which it needs"
