@@ -44,12 +44,14 @@ those by name.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -132,408 +134,547 @@ def _assemble(shape, sharding: NamedSharding, by_device: dict):
     )
 
 
-@dataclasses.dataclass
-class RankPrograms:
-    """The per-rank lowering of a plan: its pieces, their op list and what they hold.
+def _per_device_bytes(avals) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
-    Made by `build_rank_programs`; `run` is one step.
+
+class RankMemory(NamedTuple):
+    """What one device of a rank holds under the per-rank lowering, in bytes.
+
+    Accounted by `RankPrograms.account` from the op list and the compiled
+    pieces, not measured: `values_bytes` is checked against
+    `jax.live_arrays` on real runs (tests/test_mpmd.py).
+
+    Attributes:
+      param_bytes: the rank's rows of the packed parameters (its stages' own
+        arrays, and the zero rows of buckets only other ranks use).
+      grad_bytes: its gradient accumulators (its own stages' buckets).
+      values_bytes: the most its live values (activations arriving,
+        residuals, I-to-W carries, gradients passing) ever reach.
+      peak_bytes: the most, over the op list, of its accumulators and live
+        values plus the working memory (compiled temp and new outputs) of
+        the piece it runs then: the figure to compare with the simulator's
+        need of the rank, which counts the same things.
+      largest_piece_bytes: the largest working memory of one of its pieces.
+    """
+
+    param_bytes: int
+    grad_bytes: int
+    values_bytes: int
+    peak_bytes: int
+    largest_piece_bytes: int
+
+
+class RankPrograms:
+    """The per-rank lowering of a schedule: its pieces, their op list and what they hold.
+
+    Built by `jpipe.Pipeline` with ``lowering="mpmd"``
+    (`Pipeline.rank_programs`); `run` is one training step, `loss` one
+    forward-only evaluation. See the module docstring for the design.
 
     Attributes:
       meshes: each rank's sub-mesh.
       order: the op list (`issue_order`): ``(rank, action)`` in issue order.
       kernels: the stages' traced pieces, shared with the SPMD lowering.
-      pieces: per stage, ``{"F", "I", "W", "B": jitted}`` on its rank's sub-mesh.
-      last_run: host figures of the latest `run`: ``host_ops`` (pieces issued
-        and transfers), ``seconds`` (to issue the whole step).
+      pieces: per stage, ``{"F", "I", "W", "B", "F_eval": jitted}`` on its
+        rank's sub-mesh (``F_eval``: the forward of `loss`, keeping nothing).
+      compiled: per stage, the pieces' executables, once `compile` ran
+        (`run` compiles on its first call).
+      last_run: host figures of the latest `run`: ``host_ops`` (pieces,
+        transfers and set-up calls issued) and ``seconds`` (to issue them
+        all; the devices finish later).
     """
 
-    meshes: list
-    order: tuple
-    kernels: tuple
-    pieces: list
-    run: Callable
-    loss: Callable
-    compile: Callable
-    last_run: dict = dataclasses.field(default_factory=dict)
-    compiled: list = dataclasses.field(default_factory=list)
+    def __init__(
+        self,
+        schedule: Schedule,
+        layout: ParamLayout,
+        mesh: Mesh,
+        kernels: list[StageKernels],
+        pipe_axis: str,
+        data_axis: str | None,
+        stage_to_rank,
+    ):
+        self.schedule, self.layout, self.mesh = schedule, layout, mesh
+        self.kernels = tuple(kernels)
+        self.stage_to_rank = tuple(stage_to_rank)
+        self.data_axis = data_axis
+        S, R = schedule.num_stages, mesh.shape[pipe_axis]
+        self.num_stages, self.num_ranks = S, R
+        self.M = schedule.num_microbatches
+        _refuse_pipe_index(kernels, dict(mesh.shape), pipe_axis)
+        self.meshes = rank_meshes(mesh, pipe_axis)
+        names = mesh.axis_names
+        self.fsdp = layout.fsdp_axis
+        self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
+        self.every = P(tuple(names))  # a value per device, stacked: [n, ...]
+        self.batch_spec = P(self.batch_axes or None)
+        self.param_specs = {b: layout.spec(b, pipe_axis) for b in layout.buckets}
 
+        last = kernels[-1]
+        self.weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
+        self.loss_leaves = jax.tree.leaves(last.y)
+        self.loss_dtype = jnp.result_type(*(leaf.dtype for leaf in self.loss_leaves))
+        self.loss_shape = (2,) if self.weighted else ()
 
-def build_rank_programs(
-    stage_fns,
-    schedule: Schedule,
-    layout: ParamLayout,
-    mesh: Mesh,
-    kernels: list[StageKernels],
-    pipe_axis: str,
-    data_axis: str | None,
-    stage_to_rank,
-) -> RankPrograms:
-    """Lowers a schedule to per-rank programs; see the module docstring."""
-    S = schedule.num_stages
-    M = schedule.num_microbatches
-    R = mesh.shape[pipe_axis]
-    fsdp = layout.fsdp_axis
-    meshes = rank_meshes(mesh, pipe_axis)
-    names = mesh.axis_names
-    every = P(tuple(names))  # a value per device, stacked: [n, ...]
-    batch_axes = tuple(a for a in (data_axis, fsdp) if a is not None)
-    batch_spec = P(batch_axes or None)
-    fsdp_size = mesh.shape[fsdp] if fsdp is not None else 1
-    _refuse_pipe_index(kernels, dict(mesh.shape), pipe_axis)
+        # Each rank's own buckets: those of its stages, in a fixed order.
+        self.rank_buckets = [
+            tuple(
+                dict.fromkeys(
+                    b
+                    for s in range(S)
+                    if self.stage_to_rank[s] == r
+                    for b in layout.stage_buckets(s)
+                )
+            )
+            for r in range(R)
+        ]
+        self.full_param_sharding = {
+            b: NamedSharding(mesh, self.param_specs[b]) for b in layout.buckets
+        }
+        self.rank_param_sharding = [
+            {b: NamedSharding(m, self.param_specs[b]) for b in layout.buckets} for m in self.meshes
+        ]
+        self.rank_batch_sharding = [NamedSharding(m, self.batch_spec) for m in self.meshes]
+        self.rank_every = [NamedSharding(m, self.every) for m in self.meshes]
+        self.n_dev = [m.devices.size for m in self.meshes]
 
-    last = kernels[-1]
-    weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
-    loss_leaves = jax.tree.leaves(last.y)
-    loss_dtype = jnp.result_type(*(leaf.dtype for leaf in loss_leaves))
-    loss_shape = (2,) if weighted else ()
-    param_specs = {b: layout.spec(b, pipe_axis) for b in layout.buckets}
+        self.order = issue_order(schedule)
+        self.forward_order = tuple((r, a) for r, a in self.order if a.kind == "F")
+        self.pieces = [self._stage_pieces(s) for s in range(S)]
+        self._finish = [self._finish_grads(r) for r in range(R)]
+        self._end_loss = self._finish_loss()
+        self._zeros = [
+            jax.jit(
+                lambda r=r: {
+                    b: jnp.zeros((1,) + tuple(layout.buckets[b][0]), layout.buckets[b][1])
+                    for b in self.rank_buckets[r]
+                },
+                out_shardings={b: self.rank_param_sharding[r][b] for b in self.rank_buckets[r]},
+            )
+            for r in range(R)
+        ]
+        self._padding = [
+            jax.jit(
+                lambda r=r: {
+                    b: jnp.zeros((1,) + tuple(shape), dtype)
+                    for b, (shape, dtype) in layout.buckets.items()
+                    if b not in self.rank_buckets[r]
+                },
+                out_shardings={
+                    b: self.rank_param_sharding[r][b]
+                    for b in layout.buckets
+                    if b not in self.rank_buckets[r]
+                },
+            )
+            for r in range(R)
+        ]
+        self._index = [
+            [jax.device_put(jnp.int32(i), NamedSharding(m, P())) for i in range(self.M)]
+            for m in self.meshes
+        ]
+        self._ones = [
+            jax.device_put(jnp.ones((self.n_dev[r],), self.loss_dtype), self.rank_every[r])
+            for r in range(R)
+        ]
+        self.compiled: list = []
+        self.last_run: dict = {}
 
-    def shmap(fn, m, in_specs, out_specs):
+    # -- the programs ------------------------------------------------------------
+
+    def _shmap(self, fn, mesh, in_specs, out_specs):
         return jax.shard_map(
             fn,
-            mesh=m,
+            mesh=mesh,
             in_specs=in_specs,
             out_specs=out_specs,
-            axis_names=set(names),
+            axis_names=set(mesh.axis_names),
             check_vma=False,  # the pieces are replayed jaxprs (see jpipe._lower)
         )
 
-    def gathered(rows, s):
+    def _gathered(self, rows, s):
+        """Stage `s`'s arrays from the rank's rows, gathered over ``fsdp`` where it splits them."""
         out = {}
-        for b in layout.stage_buckets(s):
-            d = layout.fsdp_dim(b)
+        for b in self.layout.stage_buckets(s):
+            d = self.layout.fsdp_dim(b)
             v = rows[b][0]
-            out[b] = v if d is None else lax.all_gather(v, fsdp, axis=d, tiled=True)
-        return out
+            out[b] = v if d is None else lax.all_gather(v, self.fsdp, axis=d, tiled=True)
+        return self.layout.stage_params(s, out)
 
-    def scattered(b, g):
-        g = g.reshape(layout.gathered_shape(b))
-        d = layout.fsdp_dim(b)
-        return g if d is None else lax.psum_scatter(g, fsdp, scatter_dimension=d, tiled=True)
+    def _scattered(self, b, g):
+        """A weight gradient of bucket `b`, summed over ``fsdp`` and cut to this device's block."""
+        g = g.reshape(self.layout.gathered_shape(b))
+        d = self.layout.fsdp_dim(b)
+        return g if d is None else lax.psum_scatter(g, self.fsdp, scatter_dimension=d, tiled=True)
 
-    def inputs_of(batch, mb):
+    def _inputs_of(self, batch, mb):
+        """Microbatch `mb` of this device's rows: ``mb, mb + M, ...``, as `split_microbatches`."""
+        M = self.M
+
         def cut(a):
             a = a.reshape((a.shape[0] // M, M) + a.shape[1:])
             return lax.dynamic_index_in_dim(a, mb, 1, False)
 
         return jax.tree.map(cut, batch)
 
-    def seed():
-        if weighted:  # d(total) = 1, d(weight) = 0; divided by the weights at the end
-            return [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(loss_leaves)]
-        return loss_seed(M, loss_dtype)
+    def _seed(self):
+        if self.weighted:  # d(total) = 1, d(weight) = 0: divided by the weights at the end
+            return [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(self.loss_leaves)]
+        return loss_seed(self.M, self.loss_dtype)
 
-    pieces = []
-    for s in range(S):
-        k = kernels[s]
-        m = meshes[stage_to_rank[s]]
+    def _stage_pieces(self, s: int) -> dict:
+        """Stage `s`'s F, I, W, B and F_eval, jitted on its rank's sub-mesh."""
+        S, k, layout = self.num_stages, self.kernels[s], self.layout
+        mesh = self.meshes[self.stage_to_rank[s]]
         own = layout.stage_buckets(s)
-        row_specs = {b: param_specs[b] for b in own}
         first, final = s == 0, s == S - 1
+        loss_dtype, weighted = self.loss_dtype, self.weighted
 
-        def forward(rows, batch, mb, x, *loss_acc, s=s, k=k, first=first, final=final):
-            """The F: ``(y, residuals)``; the last stage's ``([], residuals, loss sums)``."""
-            xt = None if first else jax.tree.unflatten(kernels[s - 1].y_tree, [v[0] for v in x])
-            params = layout.stage_params(s, gathered(rows, s))
-            y, res = k.forward(params, xt, inputs_of(batch, mb))
+        def forward(rows, batch, mb, x, *loss_acc):
+            """``(y, residuals)``; the last stage's ``([], residuals, loss sums)``."""
+            xt = None
+            if not first:
+                xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
+            y, res = k.forward(self._gathered(rows, s), xt, self._inputs_of(batch, mb))
             res = [v[None] for v in res]
             if final:
                 piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
                 return [], res, loss_acc[0] + piece.astype(loss_dtype)[None]
             return [v[None] for v in y], res
 
-        def input_grad(rows, batch, mb, res, g, s=s, k=k, final=final):
-            params = layout.stage_params(s, gathered(rows, s))
-            g = seed() if final else [v[0] for v in g]
-            dx, kept = k.input_grad(params, inputs_of(batch, mb), [v[0] for v in res], g)
+        def forward_only(*args):  # its residuals unused, so XLA drops them
+            out = forward(*args)
+            return (out[0],) + tuple(out[2:])
+
+        def input_grad(rows, batch, mb, res, g):
+            g = self._seed() if final else [v[0] for v in g]
+            params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
+            dx, kept = k.input_grad(params, inputs, [v[0] for v in res], g)
             return [v[None] for v in dx], [v[None] for v in kept]
 
-        def weight_grad(rows, batch, mb, res, kept, acc, s=s, k=k, own=own):
-            params = layout.stage_params(s, gathered(rows, s))
-            dp = k.weight_grad(
-                params, inputs_of(batch, mb), [v[0] for v in res], [v[0] for v in kept]
-            )
-            return {b: acc[b] + scattered(b, g)[None] for b, g in zip(own, dp, strict=True)}
+        def weight_grad(rows, batch, mb, res, kept, acc):
+            params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
+            dp = k.weight_grad(params, inputs, [v[0] for v in res], [v[0] for v in kept])
+            return {b: acc[b] + self._scattered(b, g)[None] for b, g in zip(own, dp, strict=True)}
 
-        def backward(rows, batch, mb, res, g, acc, input_grad=input_grad, weight_grad=weight_grad):
+        def backward(rows, batch, mb, res, g, acc):
             dx, kept = input_grad(rows, batch, mb, res, g)
             return dx, weight_grad(rows, batch, mb, res, kept, acc)
 
         # Specs: rows as packed, the batch over the batch axes, the
         # microbatch index replicated, every value stacked per device.
-        n_x = 0 if first else kernels[s - 1].y_tree.num_leaves
-        n_y = 0 if final else k.y_tree.num_leaves
+        def vals(n):
+            return [self.every] * n
+
+        rows = {b: self.param_specs[b] for b in own}
+        n_x = 0 if first else self.kernels[s - 1].y_tree.num_leaves
+        n_g = 0 if final else k.y_tree.num_leaves
         n_res, n_kept = len(k.res_avals), len(k.carry_avals)
-        n_dx = n_x
-        vals = lambda n: [every] * n  # noqa: E731
-        acc_specs = dict(row_specs)
-        loss_in = (every,) if final else ()
-        f_out = (vals(n_y), vals(n_res)) + loss_in
-        f = shmap(forward, m, (row_specs, batch_spec, P(), vals(n_x)) + loss_in, f_out)
-        i = shmap(
-            input_grad,
-            m,
-            (row_specs, batch_spec, P(), vals(n_res), vals(0 if final else n_y)),
-            (vals(n_dx), vals(n_kept)),
-        )
-        w = shmap(
-            weight_grad,
-            m,
-            (row_specs, batch_spec, P(), vals(n_res), vals(n_kept), acc_specs),
-            acc_specs,
-        )
-        b = shmap(
-            backward,
-            m,
-            (row_specs, batch_spec, P(), vals(n_res), vals(0 if final else n_y), acc_specs),
-            (vals(n_dx), acc_specs),
-        )
-
-        # Forward-only (for `Pipeline.loss`): the same F with its residuals
-        # unused, so XLA drops them.
-        def forward_only(*args, forward=forward):
-            out = forward(*args)
-            return (out[0],) + tuple(out[2:])
-
-        f_eval = shmap(
-            forward_only,
-            m,
-            (row_specs, batch_spec, P(), vals(n_x)) + loss_in,
-            (vals(n_y),) + loss_in,
-        )
+        common = (rows, self.batch_spec, P())
+        loss = (self.every,) if final else ()
         donate_loss = (4,) if final else ()
-        pieces.append(
-            {
-                "F": jax.jit(f, donate_argnums=donate_loss),
-                "I": jax.jit(i),
-                "W": jax.jit(w, donate_argnums=(5,)),
-                "B": jax.jit(b, donate_argnums=(5,)),
-                "F_eval": jax.jit(f_eval, donate_argnums=donate_loss),
-            }
-        )
+        specs = {
+            "F": (forward, common + (vals(n_x),) + loss, (vals(n_g), vals(n_res)) + loss),
+            "F_eval": (forward_only, common + (vals(n_x),) + loss, (vals(n_g),) + loss),
+            "I": (input_grad, common + (vals(n_res), vals(n_g)), (vals(n_x), vals(n_kept))),
+            "W": (weight_grad, common + (vals(n_res), vals(n_kept), rows), rows),
+            "B": (backward, common + (vals(n_res), vals(n_g), rows), (vals(n_x), rows)),
+        }
+        donate = {"F": donate_loss, "F_eval": donate_loss, "I": (), "W": (5,), "B": (5,)}
+        return {
+            kind: jax.jit(self._shmap(fn, mesh, ins, outs), donate_argnums=donate[kind])
+            for kind, (fn, ins, outs) in specs.items()
+        }
 
-    # Per rank: the gradients averaged over the batch axes (and summed over
-    # fsdp where no scatter did), the loss from the last rank's sums.
-    def finish_grads(acc, weight):
-        out = {}
-        for b, g in acc.items():
-            g = g[0]
-            if fsdp is not None and layout.fsdp_dim(b) is None:
-                g = lax.psum(g, fsdp)
-            if weighted:
-                if data_axis is not None:
-                    g = lax.psum(g, data_axis)
-                g = g / weight[0]
-            else:
-                if data_axis is not None:
-                    g = lax.pmean(g, data_axis)
-                if fsdp is not None:
-                    g = g / fsdp_size
-            out[b] = g.astype(acc[b].dtype)[None]
-        return out
+    def _finish_grads(self, r: int):
+        """Rank `r`'s gradients averaged over the batch axes (fsdp summed where no scatter did)."""
+        fsdp, data_axis, layout = self.fsdp, self.data_axis, self.layout
+        fsdp_size = self.mesh.shape[fsdp] if fsdp is not None else 1
 
-    def finish_loss(loss_acc):
-        acc = loss_acc[0]
-        if weighted:
-            total, weight = acc[0], acc[1]
+        def finish(acc, weight):
+            out = {}
+            for b, g in acc.items():
+                g = g[0]
+                if fsdp is not None and layout.fsdp_dim(b) is None:
+                    g = lax.psum(g, fsdp)
+                if self.weighted:
+                    if data_axis is not None:
+                        g = lax.psum(g, data_axis)
+                    g = g / weight[0]
+                else:
+                    if data_axis is not None:
+                        g = lax.pmean(g, data_axis)
+                    if fsdp is not None:
+                        g = g / fsdp_size
+                out[b] = g.astype(acc[b].dtype)[None]
+            return out
+
+        specs = {b: self.param_specs[b] for b in self.rank_buckets[r]}
+        program = self._shmap(finish, self.meshes[r], (specs, self.every), specs)
+        return jax.jit(program, donate_argnums=(0,))
+
+    def _finish_loss(self):
+        """The step's loss from the last rank's sums (and the summed weights, when weighted)."""
+        batch_axes, M = self.batch_axes, self.M
+
+        def finish(loss_acc):
+            acc = loss_acc[0]
+            if self.weighted:
+                total, weight = acc[0], acc[1]
+                if batch_axes:
+                    total, weight = lax.psum(total, batch_axes), lax.psum(weight, batch_axes)
+                return total / weight, weight[None]
+            loss = acc / M
             if batch_axes:
-                total, weight = lax.psum(total, batch_axes), lax.psum(weight, batch_axes)
-            return total / weight, weight[None]
-        loss = acc / M
-        if batch_axes:
-            loss = lax.pmean(loss, batch_axes)
-        return loss, jnp.ones((1,), loss_dtype)
+                loss = lax.pmean(loss, batch_axes)
+            return loss, jnp.ones((1,), self.loss_dtype)
 
-    # Every rank accumulates (and hands back) a row of every bucket, zeros
-    # in those its stages do not use: the packed layout's padding.
-    finish = [
-        jax.jit(shmap(finish_grads, m, (param_specs, every), param_specs), donate_argnums=(0,))
-        for m in meshes
-    ]
-    loss_mesh = meshes[stage_to_rank[S - 1]]
-    end_loss = jax.jit(shmap(finish_loss, loss_mesh, (every,), (P(), every)))
+        mesh = self.meshes[self.stage_to_rank[-1]]
+        return jax.jit(self._shmap(finish, mesh, (self.every,), (P(), self.every)))
 
-    order = issue_order(schedule)
-    full_param_sharding = {b: NamedSharding(mesh, param_specs[b]) for b in layout.buckets}
-    rank_param_sharding = [
-        {b: NamedSharding(meshes[r], param_specs[b]) for b in layout.buckets} for r in range(R)
-    ]
-    rank_batch_sharding = [NamedSharding(m, batch_spec) for m in meshes]
-    rank_every = [NamedSharding(m, every) for m in meshes]
-    n_dev = [m.devices.size for m in meshes]
-    microbatch_index = [
-        [jax.device_put(jnp.int32(i), NamedSharding(m, P())) for i in range(M)] for m in meshes
-    ]
-    programs = RankPrograms(meshes, order, tuple(kernels), pieces, None, None, None)
+    # -- compiling -----------------------------------------------------------------
 
-    def stacked(r, avals):
+    def _stacked(self, r, avals):
         return [
-            jax.ShapeDtypeStruct((n_dev[r],) + tuple(a.shape), a.dtype, sharding=rank_every[r])
+            jax.ShapeDtypeStruct(
+                (self.n_dev[r],) + tuple(a.shape), a.dtype, sharding=self.rank_every[r]
+            )
             for a in avals
         ]
 
-    def piece_args(s, kind, batch):
-        """Shape structs of piece `kind`'s arguments for stage `s`, to compile it alone."""
-        r = stage_to_rank[s]
-        k = kernels[s]
-        own = layout.stage_buckets(s)
+    def _piece_args(self, s: int, kind: str, batch) -> tuple:
+        """Shape structs of stage `s`'s piece `kind`'s arguments, to compile it alone."""
+        r, k, layout = self.stage_to_rank[s], self.kernels[s], self.layout
         rows = {
             b: jax.ShapeDtypeStruct(
                 (1,) + tuple(layout.buckets[b][0]),
                 layout.buckets[b][1],
-                sharding=rank_param_sharding[r][b],
+                sharding=self.rank_param_sharding[r][b],
             )
-            for b in own
+            for b in layout.stage_buckets(s)
         }
         shapes = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rank_batch_sharding[r]), batch
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.rank_batch_sharding[r]),
+            batch,
         )
-        idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(meshes[r], P()))
-        x = [] if s == 0 else stacked(r, jax.tree.leaves(kernels[s - 1].y))
-        res = stacked(r, k.res_avals)
-        g = [] if s == S - 1 else stacked(r, jax.tree.leaves(k.y))
-        acc = dict(rows)
-        loss = stacked(r, [jax.ShapeDtypeStruct(loss_shape, loss_dtype)])
+        common = (
+            rows,
+            shapes,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=self._index[r][0].sharding),
+        )
+        res = self._stacked(r, k.res_avals)
+        g = [] if s == self.num_stages - 1 else self._stacked(r, jax.tree.leaves(k.y))
         if kind in ("F", "F_eval"):
-            return (rows, shapes, idx, x) + ((loss[0],) if s == S - 1 else ())
+            x = [] if s == 0 else self._stacked(r, jax.tree.leaves(self.kernels[s - 1].y))
+            loss = jax.ShapeDtypeStruct((self.n_dev[r],) + self.loss_shape, self.loss_dtype)
+            loss = jax.ShapeDtypeStruct(loss.shape, loss.dtype, sharding=self.rank_every[r])
+            return common + (x,) + ((loss,) if s == self.num_stages - 1 else ())
         if kind == "I":
-            return (rows, shapes, idx, res, g)
+            return common + (res, g)
         if kind == "W":
-            return (rows, shapes, idx, res, stacked(r, k.carry_avals), acc)
-        return (rows, shapes, idx, res, g, acc)
+            return common + (res, self._stacked(r, k.carry_avals), rows)
+        return common + (res, g, rows)
 
-    def compile_all(packed, batch):
-        """Compiles every piece for these shapes; ``compiled[s][kind]`` are XLA's executables."""
-        kinds = {a.kind for _, a in order} | {"F_eval"}
-        programs.compiled = [
-            {kind: pieces[s][kind].lower(*piece_args(s, kind, batch)).compile() for kind in kinds}
-            for s in range(S)
+    def compile(self, packed, batch) -> list:
+        """Compiles every piece for these shapes (arrays or structs): ``compiled[s][kind]``."""
+        del packed  # the layout says the shapes
+        kinds = sorted({a.kind for _, a in self.order} | {"F_eval"})
+        self.compiled = [
+            {
+                kind: self.pieces[s][kind].lower(*self._piece_args(s, kind, batch)).compile()
+                for kind in kinds
+            }
+            for s in range(self.num_stages)
         ]
-        return programs.compiled
+        return self.compiled
 
-    def rank_rows(packed):
-        """Each rank's rows of the packed arrays, as arrays on its sub-mesh (no copy)."""
+    # -- running -----------------------------------------------------------------
+
+    def _rank_rows(self, packed) -> list[dict]:
+        """Each rank's rows of its own buckets, as arrays on its sub-mesh (no copy)."""
         pieces_of = {b: _by_device([a]) for b, a in packed.items()}
         return [
             {
-                b: _assemble((1,) + tuple(a.shape[1:]), rank_param_sharding[r][b], pieces_of[b])
-                for b, a in packed.items()
+                b: _assemble(
+                    (1,) + tuple(packed[b].shape[1:]), self.rank_param_sharding[r][b], pieces_of[b]
+                )
+                for b in self.rank_buckets[r]
             }
-            for r in range(R)
+            for r in range(self.num_ranks)
         ]
 
-    def rank_batches(batch):
-        out = []
-        for r in range(R):
-            sharding = rank_batch_sharding[r]
-            out.append(jax.tree.map(lambda a, sh=sharding: _rank_view(a, sh), batch))
-        return out
+    def _rank_batches(self, batch) -> list:
+        return [
+            jax.tree.map(lambda a, sh=sh: _rank_view(a, sh), batch)
+            for sh in self.rank_batch_sharding
+        ]
 
-    def send(values, r_to):
-        return [jax.device_put(v, rank_every[r_to]) for v in values]
+    def _send(self, values, r_to):
+        return [jax.device_put(v, self.rank_every[r_to]) for v in values]
 
-    def loss_zero(r):
-        return jax.device_put(jnp.zeros((n_dev[r],) + loss_shape, loss_dtype), rank_every[r])
+    def _loss_zero(self):
+        r = self.stage_to_rank[-1]
+        shape = (self.n_dev[r],) + self.loss_shape
+        return jax.device_put(jnp.zeros(shape, self.loss_dtype), self.rank_every[r])
 
-    grad_zeros = [
-        jax.jit(
-            lambda: {
-                b: jnp.zeros((1,) + tuple(shape), dtype)
-                for b, (shape, dtype) in layout.buckets.items()
-            },
-            out_shardings=rank_param_sharding[r],
-        )
-        for r in range(R)
-    ]
-    ones = [jax.device_put(jnp.ones((n_dev[r],), loss_dtype), rank_every[r]) for r in range(R)]
+    def run(self, packed, batch, after_op: Callable | None = None):
+        """One step: ``(loss, packed_grads)``, laid out as the SPMD lowering's.
 
-    def run(packed, batch):
+        `after_op(i)`, if given, is called after the i-th op of `order` is
+        issued (for tests that watch memory as the step runs).
+        """
+        if not self.compiled:
+            self.compile(packed, batch)
         start = time.perf_counter()
-        ops = 0
-        rows, batches = rank_rows(packed), rank_batches(batch)
-        acc = [zeros() for zeros in grad_zeros]
-        r_last = stage_to_rank[S - 1]
-        loss_acc = loss_zero(r_last)
-        ops += R + 1
-        x_in: dict = {}  # (s, m) -> the activation leaves stage s reads
-        g_in: dict = {}  # (s, m) -> the output gradient leaves stage s reads
+        S, R, layout = self.num_stages, self.num_ranks, self.layout
+        exe, rank_of = self.compiled, self.stage_to_rank
+        rows, batches = self._rank_rows(packed), self._rank_batches(batch)
+        acc = [zeros() for zeros in self._zeros]
+        loss_acc = self._loss_zero()
+        ops = R + 1
+        x_in: dict = {}  # (stage, microbatch) -> the activation it reads
+        g_in: dict = {}  # (stage, microbatch) -> the output gradient it reads
         res: dict = {}
         kept: dict = {}
-        for r, a in order:
+        for i, (r, a) in enumerate(self.order):
             s, mb = a.stage, a.microbatch
-            p = pieces[s]
             own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
-            idx = microbatch_index[r][mb]
+            head = (own_rows, batches[r], self._index[r][mb])
+            ops += 1
             if a.kind == "F":
-                ops += 1
                 x = [] if s == 0 else x_in.pop((s, mb))
                 if s == S - 1:
-                    _, res[(s, mb)], loss_acc = p["F"](own_rows, batches[r], idx, x, loss_acc)
+                    _, res[(s, mb)], loss_acc = exe[s]["F"](*head, x, loss_acc)
                 else:
-                    y, res[(s, mb)] = p["F"](own_rows, batches[r], idx, x)
-                    r_next = stage_to_rank[s + 1]
-                    x_in[(s + 1, mb)] = y if r_next == r else send(y, r_next)
-                    ops += r_next != r
-                continue
-            own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
-            if a.kind == "W":
-                acc[r].update(
-                    p["W"](own_rows, batches[r], idx, res.pop((s, mb)), kept.pop((s, mb)), own_acc)
-                )
-                ops += 1
-                continue
-            g = [] if s == S - 1 else g_in.pop((s, mb))
-            if a.kind == "I":
-                dx, kept[(s, mb)] = p["I"](own_rows, batches[r], idx, res[(s, mb)], g)
+                    y, res[(s, mb)] = exe[s]["F"](*head, x)
+                    to = rank_of[s + 1]
+                    x_in[(s + 1, mb)] = y if to == r else self._send(y, to)
+                    ops += to != r
+                    del y
+                del x
+            elif a.kind == "W":
+                own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
+                acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), kept.pop((s, mb)), own_acc))
+                del own_acc
             else:
-                dx, new_acc = p["B"](own_rows, batches[r], idx, res.pop((s, mb)), g, own_acc)
-                acc[r].update(new_acc)
-            ops += 1
-            if s > 0:
-                r_prev = stage_to_rank[s - 1]
-                g_in[(s - 1, mb)] = dx if r_prev == r else send(dx, r_prev)
-                ops += r_prev != r
-        loss, weight = end_loss(loss_acc)
+                g = [] if s == S - 1 else g_in.pop((s, mb))
+                if a.kind == "I":
+                    dx, kept[(s, mb)] = exe[s]["I"](*head, res[(s, mb)], g)
+                else:
+                    own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
+                    dx, new_acc = exe[s]["B"](*head, res.pop((s, mb)), g, own_acc)
+                    acc[r].update(new_acc)
+                    del own_acc, new_acc
+                if s > 0:
+                    to = rank_of[s - 1]
+                    g_in[(s - 1, mb)] = dx if to == r else self._send(dx, to)
+                    ops += to != r
+                del dx, g
+            del head, own_rows
+            if after_op is not None:
+                after_op(i)
+        loss, weight = self._end_loss(loss_acc)
         by_device: dict = {b: {} for b in layout.buckets}
         for r in range(R):
-            if not weighted:
-                w = ones[r]
+            if not self.weighted:
+                w = self._ones[r]
             else:
-                w = weight if r == r_last else jax.device_put(weight, rank_every[r])
-            for b, g in finish[r](acc[r], w).items():
+                w = weight if r == rank_of[-1] else jax.device_put(weight, self.rank_every[r])
+            finished = {**self._finish[r](acc[r], w), **self._padding[r]()}
+            for b, g in finished.items():
                 by_device[b].update(_by_device([g]))
-            ops += 1
+            ops += 2
         grads = {
-            b: _assemble(packed[b].shape, full_param_sharding[b], by_device[b])
+            b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
             for b in layout.buckets
         }
-        programs.last_run = {"host_ops": ops, "seconds": time.perf_counter() - start}
-        return jax.device_put(loss, NamedSharding(mesh, P())), grads
+        self.last_run = {"host_ops": ops + 1, "seconds": time.perf_counter() - start}
+        return jax.device_put(loss, NamedSharding(self.mesh, P())), grads
 
-    def loss_only(packed, batch):
-        rows, batches = rank_rows(packed), rank_batches(batch)
-        r_last = stage_to_rank[S - 1]
-        loss_acc = loss_zero(r_last)
+    def loss(self, packed, batch):
+        """The mean loss over microbatches: each rank's forwards in list order, keeping nothing."""
+        if not self.compiled:
+            self.compile(packed, batch)
+        S, rank_of = self.num_stages, self.stage_to_rank
+        rows, batches = self._rank_rows(packed), self._rank_batches(batch)
+        loss_acc = self._loss_zero()
         x_in: dict = {}
-        for r, a in issue_order_forward:
+        for r, a in self.forward_order:
             s, mb = a.stage, a.microbatch
-            own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
+            own_rows = {b: rows[r][b] for b in self.layout.stage_buckets(s)}
+            head = (own_rows, batches[r], self._index[r][mb])
             x = [] if s == 0 else x_in.pop((s, mb))
-            idx = microbatch_index[r][mb]
             if s == S - 1:
-                _, loss_acc = pieces[s]["F_eval"](own_rows, batches[r], idx, x, loss_acc)
+                _, loss_acc = self.compiled[s]["F_eval"](*head, x, loss_acc)
             else:
-                (y,) = pieces[s]["F_eval"](own_rows, batches[r], idx, x)
-                r_next = stage_to_rank[s + 1]
-                x_in[(s + 1, mb)] = y if r_next == r else send(y, r_next)
-        loss, _ = end_loss(loss_acc)
-        return jax.device_put(loss, NamedSharding(mesh, P()))
+                (y,) = self.compiled[s]["F_eval"](*head, x)
+                to = rank_of[s + 1]
+                x_in[(s + 1, mb)] = y if to == r else self._send(y, to)
+        loss, _ = self._end_loss(loss_acc)
+        return jax.device_put(loss, NamedSharding(self.mesh, P()))
 
-    issue_order_forward = tuple((r, a) for r, a in order if a.kind == "F")
-    programs.run = run
-    programs.loss = loss_only
-    programs.compile = compile_all
-    return programs
+    # -- memory --------------------------------------------------------------------
+
+    def piece_working_bytes(self, s: int, kind: str) -> int:
+        """What stage `s`'s piece allocates while it runs: compiled temp and new outputs."""
+        m = self.compiled[s][kind].memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+    def held_values(self) -> list[list[int]]:
+        """Per op of `order`, per rank: bytes of live values on each of its devices after it.
+
+        What `run` holds once the op is issued and its inputs dropped: the
+        activations and gradients waiting for their consumer, the residuals
+        and the I-to-W carries (per device: one device's block of each).
+        """
+        S, R, rank_of, k = self.num_stages, self.num_ranks, self.stage_to_rank, self.kernels
+        y = [_per_device_bytes(jax.tree.leaves(kk.y)) for kk in k]
+        res = [_per_device_bytes(kk.res_avals) for kk in k]
+        kept = [_per_device_bytes(kk.carry_avals) for kk in k]
+        held = [0] * R
+        out = []
+        for r, a in self.order:
+            s = a.stage
+            if a.kind == "F":
+                held[r] += res[s] - (y[s - 1] if s > 0 else 0)
+                if s < S - 1:
+                    held[rank_of[s + 1]] += y[s]
+            elif a.kind == "W":
+                held[r] -= res[s] + kept[s]
+            else:
+                held[r] -= y[s] if s < S - 1 else 0
+                held[r] += kept[s] if a.kind == "I" else -res[s]
+                if s > 0:
+                    held[rank_of[s - 1]] += y[s - 1]
+            out.append(list(held))
+        return out
+
+    def account(self) -> list[RankMemory]:
+        """Each rank's `RankMemory`, from the op list and the compiled pieces (`compile` first)."""
+        if not self.compiled:
+            raise ValueError("compile the pieces first (RankPrograms.compile)")
+        R, layout = self.num_ranks, self.layout
+
+        def bucket_bytes(b):
+            shape, dtype = layout.buckets[b]
+            return math.prod(layout.local_shape(b)) * np.dtype(dtype).itemsize
+
+        params = [sum(bucket_bytes(b) for b in layout.buckets)] * R
+        grads = [sum(bucket_bytes(b) for b in self.rank_buckets[r]) for r in range(R)]
+        held = self.held_values()
+        values = [max((h[r] for h in held), default=0) for r in range(R)]
+        peak = list(grads)
+        largest = [0] * R
+        before = [0] * R
+        for (r, a), after in zip(self.order, held, strict=True):
+            work = self.piece_working_bytes(a.stage, a.kind)
+            largest[r] = max(largest[r], work)
+            # While a piece runs its inputs are still held and its outputs being made.
+            peak[r] = max(peak[r], grads[r] + before[r] + work)
+            for q in range(R):
+                peak[q] = max(peak[q], grads[q] + after[q])
+            before = after
+        return [RankMemory(params[r], grads[r], values[r], peak[r], largest[r]) for r in range(R)]
 
 
 def _rank_view(a, sharding: NamedSharding):

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpipe._lower import CONTROLS, Program, build_step, trace_kernels
-from jpipe._mpmd import RankPrograms, build_rank_programs
+from jpipe._mpmd import RankPrograms
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
@@ -536,8 +536,7 @@ class Pipeline:
         self.check_batch(batch)
         key = self._key(batch)
         if key not in self._rank_programs:
-            self._rank_programs[key] = build_rank_programs(
-                self.stages,
+            self._rank_programs[key] = RankPrograms(
                 self.schedule,
                 self.layout,
                 self.mesh,

@@ -469,7 +469,7 @@ def test_train_py_runs(tmp_path):
     assert typo.returncode == 1
     assert typo.stderr == (
         f"error: --config.lerning_rate: {ROOT / 'configs' / 'default.py'} has no field "
-        "'lerning_rate'; nearest: config.optimizer.learning_rate\n"
+        "'lerning_rate'; nearest: config.optimizer.learning_rate, config.lowering\n"
     )
 
 
