@@ -625,13 +625,15 @@ class RankPrograms:
 
         What `run` holds once the op is issued and its inputs dropped: the
         activations and gradients waiting for their consumer, the residuals
-        and the I-to-W carries (per device: one device's block of each).
+        and the I-to-W carries (per device: one device's block of each), and
+        on the last stage's rank the loss accumulator.
         """
         S, R, rank_of, k = self.num_stages, self.num_ranks, self.stage_to_rank, self.kernels
         y = [_per_device_bytes(jax.tree.leaves(kk.y)) for kk in k]
         res = [_per_device_bytes(kk.res_avals) for kk in k]
         kept = [_per_device_bytes(kk.carry_avals) for kk in k]
         held = [0] * R
+        held[rank_of[-1]] = math.prod(self.loss_shape) * np.dtype(self.loss_dtype).itemsize
         out = []
         for r, a in self.order:
             s = a.stage

@@ -153,3 +153,49 @@ def test_the_trainer_runs_the_per_rank_lowering_to_the_spmd_losses(tmp_path):
             [mpmd.losses[s] for s in (1, 2, 3)], [spmd.losses[s] for s in (1, 2, 3)], rtol=RTOL
         )
         np.testing.assert_allclose(mpmd.eval_losses[3], spmd.eval_losses[3], rtol=RTOL)
+
+
+def _bytes_on(devices) -> dict:
+    """Bytes of live device buffers per device, each buffer once (views share one)."""
+    seen, out = set(), dict.fromkeys(devices, 0)
+    for a in jax.live_arrays():
+        for shard in a.addressable_shards:
+            key = (shard.device, shard.data.unsafe_buffer_pointer())
+            if shard.device in out and key not in seen:
+                seen.add(key)
+                out[shard.device] += shard.data.nbytes
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,chunks,data", [("1f1b", None, 1), ("zb_h1", None, 1), ("zb_h1", None, 2), ("zbv", 2, 1)]
+)
+def test_the_accounted_values_are_the_live_arrays(name, chunks, data):
+    # After every op of a real step, each device holds exactly its rank's
+    # accounted values (`held_values`) and gradient accumulators beyond what
+    # it held before the step (parameters, batch, the programs' constants).
+    pipe, _, params, batch = _pipeline(name, chunks=chunks, data=data)
+    packed = pipe.pack(params)
+    programs = pipe.rank_programs(batch)
+    programs.run(packed, batch)  # compiles; its outputs are dropped
+    devices = [list(m.devices.flat) for m in programs.meshes]
+    before = _bytes_on([d for ds in devices for d in ds])
+    held, accounts = programs.held_values(), programs.account()
+    measured = []
+
+    def after(i):
+        for a in jax.live_arrays():
+            a.block_until_ready()
+        now = _bytes_on(before)
+        measured.append([[now[d] - before[d] for d in ds] for ds in devices])
+
+    programs.run(packed, batch, after_op=after)
+    assert len(measured) == len(programs.order)
+    for i, per_rank in enumerate(measured):
+        for r, per_device in enumerate(per_rank):
+            want = held[i][r] + accounts[r].grad_bytes
+            assert per_device == [want] * len(per_device), (i, programs.order[i], r)
+    values = [a.values_bytes for a in accounts]
+    assert values == [max(h[r] for h in held) for r in range(len(values))]
+    # Not a constant: what each rank holds rises and falls as its list runs.
+    assert all(len({h[r] for h in held}) > 2 for r in range(len(values)))
