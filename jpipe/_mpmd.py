@@ -4,8 +4,8 @@ The SPMD lowering (`jpipe._lower`) makes the whole step one program that
 every device runs in lock step, choosing its work each tick through
 conditionals. This lowering runs the same validated schedule another way:
 
-- **Programs.** For every stage, its pieces (F, I, W, and B, which is I then
-  W in one program) are jitted on the *rank's sub-mesh*: the devices of its
+- **Programs.** For every stage, its pieces (F, I, W; a B is issued as its
+  I and then its W, see `RankPrograms`) are jitted on the *rank's sub-mesh*: the devices of its
   row of the ``pipe`` axis, with the mesh's other axes (``data``, ``fsdp``,
   ``tensor``). Each is a `jax.shard_map` manual over that sub-mesh that
   replays the stage's traced pieces (`jpipe.StageKernels`, the same ones the
@@ -194,8 +194,10 @@ class RankPrograms:
         pipe_axis: str,
         data_axis: str | None,
         stage_to_rank,
+        fused_backward: bool = False,
     ):
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
+        self.fused_backward = fused_backward
         self.kernels = tuple(kernels)
         self.stage_to_rank = tuple(stage_to_rank)
         self.data_axis = data_axis
@@ -478,7 +480,10 @@ class RankPrograms:
     def compile(self, packed, batch) -> list:
         """Compiles every piece for these shapes (arrays or structs): ``compiled[s][kind]``."""
         del packed  # the layout says the shapes
-        kinds = sorted({a.kind for _, a in self.order} | {"F_eval"})
+        kinds = {a.kind for _, a in self.order} | {"F_eval"}
+        if "B" in kinds and not self.fused_backward:
+            kinds = (kinds - {"B"}) | {"I", "W"}
+        kinds = sorted(kinds)
         self.compiled = [
             {
                 kind: self.pieces[s][kind].lower(*self._piece_args(s, kind, batch)).compile()
@@ -560,6 +565,12 @@ class RankPrograms:
                 g = [] if s == S - 1 else g_in.pop((s, mb))
                 if a.kind == "I":
                     dx, kept[(s, mb)] = exe[s]["I"](*head, res[(s, mb)], g)
+                elif not self.fused_backward:  # a B as its I, then its W
+                    dx, carry = exe[s]["I"](*head, res[(s, mb)], g)
+                    own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
+                    acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), carry, own_acc))
+                    ops += 1
+                    del own_acc, carry
                 else:
                     own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
                     dx, new_acc = exe[s]["B"](*head, res.pop((s, mb)), g, own_acc)
@@ -616,7 +627,16 @@ class RankPrograms:
     # -- memory --------------------------------------------------------------------
 
     def piece_working_bytes(self, s: int, kind: str) -> int:
-        """What stage `s`'s piece allocates while it runs: compiled temp and new outputs."""
+        """What stage `s`'s piece allocates while it runs: compiled temp and new outputs.
+
+        A B issued as its I and its W (``fused_backward=False``) holds the
+        larger of the I's and of the W's with the carry between them.
+        """
+        if kind == "B" and not self.fused_backward:
+            k = self.kernels
+            between = _per_device_bytes(k[s].carry_avals)  # and the dx it sent
+            between += _per_device_bytes(jax.tree.leaves(k[s - 1].y)) if s > 0 else 0
+            return max(self.piece_working_bytes(s, "I"), between + self.piece_working_bytes(s, "W"))
         m = self.compiled[s][kind].memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
