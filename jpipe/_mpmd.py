@@ -196,6 +196,12 @@ class RankPrograms:
         stage_to_rank,
         fused_backward: bool = False,
     ):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"the per-rank lowering (lowering='mpmd') runs in one process for now; this "
+                f"run has {jax.process_count()} processes. Use lowering='spmd' for "
+                "multi-process runs"
+            )
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
         self.fused_backward = fused_backward
         self.kernels = tuple(kernels)
