@@ -66,9 +66,10 @@ def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
     """Every rank's actions in its list order, interleaved so inputs come first.
 
     Walks the ranks round-robin, taking from each rank as many of its next
-    actions as have their inputs issued: an F needs the F of the stage before
-    on its microbatch, an I or B the I or B of the stage after (the last
-    stage's needs only its own F), a W its I. A validated schedule never
+    actions as have their inputs issued: an F (or FC) needs the forward of the
+    stage before on its microbatch, an I or B the I or B of the stage after
+    (the last stage's needs only its own forward), a W its I; a memory action
+    needs only what its own rank issued before it. A validated schedule never
     stalls here; one that does is refused, naming the actions that wait.
     """
     S = schedule.num_stages
@@ -81,13 +82,15 @@ def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
 
     def ready(a: Action) -> bool:
         s, m = a.stage, a.microbatch
-        if a.kind == "F":
+        if a.kind in ("F", "FC"):
             return s == 0 or ("F", s - 1, m) in done
         if a.kind in ("I", "B"):
             if ("F", s, m) not in done:
                 return False
             return s == S - 1 or ("I", s + 1, m) in done
-        return ("I", s, m) in done  # W
+        if a.kind == "W":
+            return ("I", s, m) in done
+        return True  # a memory action: its rank's list order is all it needs
 
     total = sum(len(x) for x in lists)
     while len(order) < total:
@@ -99,6 +102,8 @@ def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
                 done.add((a.kind, a.stage, a.microbatch))
                 if a.kind == "B":  # a B is its I and its W
                     done.add(("I", a.stage, a.microbatch))
+                if a.kind == "FC":  # a forward, whatever it keeps
+                    done.add(("F", a.stage, a.microbatch))
                 at[r] += 1
                 progressed = True
         if not progressed:
@@ -109,6 +114,18 @@ def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
             )
             raise ValueError(f"the schedule cannot proceed: every rank waits ({waiting})")
     return tuple(order)
+
+
+# The compiled piece each kind runs (None: a transfer, not a program of its own).
+_PIECE_OF = {
+    "FC": "F_eval",  # a forward keeping nothing but its input
+    "EVICT": None,
+    "LOAD": None,
+    "OFFLOAD_START": None,
+    "OFFLOAD_END": None,
+    "RELOAD_START": None,
+    "RELOAD_END": None,
+}
 
 
 def rank_meshes(mesh: Mesh, pipe_axis: str) -> list[Mesh]:
@@ -245,10 +262,13 @@ class RankPrograms:
         ]
         self.rank_batch_sharding = [NamedSharding(m, self.batch_spec) for m in self.meshes]
         self.rank_every = [NamedSharding(m, self.every) for m in self.meshes]
+        self.rank_host = None  # where OFFLOAD_START puts residuals: each rank's host memory
+        if any(a.kind == "OFFLOAD_START" for _, _, a in schedule.all_actions()):
+            self.rank_host = [_host_sharding(m, self.every) for m in self.meshes]
         self.n_dev = [m.devices.size for m in self.meshes]
 
         self.order = issue_order(schedule)
-        self.forward_order = tuple((r, a) for r, a in self.order if a.kind == "F")
+        self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
         self.pieces = [self._stage_pieces(s) for s in range(S)]
         self._finish = [self._finish_grads(r) for r in range(R)]
         self._end_loss = self._finish_loss()
@@ -354,6 +374,13 @@ class RankPrograms:
             out = forward(*args)
             return (out[0],) + tuple(out[2:])
 
+        def recompute(rows, batch, mb, x):  # an FC's residuals again, from its kept input
+            xt = None
+            if not first:
+                xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
+            _, res = k.forward(self._gathered(rows, s), xt, self._inputs_of(batch, mb))
+            return [v[None] for v in res]
+
         def input_grad(rows, batch, mb, res, g):
             g = self._seed() if final else [v[0] for v in g]
             params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
@@ -384,11 +411,13 @@ class RankPrograms:
         specs = {
             "F": (forward, common + (vals(n_x),) + loss, (vals(n_g), vals(n_res)) + loss),
             "F_eval": (forward_only, common + (vals(n_x),) + loss, (vals(n_g),) + loss),
+            "RECOMPUTE": (recompute, common + (vals(n_x),), vals(n_res)),
             "I": (input_grad, common + (vals(n_res), vals(n_g)), (vals(n_x), vals(n_kept))),
             "W": (weight_grad, common + (vals(n_res), vals(n_kept), rows), rows),
             "B": (backward, common + (vals(n_res), vals(n_g), rows), (vals(n_x), rows)),
         }
-        donate = {"F": donate_loss, "F_eval": donate_loss, "I": (), "W": (5,), "B": (5,)}
+        donate = {"F": donate_loss, "F_eval": donate_loss, "RECOMPUTE": (), "I": (), "W": (5,)}
+        donate["B"] = (5,)
         return {
             kind: jax.jit(self._shmap(fn, mesh, ins, outs), donate_argnums=donate[kind])
             for kind, (fn, ins, outs) in specs.items()
@@ -472,8 +501,10 @@ class RankPrograms:
         )
         res = self._stacked(r, k.res_avals)
         g = [] if s == self.num_stages - 1 else self._stacked(r, jax.tree.leaves(k.y))
+        x = [] if s == 0 else self._stacked(r, jax.tree.leaves(self.kernels[s - 1].y))
+        if kind == "RECOMPUTE":
+            return common + (x,)
         if kind in ("F", "F_eval"):
-            x = [] if s == 0 else self._stacked(r, jax.tree.leaves(self.kernels[s - 1].y))
             loss = jax.ShapeDtypeStruct((self.n_dev[r],) + self.loss_shape, self.loss_dtype)
             loss = jax.ShapeDtypeStruct(loss.shape, loss.dtype, sharding=self.rank_every[r])
             return common + (x,) + ((loss,) if s == self.num_stages - 1 else ())
@@ -486,10 +517,10 @@ class RankPrograms:
     def compile(self, packed, batch) -> list:
         """Compiles every piece for these shapes (arrays or structs): ``compiled[s][kind]``."""
         del packed  # the layout says the shapes
-        kinds = {a.kind for _, a in self.order} | {"F_eval"}
+        kinds = {_PIECE_OF.get(a.kind, a.kind) for _, a in self.order} | {"F_eval"}
         if "B" in kinds and not self.fused_backward:
             kinds = (kinds - {"B"}) | {"I", "W"}
-        kinds = sorted(kinds)
+        kinds = sorted(kinds - {None})
         self.compiled = [
             {
                 kind: self.pieces[s][kind].lower(*self._piece_args(s, kind, batch)).compile()
@@ -545,24 +576,48 @@ class RankPrograms:
         ops = R + 1
         x_in: dict = {}  # (stage, microbatch) -> the activation it reads
         g_in: dict = {}  # (stage, microbatch) -> the output gradient it reads
-        res: dict = {}
-        kept: dict = {}
+        res: dict = {}  # (stage, microbatch) -> its residuals, on its rank (or its partner)
+        kept: dict = {}  # (stage, microbatch) -> the carry its I made for its W
+        inputs: dict = {}  # (stage, microbatch) -> the input an FC kept for its RECOMPUTE
+        host: dict = {}  # (stage, microbatch) -> its residuals' copy in host memory
         for i, (r, a) in enumerate(self.order):
             s, mb = a.stage, a.microbatch
             own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
             ops += 1
-            if a.kind == "F":
+            if a.kind in ("F", "FC"):
                 x = [] if s == 0 else x_in.pop((s, mb))
+                piece = exe[s]["F" if a.kind == "F" else "F_eval"]
                 if s == S - 1:
-                    _, res[(s, mb)], loss_acc = exe[s]["F"](*head, x, loss_acc)
+                    if a.kind == "F":
+                        _, res[(s, mb)], loss_acc = piece(*head, x, loss_acc)
+                    else:
+                        _, loss_acc = piece(*head, x, loss_acc)
                 else:
-                    y, res[(s, mb)] = exe[s]["F"](*head, x)
+                    if a.kind == "F":
+                        y, res[(s, mb)] = piece(*head, x)
+                    else:
+                        (y,) = piece(*head, x)
                     to = rank_of[s + 1]
                     x_in[(s + 1, mb)] = y if to == r else self._send(y, to)
                     ops += to != r
                     del y
+                if a.kind == "FC":
+                    inputs[(s, mb)] = x
                 del x
+            elif a.kind == "RECOMPUTE":
+                res[(s, mb)] = exe[s]["RECOMPUTE"](*head, inputs.pop((s, mb)))
+            elif a.kind in ("EVICT", "LOAD"):
+                to = a.partner if a.kind == "EVICT" else r
+                res[(s, mb)] = self._send(res.pop((s, mb)), to)
+            elif a.kind == "OFFLOAD_START":  # the copy begins; the device copy stays
+                host[(s, mb)] = [jax.device_put(v, self.rank_host[r]) for v in res[(s, mb)]]
+            elif a.kind == "OFFLOAD_END":  # freed once the copy has read it
+                del res[(s, mb)]
+            elif a.kind == "RELOAD_START":
+                res[(s, mb)] = self._send(host.pop((s, mb)), r)
+            elif a.kind == "RELOAD_END":
+                pass  # the reader waits for the copy as for any input
             elif a.kind == "W":
                 own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
                 acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), kept.pop((s, mb)), own_acc))
@@ -638,6 +693,10 @@ class RankPrograms:
         A B issued as its I and its W (``fused_backward=False``) holds the
         larger of the I's and of the W's with the carry between them.
         """
+        if kind in _PIECE_OF:
+            kind = _PIECE_OF[kind]
+            if kind is None:  # a transfer: its copy is counted where it lands
+                return 0
         if kind == "B" and not self.fused_backward:
             k = self.kernels
             between = _per_device_bytes(k[s].carry_avals)  # and the dx it sent
@@ -651,8 +710,10 @@ class RankPrograms:
 
         What `run` holds once the op is issued and its inputs dropped: the
         activations and gradients waiting for their consumer, the residuals
-        and the I-to-W carries (per device: one device's block of each), and
-        on the last stage's rank the loss accumulator.
+        (on their rank, or on the partner an EVICT sent them to, and not
+        between an OFFLOAD_END and its RELOAD_START), the inputs an FC keeps
+        for its RECOMPUTE, the I-to-W carries (per device: one device's block
+        of each), and on the last stage's rank the loss accumulator.
         """
         S, R, rank_of, k = self.num_stages, self.num_ranks, self.stage_to_rank, self.kernels
         y = [_per_device_bytes(jax.tree.leaves(kk.y)) for kk in k]
@@ -663,10 +724,21 @@ class RankPrograms:
         out = []
         for r, a in self.order:
             s = a.stage
-            if a.kind == "F":
-                held[r] += res[s] - (y[s - 1] if s > 0 else 0)
+            x = y[s - 1] if s > 0 else 0  # the stage's input activation
+            if a.kind in ("F", "FC"):
+                held[r] += res[s] - x if a.kind == "F" else 0  # an FC keeps its input
                 if s < S - 1:
                     held[rank_of[s + 1]] += y[s]
+            elif a.kind == "RECOMPUTE":
+                held[r] += res[s] - x
+            elif a.kind in ("EVICT", "LOAD"):
+                sign = 1 if a.kind == "EVICT" else -1
+                held[r] -= sign * res[s]
+                held[a.partner] += sign * res[s]
+            elif a.kind in ("OFFLOAD_END", "RELOAD_START"):
+                held[r] += res[s] if a.kind == "RELOAD_START" else -res[s]
+            elif a.kind in ("OFFLOAD_START", "RELOAD_END"):
+                pass  # the host copy is not device memory; a reload's end moves nothing
             elif a.kind == "W":
                 held[r] -= res[s] + kept[s]
             else:
@@ -703,6 +775,19 @@ class RankPrograms:
                 peak[q] = max(peak[q], grads[q] + after[q])
             before = after
         return [RankMemory(params[r], grads[r], values[r], peak[r], largest[r]) for r in range(R)]
+
+
+def _host_sharding(mesh: Mesh, spec) -> NamedSharding:
+    """`spec` on `mesh` in its devices' pinned host memory, or a clear refusal."""
+    kinds = {m.kind for d in mesh.devices.flat for m in d.addressable_memories()}
+    if "pinned_host" not in kinds:
+        platform = mesh.devices.flat[0].platform
+        raise ValueError(
+            f"the schedule offloads residuals to the host, but the {platform} devices have no "
+            f"pinned_host memory (they have {', '.join(sorted(kinds))}); drop the OFFLOAD and "
+            "RELOAD actions (Schedule.without_memory_actions()) or run on a platform that has it"
+        )
+    return NamedSharding(mesh, spec, memory_kind="pinned_host")
 
 
 def _rank_view(a, sharding: NamedSharding):

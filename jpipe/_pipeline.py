@@ -296,8 +296,12 @@ class Pipeline:
                 f"{len(self.stages)} stage functions"
             )
         self.num_microbatches = info.num_microbatches
-        self.plan = make_plan(schedule, tick_layout)
-        self.forward_plan = make_forward_plan(schedule)
+        # The per-rank lowering runs memory actions; the SPMD program's tick
+        # plan (which it keeps for stage_to_rank and figures) is of the
+        # compute without them. The SPMD lowering refuses them by name.
+        planned = schedule.without_memory_actions() if lowering == "mpmd" else schedule
+        self.plan = make_plan(planned, tick_layout)
+        self.forward_plan = make_forward_plan(planned)
         self.layout: ParamLayout | None = None
         self._specs = None
         # Built once per batch shape (the key of `_key`): the traced pieces,

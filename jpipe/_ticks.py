@@ -545,16 +545,18 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
 def refuse_memory_actions(schedule: Schedule) -> None:
     """Raises `NotImplementedError` naming the first memory action of `schedule`, if any.
 
-    The simulator and the charts run `FC`, `RECOMPUTE`, `EVICT`/`LOAD` and the
-    offloads (issue 23); the compiler does not lower them yet.
+    The simulator, the charts and the per-rank lowering (`jpipe._mpmd`) run
+    `FC`, `RECOMPUTE`, `EVICT`/`LOAD` and the offloads; the SPMD program, whose
+    tick plan this module lays out, does not lower them yet.
     """
     if not schedule.has_memory_actions:
         return
     r, pos, a = next((r, p, a) for r, p, a in schedule.all_actions() if a.is_memory)
     raise NotImplementedError(
-        f"rank {r}, position {pos} ({a!r}): lowering of memory actions ({a.kind}) is not "
-        "built yet; jpipe.simulate and python -m jpipe.show run this schedule, "
-        "and Schedule.without_memory_actions() is the schedule the compiler can build"
+        f"rank {r}, position {pos} ({a!r}): the SPMD lowering of memory actions ({a.kind}) "
+        "is not built yet; Pipeline(..., lowering='mpmd') runs this schedule, "
+        "jpipe.simulate and python -m jpipe.show time it, and "
+        "Schedule.without_memory_actions() is the schedule the SPMD program can build"
     )
 
 

@@ -27,8 +27,8 @@ bytes, and beside them the same without the schedule's memory actions
 (`jpipe.make_plan`): its lock-step ticks, and its transfers between ranks,
 how many are read in the very next tick (so nothing can hide them) and how
 many collectives carry nothing (`jpipe.Plan.transfers`); for a schedule
-with memory actions, whose lowering is not built yet, a line saying so
-(``"program": null`` in the JSON). ``--json`` prints
+with memory actions, which only the per-rank lowering (``lowering="mpmd"``)
+runs, a line saying so (``"program": null`` in the JSON). ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
 Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
 https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         sim = simulate(schedule, costs, sizes)  # validates first
         # The shape of the program `jpipe.make_plan` would lay out, without its table;
-        # memory actions are not lowered yet (`jpipe._ticks.refuse_memory_actions`).
+        # the SPMD program does not lower memory actions (`jpipe._ticks.refuse_memory_actions`).
         program = None if schedule.has_memory_actions else program_shape(schedule, sim=sim)
         written = []
         if args.csv:
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if program is None:
             kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
             print(
-                f"program: not built; lowering of memory actions ({', '.join(kinds)}) "
-                "is not built yet"
+                f"program: no SPMD program; its lowering of memory actions "
+                f"({', '.join(kinds)}) is not built yet (lowering='mpmd' runs them)"
             )
         else:
             print(

@@ -3,7 +3,8 @@
 FC (a forward that keeps only its input) and RECOMPUTE, EVICT/LOAD to a
 partner rank, OFFLOAD/RELOAD start and end: the language and its CSV cells,
 the validator's rules, the simulator's time and bytes, the charts and
-``show``, the built-ins written with them, and the compiler's refusal.
+``show``, the built-ins written with them, the SPMD compiler's refusal, and
+the per-rank lowering running them exactly.
 """
 
 import dataclasses
@@ -481,8 +482,8 @@ def test_the_compiler_refuses_memory_actions_by_name(name):
     schedule = build(name, 4, 8)
     first = next((r, pos, a) for r, pos, a in schedule.all_actions() if a.is_memory)
     expected = (
-        f"rank {first[0]}, position {first[1]} ({first[2]!r}): lowering of memory actions "
-        f"({first[2].kind}) is not built yet"
+        f"rank {first[0]}, position {first[1]} ({first[2]!r}): the SPMD lowering of memory "
+        f"actions ({first[2].kind}) is not built yet; Pipeline(..., lowering='mpmd') runs"
     )
     for plan in (make_plan, make_forward_plan, program_shape):
         with pytest.raises(NotImplementedError, match="^" + re.escape(expected)):
@@ -515,7 +516,7 @@ def test_show_text_draws_the_new_glyphs(capsys, tmp_path):
     assert "\nr0 mem" in out and "E1" in out and "L1" in out
     assert "E evict to the partner" in out
     assert "without memory actions" in out
-    assert "lowering of memory actions (EVICT, LOAD) is not built yet" in out
+    assert "lowering of memory actions (EVICT, LOAD) is not built yet (lowering='mpmd'" in out
     assert "<svg" in svg.read_text()
     events = json.loads(trace.read_text())["traceEvents"]
     moves = [e for e in events if e["ph"] == "X" and e["args"]["kind"] in ("EVICT", "LOAD")]
@@ -547,3 +548,45 @@ def test_i_and_b_are_still_the_backward_kinds():
     with pytest.raises(ValueError, match="Overlap.forward must be an F action"):
         jpipe.Overlap(FC(0, 0), B(1, 0))
     assert I(0, 0).kind == "I"
+
+
+# -- the per-rank lowering runs them -------------------------------------------------
+
+# Each built-in with memory actions at sizes where it has them, on a data axis
+# of 2 and on a tensor axis of 2 (stages writing their own psum over it).
+LOWERED = [
+    ("1f1b_recompute", 2, 4, {"k": 1}, {"FC", "RECOMPUTE"}),
+    ("1f1b_bpipe", 4, 8, {}, {"EVICT", "LOAD"}),
+    ("zb_h1_offload", 2, 4, {}, {"OFFLOAD_START", "OFFLOAD_END", "RELOAD_START", "RELOAD_END"}),
+]
+
+
+@pytest.mark.parametrize("name,p,m,options,kinds", LOWERED)
+@pytest.mark.parametrize("axes", [{"data": 2}, {"tensor": 2}])
+def test_the_per_rank_lowering_runs_memory_actions_exactly(name, p, m, options, kinds, axes):
+    from jpipe import testing
+
+    schedule = build(name, p, m, **options)
+    assert {a.kind for _, _, a in schedule.all_actions() if a.is_memory} == kinds
+    model = f"tensor:{testing.TENSOR_BLOCKS[0]}" if "tensor" in axes else None
+    result = testing.check_schedule(schedule, model=model, lowering="mpmd", **axes)
+    assert result.passed, result
+
+
+def test_a_hand_written_schedule_with_every_action_is_exact_per_rank():
+    # Two ranks, two microbatches: microbatch 0's stage-0 residuals go to the
+    # host and back, its stage-1 forward keeps only its input, and microbatch
+    # 1's stage-0 residuals wait on rank 1 (EVICT/LOAD), all in one step.
+    from jpipe import testing
+
+    schedule = Schedule.of(
+        [
+            "0F0 0OFFLOAD_START0 0F1 0EVICT1@1 0OFFLOAD_END0 0RELOAD_START0 0RELOAD_END0 "
+            "0B0 0LOAD1@1 0B1".split(),
+            "1FC0 1F1 1RECOMPUTE0 1B0 1I1 1W1".split(),
+        ]
+    )
+    jpipe.validate(schedule)
+    for data in (1, 2):
+        result = testing.check_schedule(schedule, data=data, lowering="mpmd")
+        assert result.passed, result

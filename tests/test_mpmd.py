@@ -21,8 +21,10 @@ RTOL = 1e-5
 CONFIG = gpt.GPTConfig(vocab_size=64, num_layers=4, d_model=32, num_heads=2, seq_len=8, d_ff=64)
 
 
-def _pipeline(name="1f1b", ranks=2, microbatches=4, chunks=None, data=1, lowering="mpmd"):
-    schedule = jpipe.get_schedule(name, ranks, microbatches, chunks)
+def _pipeline(
+    name="1f1b", ranks=2, microbatches=4, chunks=None, data=1, lowering="mpmd", **options
+):
+    schedule = jpipe.get_schedule(name, ranks, microbatches, chunks, **options)
     model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, schedule.num_stages))
     params = model.init(0)
     pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(ranks, data), lowering=lowering)
@@ -156,9 +158,14 @@ def test_the_trainer_runs_the_per_rank_lowering_to_the_spmd_losses(tmp_path):
 
 
 def _bytes_on(devices) -> dict:
-    """Bytes of live device buffers per device, each buffer once (views share one)."""
+    """Bytes of live device buffers per device, each buffer once (views share one).
+
+    Arrays in host memory (an offload's copies) are not the device's.
+    """
     seen, out = set(), dict.fromkeys(devices, 0)
     for a in jax.live_arrays():
+        if a.sharding.memory_kind not in (None, "device"):
+            continue
         for shard in a.addressable_shards:
             key = (shard.device, shard.data.unsafe_buffer_pointer())
             if shard.device in out and key not in seen:
@@ -168,13 +175,27 @@ def _bytes_on(devices) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name,chunks,data", [("1f1b", None, 1), ("zb_h1", None, 1), ("zb_h1", None, 2), ("zbv", 2, 1)]
+    "name,ranks,chunks,data,options",
+    [
+        ("1f1b", 2, None, 1, {}),
+        ("zb_h1", 2, None, 1, {}),
+        ("zb_h1", 2, None, 2, {}),
+        ("zbv", 2, 2, 1, {}),
+        # Memory actions: FC and RECOMPUTE, EVICT to a partner and LOAD, the offloads.
+        ("1f1b_recompute", 2, None, 1, {"k": 1}),
+        ("1f1b_bpipe", 4, None, 1, {}),
+        ("zb_h1_offload", 2, None, 2, {}),
+    ],
 )
-def test_the_accounted_values_are_the_live_arrays(name, chunks, data):
+def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, options):
     # After every op of a real step, each device holds exactly its rank's
     # accounted values (`held_values`) and gradient accumulators beyond what
     # it held before the step (parameters, batch, the programs' constants).
-    pipe, _, params, batch = _pipeline(name, chunks=chunks, data=data)
+    pipe, _, params, batch = _pipeline(
+        name, ranks=ranks, microbatches=2 * ranks, chunks=chunks, data=data, **options
+    )
+    memory = name in ("1f1b_recompute", "1f1b_bpipe", "zb_h1_offload")
+    assert pipe.schedule.has_memory_actions == memory
     packed = pipe.pack(params)
     programs = pipe.rank_programs(batch)
     programs.run(packed, batch)  # compiles; its outputs are dropped
