@@ -115,6 +115,8 @@ def live_need(
         activation=[_bytes(k.res_avals) for k in kernels],
         carry=[_bytes(k.carry_avals) for k in kernels],
         params=grad_bytes,
+        # what an FC keeps: the stage's input activation (stage 0's is in the batch)
+        input=[0] + [_bytes(jax.tree.leaves(k.y)) for k in kernels[:-1]],
     )
     peaks = jpipe.simulate(schedule, sizes=sizes).peak_bytes
     if working is None:

@@ -1,6 +1,6 @@
 """Each rank's own memory under the per-rank lowering, beside the SPMD program's.
 
-``python -m bench.mpmd_memory [--quick] [--no-spmd] [--json PATH]``
+``python -m bench.mpmd_memory [--quick] [--no-spmd] [--memory-actions] [--json PATH]``
 
 GPT-2 small's shapes as in `bench.memory` (12 blocks, D = 768, L = 1024, the
 50,257-token vocabulary, bfloat16, microbatches of 4 sequences, M = 16), on 4
@@ -21,6 +21,11 @@ piece running then). Beside it, per rank:
 - the parameters each rank holds (today every bucket's row, as packed, like
   the SPMD program: not yet only its own) and its own share;
 - the number of ``conditional`` ops in every compiled piece (zero).
+
+``--memory-actions`` runs the built-ins that move residuals instead
+(``1f1b_recompute`` with k = 2, ``1f1b_bpipe``, ``zb_h1_offload``) beside
+the schedules they start from (1F1B, ZB-H1), with no SPMD column: the SPMD
+lowering does not run memory actions yet.
 """
 
 from __future__ import annotations
@@ -45,10 +50,12 @@ from jpipe.models import gpt  # noqa: E402
 GIB = 2**30
 
 
-def row(num_devices: int, name: str, chunks: int, M: int = 16, spmd: bool = True) -> dict:
+def row(
+    num_devices: int, name: str, chunks: int, M: int = 16, spmd: bool = True, **options
+) -> dict:
     """One schedule's per-rank figures (see the module docstring)."""
     config = memory.GPT2_SMALL
-    schedule = jpipe.get_schedule(name, num_devices, M, chunks if chunks > 1 else None)
+    schedule = jpipe.get_schedule(name, num_devices, M, chunks if chunks > 1 else None, **options)
     model = gpt.make_stages(config, models.split_layers(config.num_layers, schedule.num_stages))
     mesh = jpipe.make_mesh(num_devices, 1, jax.devices()[:num_devices])
     pipe = jpipe.Pipeline(model.stages, schedule, mesh, lowering="mpmd")
@@ -70,7 +77,7 @@ def row(num_devices: int, name: str, chunks: int, M: int = 16, spmd: bool = True
     texts = [exe.as_text() for by_kind in programs.compiled for exe in by_kind.values()]
     conditionals = sum(text.count(" conditional(") for text in texts)
     out = {
-        "schedule": name,
+        "schedule": name + "".join(f" {k}={v}" for k, v in options.items()),
         "chunks": chunks,
         "devices": num_devices,
         "microbatches": M,
@@ -96,7 +103,24 @@ def cases(quick: bool):
     for D in (4,) if quick else (4, 8):
         for name, chunks in memory.SCHEDULES:
             if D * chunks <= memory.GPT2_SMALL.num_layers + 2:
-                yield D, name, chunks
+                yield D, name, chunks, {}
+
+
+# The built-ins with memory actions (the SPMD lowering does not run them),
+# beside the schedules they add actions to.
+MEMORY_CASES = [
+    ("1f1b", {}),
+    ("1f1b_recompute", {"k": 2}),
+    ("1f1b_bpipe", {}),
+    ("zb_h1", {}),
+    ("zb_h1_offload", {}),
+]
+
+
+def memory_cases(quick: bool):
+    for D in (4,) if quick else (4, 8):
+        for name, options in MEMORY_CASES:
+            yield D, name, 1, options
 
 
 def markdown(rows: list[dict]) -> str:
@@ -124,10 +148,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 devices only")
     parser.add_argument("--no-spmd", action="store_true", help="skip the SPMD program's compile")
     parser.add_argument("--json", help="also write the rows to this path")
+    parser.add_argument(
+        "--memory-actions",
+        action="store_true",
+        help="the built-ins with memory actions beside 1F1B and ZB-H1 (no SPMD column)",
+    )
     args = parser.parse_args(argv)
     rows = []
-    for D, name, chunks in cases(args.quick):
-        rec = row(D, name, chunks, spmd=not args.no_spmd)
+    chosen = memory_cases(args.quick) if args.memory_actions else cases(args.quick)
+    for D, name, chunks, options in chosen:
+        spmd = not (args.no_spmd or args.memory_actions)
+        rec = row(D, name, chunks, spmd=spmd, **options)
         worst = max(p / n for p, n in zip(rec["peak_per_rank"], rec["need_per_rank"], strict=True))
         print(
             f"{D} devices, {name}: {rec['pieces']} pieces compiled in "

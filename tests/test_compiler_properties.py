@@ -7,7 +7,9 @@ must give the unpipelined loss and gradients, with the checker's model
 unrolled or with its blocks in `lax.scan` (whose backward is split into an
 I-scan and a W-scan), with a random pytree of float32, bfloat16 and float16
 leaves passed across each stage boundary, and with or without a data axis of
-2 beside the pipe axis; and with stages that write their own collectives
+2 beside the pipe axis, under either lowering (`jpipe.LOWERINGS`; under the
+per-rank one, with residuals randomly recomputed, evicted to another rank or
+offloaded to the host); and with stages that write their own collectives
 over tensor, on meshes with tensor, fsdp and data axes. A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
@@ -23,10 +25,20 @@ import jpipe
 from jpipe import testing
 
 
-def random_schedule(seed: int, ranks: int, stages: int, microbatches: int) -> jpipe.Schedule:
+def random_schedule(
+    seed: int, ranks: int, stages: int, microbatches: int, memory: bool = False
+) -> jpipe.Schedule:
+    """A random valid schedule; with `memory`, residuals kept, recomputed, evicted, offloaded."""
     rng = random.Random(seed)
     owner = [rng.randrange(ranks) for _ in range(stages)]
     split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}
+    modes = ["keep", "recompute", "offload"] + (["evict"] * (ranks > 1))
+    mode = {key: rng.choice(modes) if memory else "keep" for key in split}
+    partner = {
+        (s, m): rng.choice([q for q in range(ranks) if q != owner[s]])
+        for (s, m) in split
+        if mode[(s, m)] == "evict"
+    }
     done: set = set()
     rows: list[list] = [[] for _ in range(ranks)]
     # The next action of each (stage, microbatch): F, then B or I, then W.
@@ -42,12 +54,36 @@ def random_schedule(seed: int, ranks: int, stages: int, microbatches: int) -> jp
     while todo:
         choices = [(key, kinds[0]) for key, kinds in todo.items() if ready(*key, kinds[0])]
         (s, m), kind = rng.choice(choices)
-        rows[owner[s]].append(jpipe.Action(kind, s, m))
+        row, how, A = rows[owner[s]], mode[(s, m)], jpipe.Action
+        if kind in "BI":  # the residuals back on the rank before their reader
+            if how == "recompute":
+                row.append(A("RECOMPUTE", s, m))
+            elif how == "evict":
+                row.append(A("LOAD", s, m, partner[(s, m)]))
+            elif how == "offload":
+                row += [A("RELOAD_START", s, m), A("RELOAD_END", s, m)]
+        row.append(A("FC" if kind == "F" and how == "recompute" else kind, s, m))
+        if kind == "F" and how == "evict":  # and away from it until then
+            row.append(A("EVICT", s, m, partner[(s, m)]))
+        elif kind == "F" and how == "offload":
+            row += [A("OFFLOAD_START", s, m), A("OFFLOAD_END", s, m)]
         done.add(("F" if kind == "F" else "G" if kind in "BI" else "W", s, m))
         todo[(s, m)].pop(0)
         if not todo[(s, m)]:
             del todo[(s, m)]
     return jpipe.Schedule.of(rows, name=f"random-{seed}")
+
+
+def test_random_schedules_with_memory_actions_validate():
+    # The fuzz's memory actions are placed where the validator accepts them,
+    # and every kind turns up.
+    kinds = set()
+    for seed in range(200):
+        ranks, stages, microbatches = 1 + seed % 3, 1 + seed % 4, 1 + seed % 3
+        schedule = random_schedule(seed, ranks, max(ranks, stages), microbatches, memory=True)
+        jpipe.validate(schedule)
+        kinds |= {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
+    assert kinds == set(jpipe.MEMORY_KINDS)
 
 
 sizes = st.tuples(
@@ -68,20 +104,30 @@ activations = st.tuples(*[st.sampled_from(testing.ACTIVATIONS)] * 3)
     st.booleans(),
     activations,
     st.sampled_from([1, 2]),
+    st.sampled_from(jpipe.LOWERINGS),
+    st.booleans(),
 )
-def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data):
+def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data, lowering, memory):
+    # Memory actions (recompute, evict, offload) are drawn where the
+    # lowering runs them: the per-rank one (the SPMD one refuses them).
     seed, ranks, stages, microbatches = size
     assert ranks * data <= 8  # the fake devices of conftest.py
-    schedule = random_schedule(seed, ranks, stages, microbatches)
+    memory = memory and lowering == "mpmd"
+    schedule = random_schedule(seed, ranks, stages, microbatches, memory=memory)
     jpipe.validate(schedule)
     kinds = kinds[: stages - 1]
     # The bfloat16 and float16 leaves round the activations, but the reference
     # runs the same stage functions with the same casts, so the tolerance stays
     # float32's.
     result = testing.check_schedule(
-        schedule, data=data, tick_layout=layout, scan_layers=scan_layers, activations=kinds
+        schedule,
+        data=data,
+        tick_layout=layout,
+        scan_layers=scan_layers,
+        activations=kinds,
+        lowering=lowering,
     )
-    assert result.passed, (schedule, layout, scan_layers, kinds, data, result)
+    assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, result)
 
 
 # Meshes of up to 8 devices beside a pipe axis of up to 2 ranks.
