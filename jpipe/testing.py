@@ -639,7 +639,14 @@ def check_schedule(
         batch at once differs from it by 1.3 to 1.8% (and float32 compute by
         2.2%), while the pipeline matched it exactly on every built-in
         schedule tried on CPU (relative error 0). So `rtol` stays a float32
-        tolerance, three orders below that noise.
+        tolerance, three orders below that noise. The same holds for
+        `activations` with bfloat16 or float16 leaves: a float32 value that
+        differs in its last bit between two splits of the batch (a matmul's
+        sums in another order) can round to the neighbouring bfloat16, and
+        through the backward that moved a weight gradient by 3.4e-4 (a fuzz
+        case: 1 rank, 3 stages, M = 4, data 2, tuple and dict leaves, against
+        the whole batch; 1.4e-7 against the same microbatches, under either
+        lowering). Those models are checked against the same microbatches too.
       **options: passed to the schedule function.
 
     Returns:
@@ -683,8 +690,11 @@ def check_schedule(
         memory = compiled.memory_analysis()
         temp, arguments = memory.temp_size_in_bytes, memory.argument_size_in_bytes
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
-        # Float32: the whole batch at once. Lower precision: the same microbatches.
-        split = 1 if compute_dtype == "float32" else M
+        # Float32: the whole batch at once. Lower precision (in the compute or in
+        # the activations' leaves): the same microbatches.
+        kinds = (activations,) if isinstance(activations, str) else tuple(activations)
+        low = compute_dtype != "float32" or any(kind != "array" for kind in kinds)
+        split = M if low else 1
         if model.reference is not None:
             ref_loss, ref_grads = reference_value_and_grad(
                 model.reference, model.params, batch, split
