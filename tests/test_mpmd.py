@@ -144,17 +144,25 @@ def test_the_trainer_runs_the_per_rank_lowering_to_the_spmd_losses(tmp_path):
 
     from jpipe import train as trainer
 
-    def run(lowering, dropout):
-        config = tiny_config(steps=3, eval_every=3, lowering=lowering, **{"model.dropout": dropout})
-        return trainer.train(config, str(tmp_path / f"{lowering}{dropout}"), progress=False)
+    def run(lowering, dropout, schedule="1f1b"):
+        overrides = {"lowering": lowering, "schedule": schedule, "model.dropout": dropout}
+        config = tiny_config(steps=3, eval_every=3, **overrides)
+        path = tmp_path / f"{lowering}{dropout}{schedule}"
+        return trainer.train(config, str(path), progress=False)
 
     for dropout in (0.0, 0.1):
         spmd, mpmd = run("spmd", dropout), run("mpmd", dropout)
-        assert sorted(mpmd.losses) == [1, 2, 3]
-        np.testing.assert_allclose(
-            [mpmd.losses[s] for s in (1, 2, 3)], [spmd.losses[s] for s in (1, 2, 3)], rtol=RTOL
-        )
-        np.testing.assert_allclose(mpmd.eval_losses[3], spmd.eval_losses[3], rtol=RTOL)
+        # With dropout, a recompute must draw the forward's own masks: the
+        # losses after two updates say whether its gradients were right.
+        runs = [mpmd] + ([run("mpmd", dropout, "1f1b_recompute")] if dropout else [])
+        for other in runs:
+            assert sorted(other.losses) == [1, 2, 3]
+            np.testing.assert_allclose(
+                [other.losses[s] for s in (1, 2, 3)],
+                [spmd.losses[s] for s in (1, 2, 3)],
+                rtol=RTOL,
+            )
+            np.testing.assert_allclose(other.eval_losses[3], spmd.eval_losses[3], rtol=RTOL)
 
 
 def _bytes_on(devices) -> dict:
