@@ -358,13 +358,16 @@ class RankPrograms:
         first, final = s == 0, s == S - 1
         loss_dtype, weighted = self.loss_dtype, self.weighted
 
-        def forward(rows, batch, mb, x, *loss_acc):
-            """``(y, residuals)``; the last stage's ``([], residuals, loss sums)``."""
+        def stage_forward(rows, batch, mb, x):
             xt = None
             if not first:
                 xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
             y, res = k.forward(self._gathered(rows, s), xt, self._inputs_of(batch, mb))
-            res = [v[None] for v in res]
+            return y, [v[None] for v in res]
+
+        def forward(rows, batch, mb, x, *loss_acc):
+            """``(y, residuals)``; the last stage's ``([], residuals, loss sums)``."""
+            y, res = stage_forward(rows, batch, mb, x)
             if final:
                 piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
                 return [], res, loss_acc[0] + piece.astype(loss_dtype)[None]
@@ -374,12 +377,8 @@ class RankPrograms:
             out = forward(*args)
             return (out[0],) + tuple(out[2:])
 
-        def recompute(rows, batch, mb, x):  # an FC's residuals again, from its kept input
-            xt = None
-            if not first:
-                xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
-            _, res = k.forward(self._gathered(rows, s), xt, self._inputs_of(batch, mb))
-            return [v[None] for v in res]
+        def recompute(*args):  # an FC's residuals again, from its kept input
+            return stage_forward(*args)[1]
 
         def input_grad(rows, batch, mb, res, g):
             g = self._seed() if final else [v[0] for v in g]
@@ -416,8 +415,14 @@ class RankPrograms:
             "W": (weight_grad, common + (vals(n_res), vals(n_kept), rows), rows),
             "B": (backward, common + (vals(n_res), vals(n_g), rows), (vals(n_x), rows)),
         }
-        donate = {"F": donate_loss, "F_eval": donate_loss, "RECOMPUTE": (), "I": (), "W": (5,)}
-        donate["B"] = (5,)
+        donate = {
+            "F": donate_loss,
+            "F_eval": donate_loss,
+            "RECOMPUTE": (),
+            "I": (),
+            "W": (5,),
+            "B": (5,),
+        }
         return {
             kind: jax.jit(self._shmap(fn, mesh, ins, outs), donate_argnums=donate[kind])
             for kind, (fn, ins, outs) in specs.items()
@@ -586,25 +591,22 @@ class RankPrograms:
             head = (own_rows, batches[r], self._index[r][mb])
             ops += 1
             if a.kind in ("F", "FC"):
+                # F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums]).
                 x = [] if s == 0 else x_in.pop((s, mb))
-                piece = exe[s]["F" if a.kind == "F" else "F_eval"]
-                if s == S - 1:
-                    if a.kind == "F":
-                        _, res[(s, mb)], loss_acc = piece(*head, x, loss_acc)
-                    else:
-                        _, loss_acc = piece(*head, x, loss_acc)
+                out = exe[s][_PIECE_OF.get(a.kind, a.kind)](
+                    *head, x, *((loss_acc,) if s == S - 1 else ())
+                )
+                if a.kind == "F":
+                    res[(s, mb)] = out[1]
                 else:
-                    if a.kind == "F":
-                        y, res[(s, mb)] = piece(*head, x)
-                    else:
-                        (y,) = piece(*head, x)
-                    to = rank_of[s + 1]
-                    x_in[(s + 1, mb)] = y if to == r else self._send(y, to)
-                    ops += to != r
-                    del y
-                if a.kind == "FC":
                     inputs[(s, mb)] = x
-                del x
+                if s == S - 1:
+                    loss_acc = out[-1]
+                else:
+                    to = rank_of[s + 1]
+                    x_in[(s + 1, mb)] = out[0] if to == r else self._send(out[0], to)
+                    ops += to != r
+                del x, out
             elif a.kind == "RECOMPUTE":
                 res[(s, mb)] = exe[s]["RECOMPUTE"](*head, inputs.pop((s, mb)))
             elif a.kind in ("EVICT", "LOAD"):
@@ -726,7 +728,7 @@ class RankPrograms:
             s = a.stage
             x = y[s - 1] if s > 0 else 0  # the stage's input activation
             if a.kind in ("F", "FC"):
-                held[r] += res[s] - x if a.kind == "F" else 0  # an FC keeps its input
+                held[r] += (res[s] - x) if a.kind == "F" else 0  # an FC keeps its input
                 if s < S - 1:
                     held[rank_of[s + 1]] += y[s]
             elif a.kind == "RECOMPUTE":
