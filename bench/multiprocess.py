@@ -19,18 +19,26 @@ alike):
   another, `lax.map`);
 - F, I, W and B of each of the 2 stages on one microbatch, the same way
   (`bench.profile`);
-- jpipe's **1F1B** and **ZB-H1** with one rank per process;
+- jpipe's **1F1B** and **ZB-H1** with one rank per process, under each
+  lowering: the SPMD program (rows ``jpipe NAME``) and the per-rank
+  programs issued from each process's host (rows ``jpipe NAME per-rank``;
+  a B runs as its I and then its W there);
 - **data parallel**: the one-device step with the batch split over the 2
   processes and the gradients all-reduced;
 - the **transfer** alone: a loop of `ppermute`s of one stage output
-  between the two processes.
+  between the two processes (what the SPMD program sends with), and a
+  ping-pong of the same block through JAX's transfer API (what the
+  per-rank lowering sends with; `jpipe.RankPrograms.courier`).
 
 Every row's loss is compared with the one-process loss (the last column). The predictions
 use the measured pieces and transfer: ``sim ideal`` is
 ``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))`` (ranks that
-overlap perfectly); ``sim lock-step`` is the program jpipe compiles,
+overlap perfectly; for the per-rank rows with B = I + W, as they run it, and
+the transfer API's time); ``sim lock-step`` is the program jpipe compiles,
 ``plan.predicted_time(costs)`` plus one transfer per channel per tick (every
-tick ends in its `ppermute`s).
+tick ends in its `ppermute`s). For the per-rank rows the host's own cost is
+reported too: operations issued per step (pieces, transfers, set-up calls)
+and the host's time to issue them, per operation.
 
 Process 0 writes what it measured as JSON; the parent writes
 ``multiprocess.json`` and ``multiprocess.md`` to ``--out``.
@@ -110,6 +118,33 @@ def _transfer_program(workload, mesh):
     return fn, (x,), loops, list(y.shape)
 
 
+def _transfer_api_program(pipe, batch, block, loops: int):
+    """A ping-pong of one ``block`` between the ranks through the per-rank lowering's courier."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    programs = pipe.rank_programs(batch)
+    courier = programs.courier
+    structs = [
+        [jax.ShapeDtypeStruct((1,) + tuple(block), jnp.float32, sharding=NamedSharding(m, P()))]
+        for m in programs.meshes
+    ]
+    x = None
+    if courier.local[0]:
+        x = [jax.device_put(jnp.ones((1,) + tuple(block), jnp.float32), structs[0][0].sharding)]
+
+    def ping_pong(x):
+        courier.begin()
+        for i in range(loops):
+            x = courier.move(x, 0, 1, 2 * i, structs[1])
+            x = courier.move(x, 1, 0, 2 * i + 1, structs[0])
+        return x or []  # process 0 waits for the last one back; process 1 only issues
+
+    return ping_pong, (x,)
+
+
 def _measure(args) -> dict:
     """Every row, timed together in the same rounds, on 2 processes of one device each."""
     import jax
@@ -123,7 +158,7 @@ def _measure(args) -> dict:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     local_rows, pieces = _local_rows(args, workload, jax.local_devices()[0])
     mesh = jpipe.make_mesh(RANKS, 1, devices, across_hosts={"pipe": RANKS})
-    programs, info = [], {}
+    programs, info, per_rank = [], {}, {}
     for name in SCHEDULES:
         sched = jpipe.get_schedule(name, RANKS, args.microbatches)
         stage_fns, params = workload.stages(sched.num_stages)
@@ -132,11 +167,35 @@ def _measure(args) -> dict:
         batch = jax.device_put(workload.batch(args.microbatches), pipe.batch_sharding)
         programs.append(measure.compile_program(f"jpipe {name}", pipe, (packed, batch)))
         info[f"jpipe {name}"] = {"ticks": pipe.plan.num_ticks, "channels": len(pipe.plan.channels)}
+        mpmd = jpipe.Pipeline(stage_fns, sched, mesh, lowering="mpmd")
+        packed = mpmd.pack(params)
+        start = time.perf_counter()
+        per_rank[name] = (mpmd.compile(packed, batch), (packed, batch))
+        programs.append(
+            measure.Compiled(
+                f"jpipe {name} per-rank", mpmd.value_and_grad, (packed, batch),
+                time.perf_counter() - start, None, None, None,
+            )
+        )  # fmt: skip
     dp = data_parallel(workload, args.microbatches, RANKS, devices)
     programs.append(measure.compile_program("data parallel", dp.lowerable, dp.args))
     fn, targs, loops, block = _transfer_program(workload, mesh)
     transfer = measure.compile_program("transfer", fn, targs)
-    times = measure.time_together(local_rows + pieces + programs + [transfer], args.reps, warmup=1)
+    ping_pong, pargs = _transfer_api_program(mpmd, batch, block, loops)
+    api = measure.Compiled("transfer api", ping_pong, pargs, 0.0, None, None, None)
+    times = measure.time_together(
+        local_rows + pieces + programs + [transfer, api], args.reps, warmup=1
+    )
+    for name, (rank_programs, step_args) in per_rank.items():  # the host's side of a step
+        host_seconds = []
+        for _ in range(args.reps):
+            jax.block_until_ready(rank_programs.run(*step_args))
+            host_seconds.append(rank_programs.last_run["seconds"])
+        info[f"jpipe {name} per-rank"] = {
+            "host_ops": rank_programs.last_run["host_ops"],
+            "host_seconds": host_seconds,
+            "transfers_between_processes": rank_programs.last_run["transfers_between_processes"],
+        }
     rows = {}
     for p in local_rows + programs:
         out = p.fn(*p.args)
@@ -149,6 +208,7 @@ def _measure(args) -> dict:
     return {
         "rows": rows,
         "transfer": {"times": [t / loops for t in times["transfer"]], "block": block},
+        "transfer_api": {"times": [t / (2 * loops) for t in times["transfer api"]]},
         "costs": profile.costs_from_times(times, "stage", RANKS),
         "processes": jax.process_count(),
     }
@@ -199,7 +259,11 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     med = statistics.median
     costs = multi["costs"]
     transfer = med(multi["transfer"]["times"])
+    api = med(multi["transfer_api"]["times"])
     c = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=costs["B"], comm=transfer)
+    # The per-rank lowering issues a B as its I and then its W, and sends with the transfer API.
+    i_then_w = [i + w for i, w in zip(costs["I"], costs["W"])]
+    c_per_rank = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=i_then_w, comm=api)
     base = multi["rows"]["one"]
     base_med, base_best = med(base["times"]), min(base["times"])
     dp = multi["rows"]["data parallel"]
@@ -224,6 +288,7 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
 
     M = args.microbatches
     total = {kind: M * sum(costs[kind]) for kind in costs}
+    hosts = []
     add("one process, one thread", 1, base)
     add(
         "one process, microbatched", 1, multi["rows"]["microbatched"],
@@ -239,6 +304,22 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
         work = total["F"] + (total["B"] if name == "1f1b" else total["I"] + total["W"])
         add(f"jpipe {name}", 2, row, _ms(ideal), _ms(lockstep), _ms(work))
         table[f"jpipe {name}"].update(sim_ideal=ideal, sim_lockstep=lockstep)
+        key = f"jpipe {name} per-rank"
+        row = multi["rows"][key]
+        ideal = jpipe.simulate(sched, c_per_rank).makespan
+        work = total["F"] + total["I"] + total["W"]
+        add(key, 2, row, _ms(ideal), "-", _ms(work))
+        table[key].update(
+            sim_ideal=ideal, vs_ideal=[med(row["times"]) / ideal, min(row["times"]) / ideal]
+        )
+        host = med(row["host_seconds"])
+        hosts.append(
+            f"{key}: {row['host_ops']} host operations a step "
+            f"({row['transfers_between_processes']} of them transfers between the processes), "
+            f"issued in {_ms(host)} ms "
+            f"({host / row['host_ops'] * 1e6:.0f} us each); step / sim ideal "
+            f"{med(row['times']) / ideal:.2f} (median) / {min(row['times']) / ideal:.2f} (best)"
+        )
     pieces = ", ".join(
         f"stage {s}: F {_ms(costs['F'][s])}, I {_ms(costs['I'][s])}, W {_ms(costs['W'][s])}, "
         f"B {_ms(costs['B'][s])}"
@@ -255,7 +336,12 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
             f"Pieces (ms, one microbatch, one thread): {pieces}.",
             f"Transfer: one stage output ({block} float32) between the two processes: "
             f"{_ms(transfer)} ms (median of {len(multi['transfer']['times'])} rounds of a "
-            f"loop of ppermutes).",
+            f"loop of ppermutes); through JAX's transfer API {_ms(api)} ms (median of a "
+            "ping-pong).",
+            "",
+            "Per-rank lowering, the host's side (process 0, median of the rounds):",
+            "",
+            *(f"- {line}" for line in hosts),
         ]
     )
     data = {
@@ -264,6 +350,7 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
         "reps": args.reps,
         "costs": costs,
         "transfer_seconds": transfer,
+        "transfer_api_seconds": api,
         "rows": table,
     }
     return data, md

@@ -60,6 +60,7 @@ from jpipe._lower import axis_env
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Action, Schedule
 from jpipe._stage import StageKernels, WeightedLoss, loss_seed
+from jpipe._transfer import Courier, process_of
 
 
 def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
@@ -213,12 +214,6 @@ class RankPrograms:
         stage_to_rank,
         fused_backward: bool = False,
     ):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"the per-rank lowering (lowering='mpmd') runs in one process for now; this "
-                f"run has {jax.process_count()} processes. Use lowering='spmd' for "
-                "multi-process runs"
-            )
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
         self.fused_backward = fused_backward
         self.kernels = tuple(kernels)
@@ -229,6 +224,8 @@ class RankPrograms:
         self.M = schedule.num_microbatches
         _refuse_pipe_index(kernels, dict(mesh.shape), pipe_axis)
         self.meshes = rank_meshes(mesh, pipe_axis)
+        self.courier = Courier([process_of(m) for m in self.meshes])
+        self.local = self.courier.local  # per rank: are its devices this process's?
         names = mesh.axis_names
         self.fsdp = layout.fsdp_axis
         self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
@@ -266,6 +263,7 @@ class RankPrograms:
         if any(a.kind == "OFFLOAD_START" for _, _, a in schedule.all_actions()):
             self.rank_host = [_host_sharding(m, self.every) for m in self.meshes]
         self.n_dev = [m.devices.size for m in self.meshes]
+        self._y_avals = [jax.tree.leaves(kk.y) for kk in kernels]  # each stage's output, per device
 
         self.order = issue_order(schedule)
         self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
@@ -297,12 +295,18 @@ class RankPrograms:
             )
             for r in range(R)
         ]
+        # Per rank, only where its devices are this process's (None elsewhere).
         self._index = [
             [jax.device_put(jnp.int32(i), NamedSharding(m, P())) for i in range(self.M)]
-            for m in self.meshes
+            if self.local[r]
+            else None
+            for r, m in enumerate(self.meshes)
         ]
+        self._scalar = [NamedSharding(m, P()) for m in self.meshes]
         self._ones = [
-            jax.device_put(jnp.ones((self.n_dev[r],), self.loss_dtype), self.rank_every[r])
+            jax.device_put(jnp.ones((), self.loss_dtype), self._scalar[r])
+            if self.local[r]
+            else None
             for r in range(R)
         ]
         self.compiled: list = []
@@ -442,7 +446,7 @@ class RankPrograms:
                 if self.weighted:
                     if data_axis is not None:
                         g = lax.psum(g, data_axis)
-                    g = g / weight[0]
+                    g = g / weight
                 else:
                     if data_axis is not None:
                         g = lax.pmean(g, data_axis)
@@ -452,7 +456,7 @@ class RankPrograms:
             return out
 
         specs = {b: self.param_specs[b] for b in self.rank_buckets[r]}
-        program = self._shmap(finish, self.meshes[r], (specs, self.every), specs)
+        program = self._shmap(finish, self.meshes[r], (specs, P()), specs)
         return jax.jit(program, donate_argnums=(0,))
 
     def _finish_loss(self):
@@ -465,14 +469,14 @@ class RankPrograms:
                 total, weight = acc[0], acc[1]
                 if batch_axes:
                     total, weight = lax.psum(total, batch_axes), lax.psum(weight, batch_axes)
-                return total / weight, weight[None]
+                return total / weight, weight
             loss = acc / M
             if batch_axes:
                 loss = lax.pmean(loss, batch_axes)
-            return loss, jnp.ones((1,), self.loss_dtype)
+            return loss, jnp.ones((), self.loss_dtype)
 
         mesh = self.meshes[self.stage_to_rank[-1]]
-        return jax.jit(self._shmap(finish, mesh, (self.every,), (P(), self.every)))
+        return jax.jit(self._shmap(finish, mesh, (self.every,), (P(), P())))
 
     # -- compiling -----------------------------------------------------------------
 
@@ -502,7 +506,7 @@ class RankPrograms:
         common = (
             rows,
             shapes,
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=self._index[r][0].sharding),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.meshes[r], P())),
         )
         res = self._stacked(r, k.res_avals)
         g = [] if s == self.num_stages - 1 else self._stacked(r, jax.tree.leaves(k.y))
@@ -520,7 +524,10 @@ class RankPrograms:
         return common + (res, g, rows)
 
     def compile(self, packed, batch) -> list:
-        """Compiles every piece for these shapes (arrays or structs): ``compiled[s][kind]``."""
+        """Compiles every piece for these shapes (arrays or structs): ``compiled[s][kind]``.
+
+        Only the stages of this process's ranks (the others' entries are None).
+        """
         del packed  # the layout says the shapes
         kinds = {_PIECE_OF.get(a.kind, a.kind) for _, a in self.order} | {"F_eval"}
         if "B" in kinds and not self.fused_backward:
@@ -531,14 +538,16 @@ class RankPrograms:
                 kind: self.pieces[s][kind].lower(*self._piece_args(s, kind, batch)).compile()
                 for kind in kinds
             }
+            if self.local[self.stage_to_rank[s]]
+            else None
             for s in range(self.num_stages)
         ]
         return self.compiled
 
     # -- running -----------------------------------------------------------------
 
-    def _rank_rows(self, packed) -> list[dict]:
-        """Each rank's rows of its own buckets, as arrays on its sub-mesh (no copy)."""
+    def _rank_rows(self, packed) -> list[dict | None]:
+        """Each local rank's rows of its own buckets, as arrays on its sub-mesh (no copy)."""
         pieces_of = {b: _by_device([a]) for b, a in packed.items()}
         return [
             {
@@ -547,38 +556,66 @@ class RankPrograms:
                 )
                 for b in self.rank_buckets[r]
             }
+            if self.local[r]
+            else None
             for r in range(self.num_ranks)
         ]
 
     def _rank_batches(self, batch) -> list:
         return [
-            jax.tree.map(lambda a, sh=sh: _rank_view(a, sh), batch)
-            for sh in self.rank_batch_sharding
+            jax.tree.map(lambda a, sh=sh: _rank_view(a, sh), batch) if here else None
+            for sh, here in zip(self.rank_batch_sharding, self.local, strict=True)
         ]
 
-    def _send(self, values, r_to):
-        return [jax.device_put(v, self.rank_every[r_to]) for v in values]
+    def _move(self, values, r_from, r_to, key, avals):
+        """`values` (per-device avals `avals`) from rank `r_from` to `r_to` (`Courier.move`)."""
+        if r_from == r_to:
+            return values
+        return self.courier.move(values, r_from, r_to, key, self._stacked(r_to, avals))
 
     def _loss_zero(self):
         r = self.stage_to_rank[-1]
         shape = (self.n_dev[r],) + self.loss_shape
         return jax.device_put(jnp.zeros(shape, self.loss_dtype), self.rank_every[r])
 
+    def _replicated(self, x):
+        """A scalar held on this process's devices as one array replicated over the whole mesh."""
+        sharding = NamedSharding(self.mesh, P())
+        if self.courier.single:
+            return jax.device_put(x, sharding)
+        copies = {d: jax.device_put(x, d) for d in sharding.addressable_devices}
+        return _assemble((), sharding, copies)
+
+    def _shared(self, value, key: int):
+        """The last rank's scalar `value` in this process, on the devices of a rank here.
+
+        Where the last rank is another process's, pulled onto this process's
+        first rank.
+        """
+        last = self.stage_to_rank[-1]
+        mesh = self.meshes[self.local.index(True)]
+        struct = jax.ShapeDtypeStruct((), self.loss_dtype, sharding=NamedSharding(mesh, P()))
+        return self.courier.share(value, last, key, struct)
+
     def run(self, packed, batch, after_op: Callable | None = None):
         """One step: ``(loss, packed_grads)``, laid out as the SPMD lowering's.
 
+        In a run of several processes every process calls it, each issuing
+        the pieces of its own ranks and the transfers to and from them.
         `after_op(i)`, if given, is called after the i-th op of `order` is
         issued (for tests that watch memory as the step runs).
         """
         if not self.compiled:
             self.compile(packed, batch)
         start = time.perf_counter()
-        S, R, layout = self.num_stages, self.num_ranks, self.layout
-        exe, rank_of = self.compiled, self.stage_to_rank
+        self.courier.begin()
+        S, R, layout, here = self.num_stages, self.num_ranks, self.layout, self.local
+        exe, rank_of, k, y = self.compiled, self.stage_to_rank, self.kernels, self._y_avals
         rows, batches = self._rank_rows(packed), self._rank_batches(batch)
-        acc = [zeros() for zeros in self._zeros]
-        loss_acc = self._loss_zero()
-        ops = R + 1
+        acc = [zeros() if here[r] else None for r, zeros in enumerate(self._zeros)]
+        last = rank_of[-1]
+        loss_acc = self._loss_zero() if here[last] else None
+        ops = sum(here) + here[last]
         x_in: dict = {}  # (stage, microbatch) -> the activation it reads
         g_in: dict = {}  # (stage, microbatch) -> the output gradient it reads
         res: dict = {}  # (stage, microbatch) -> its residuals, on its rank (or its partner)
@@ -587,6 +624,18 @@ class RankPrograms:
         host: dict = {}  # (stage, microbatch) -> its residuals' copy in host memory
         for i, (r, a) in enumerate(self.order):
             s, mb = a.stage, a.microbatch
+            if not here[r]:  # another process's op: only what it sends here
+                before = self.courier.transfers
+                if a.kind in ("F", "FC") and s < S - 1 and here[rank_of[s + 1]]:
+                    x_in[(s + 1, mb)] = self._move(None, r, rank_of[s + 1], i, y[s])
+                elif a.kind in ("I", "B") and s > 0 and here[rank_of[s - 1]]:
+                    g_in[(s - 1, mb)] = self._move(None, r, rank_of[s - 1], i, y[s - 1])
+                elif a.kind == "EVICT" and here[a.partner]:
+                    res[(s, mb)] = self._move(None, r, a.partner, i, k[s].res_avals)
+                elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
+                    self._move(res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
+                ops += self.courier.transfers - before
+                continue
             own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
             ops += 1
@@ -604,20 +653,24 @@ class RankPrograms:
                     loss_acc = out[-1]
                 else:
                     to = rank_of[s + 1]
-                    x_in[(s + 1, mb)] = out[0] if to == r else self._send(out[0], to)
+                    _keep(x_in, (s + 1, mb), self._move(out[0], r, to, i, y[s]))
                     ops += to != r
                 del x, out
             elif a.kind == "RECOMPUTE":
                 res[(s, mb)] = exe[s]["RECOMPUTE"](*head, inputs.pop((s, mb)))
-            elif a.kind in ("EVICT", "LOAD"):
-                to = a.partner if a.kind == "EVICT" else r
-                res[(s, mb)] = self._send(res.pop((s, mb)), to)
+            elif a.kind == "EVICT":
+                _keep(res, (s, mb), self._move(res.pop((s, mb)), r, a.partner, i, k[s].res_avals))
+            elif a.kind == "LOAD":
+                if here[a.partner]:
+                    res[(s, mb)] = self._move(res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
+                else:
+                    res[(s, mb)] = self._move(None, a.partner, r, i, k[s].res_avals)
             elif a.kind == "OFFLOAD_START":  # the copy begins; the device copy stays
                 host[(s, mb)] = [jax.device_put(v, self.rank_host[r]) for v in res[(s, mb)]]
             elif a.kind == "OFFLOAD_END":  # freed once the copy has read it
                 del res[(s, mb)]
             elif a.kind == "RELOAD_START":
-                res[(s, mb)] = self._send(host.pop((s, mb)), r)
+                res[(s, mb)] = [jax.device_put(v, self.rank_every[r]) for v in host.pop((s, mb))]
             elif a.kind == "RELOAD_END":
                 pass  # the reader waits for the copy as for any input
             elif a.kind == "W":
@@ -641,19 +694,24 @@ class RankPrograms:
                     del own_acc, new_acc
                 if s > 0:
                     to = rank_of[s - 1]
-                    g_in[(s - 1, mb)] = dx if to == r else self._send(dx, to)
+                    _keep(g_in, (s - 1, mb), self._move(dx, r, to, i, y[s - 1]))
                     ops += to != r
                 del dx, g
             del head, own_rows
             if after_op is not None:
                 after_op(i)
-        loss, weight = self._end_loss(loss_acc)
+        loss = weight = None
+        if here[last]:
+            loss, weight = self._end_loss(loss_acc)
+        end = len(self.order)
+        loss = self._shared(loss, end)
+        if self.weighted:
+            weight = self._shared(weight, end + jax.process_count())
         by_device: dict = {b: {} for b in layout.buckets}
         for r in range(R):
-            if not self.weighted:
-                w = self._ones[r]
-            else:
-                w = weight if r == rank_of[-1] else jax.device_put(weight, self.rank_every[r])
+            if not here[r]:
+                continue
+            w = self._ones[r] if not self.weighted else jax.device_put(weight, self._scalar[r])
             finished = {**self._finish[r](acc[r], w), **self._padding[r]()}
             for b, g in finished.items():
                 by_device[b].update(_by_device([g]))
@@ -662,30 +720,43 @@ class RankPrograms:
             b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
             for b in layout.buckets
         }
-        self.last_run = {"host_ops": ops + 1, "seconds": time.perf_counter() - start}
-        return jax.device_put(loss, NamedSharding(self.mesh, P())), grads
+        self.last_run = {
+            "host_ops": ops + 1,
+            "transfers_between_processes": self.courier.transfers,
+            "seconds": time.perf_counter() - start,
+        }
+        self.courier.settle((loss, grads))
+        return self._replicated(loss), grads
 
     def loss(self, packed, batch):
         """The mean loss over microbatches: each rank's forwards in list order, keeping nothing."""
         if not self.compiled:
             self.compile(packed, batch)
-        S, rank_of = self.num_stages, self.stage_to_rank
+        self.courier.begin()
+        S, rank_of, y, here = self.num_stages, self.stage_to_rank, self._y_avals, self.local
         rows, batches = self._rank_rows(packed), self._rank_batches(batch)
-        loss_acc = self._loss_zero()
+        last = rank_of[-1]
+        loss_acc = self._loss_zero() if here[last] else None
         x_in: dict = {}
-        for r, a in self.forward_order:
+        for i, (r, a) in enumerate(self.forward_order):
             s, mb = a.stage, a.microbatch
+            to = rank_of[s + 1] if s < S - 1 else None
+            if not here[r]:
+                if to is not None and here[to]:
+                    x_in[(s + 1, mb)] = self._move(None, r, to, i, y[s])
+                continue
             own_rows = {b: rows[r][b] for b in self.layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
             x = [] if s == 0 else x_in.pop((s, mb))
             if s == S - 1:
                 _, loss_acc = self.compiled[s]["F_eval"](*head, x, loss_acc)
             else:
-                (y,) = self.compiled[s]["F_eval"](*head, x)
-                to = rank_of[s + 1]
-                x_in[(s + 1, mb)] = y if to == r else self._send(y, to)
-        loss, _ = self._end_loss(loss_acc)
-        return jax.device_put(loss, NamedSharding(self.mesh, P()))
+                (out,) = self.compiled[s]["F_eval"](*head, x)
+                _keep(x_in, (s + 1, mb), self._move(out, r, to, i, y[s]))
+        loss = self._end_loss(loss_acc)[0] if here[last] else None
+        loss = self._shared(loss, len(self.forward_order))
+        self.courier.settle(loss)
+        return self._replicated(loss)
 
     # -- memory --------------------------------------------------------------------
 
@@ -751,8 +822,12 @@ class RankPrograms:
             out.append(list(held))
         return out
 
-    def account(self) -> list[RankMemory]:
-        """Each rank's `RankMemory`, from the op list and the compiled pieces (`compile` first)."""
+    def account(self) -> list[RankMemory | None]:
+        """Each rank's `RankMemory`, from the op list and the compiled pieces (`compile` first).
+
+        In a run of several processes, None for the ranks of other processes
+        (whose pieces this process does not compile).
+        """
         if not self.compiled:
             raise ValueError("compile the pieces first (RankPrograms.compile)")
         R, layout = self.num_ranks, self.layout
@@ -769,14 +844,25 @@ class RankPrograms:
         largest = [0] * R
         before = [0] * R
         for (r, a), after in zip(self.order, held, strict=True):
-            work = self.piece_working_bytes(a.stage, a.kind)
+            work = self.piece_working_bytes(a.stage, a.kind) if self.local[r] else 0
             largest[r] = max(largest[r], work)
             # While a piece runs its inputs are still held and its outputs being made.
             peak[r] = max(peak[r], grads[r] + before[r] + work)
             for q in range(R):
                 peak[q] = max(peak[q], grads[q] + after[q])
             before = after
-        return [RankMemory(params[r], grads[r], values[r], peak[r], largest[r]) for r in range(R)]
+        return [
+            RankMemory(params[r], grads[r], values[r], peak[r], largest[r])
+            if self.local[r]
+            else None
+            for r in range(R)
+        ]
+
+
+def _keep(values: dict, key, value) -> None:
+    """``values[key] = value`` unless `value` is None (it went to another process)."""
+    if value is not None:
+        values[key] = value
 
 
 def _host_sharding(mesh: Mesh, spec) -> NamedSharding:

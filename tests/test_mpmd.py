@@ -228,13 +228,3 @@ def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, opt
     assert values == [max(h[r] for h in held) for r in range(len(values))]
     # Not a constant: what each rank holds rises and falls as its list runs.
     assert all(len({h[r] for h in held}) > 2 for r in range(len(values)))
-
-
-def test_several_processes_are_refused_naming_the_lowering(monkeypatch):
-    # Not built yet: each process would drive its own ranks. Until then a
-    # multi-process run is told to use the SPMD lowering, before any piece is made.
-    pipe, _, params, batch = _pipeline()
-    pipe.pack(params)
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match=r"lowering='mpmd'\) runs in one process.*2 processes"):
-        pipe.rank_programs(batch)

@@ -171,8 +171,8 @@ TINY = {
 }
 
 
-def _flags(workdir, pipe: int, data: int) -> list[str]:
-    settings = {**TINY, "mesh.pipe": pipe, "mesh.data": data}
+def _flags(workdir, pipe: int, data: int, **more) -> list[str]:
+    settings = {**TINY, "mesh.pipe": pipe, "mesh.data": data, **more}
     return [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in settings.items()]
 
 
@@ -237,30 +237,42 @@ def one_process(tmp_path_factory, one_process_config):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, cache_env):
-    """Metrics of 2 processes x 2 devices under jpipe.launch, by mesh ``(pipe, data)``."""
+    """Metrics of 2 processes x 2 devices under jpipe.launch, by mesh ``(pipe, data)``.
+
+    Further config settings (``lowering="mpmd"``, a schedule) as keywords.
+    """
     runs = {}
 
-    def run(pipe, data):
-        if (pipe, data) not in runs:
+    def run(pipe, data, **more):
+        key = (pipe, data, tuple(sorted(more.items())))
+        if key not in runs:
             workdir = tmp_path_factory.mktemp(f"two_{pipe}x{data}")
-            command = [os.path.join(ROOT, "train.py")] + _flags(workdir, pipe, data)
+            command = [os.path.join(ROOT, "train.py")] + _flags(workdir, pipe, data, **more)
             status, out, err, _ = _run(command, env=cache_env)
             assert status == 0, err[-3000:]
             assert "in 2 processes" in out
-            runs[(pipe, data)] = _metrics(workdir)
-        return runs[(pipe, data)]
+            runs[key] = _metrics(workdir)
+        return runs[key]
 
     return run
 
 
-def test_pipe4_across_two_processes_trains_as_one_process(one_process, two_processes):
+# The per-rank lowering runs BPipe's 1F1B here: rank 0 evicts residuals to
+# rank 3, so activations, gradients, evicted residuals, the loss and the
+# held-out loss all cross between the processes (JAX's transfer API).
+LOWERINGS = {"spmd": {}, "mpmd": {"lowering": "mpmd", "schedule": "1f1b_bpipe"}}
+
+
+@pytest.mark.parametrize("lowering", sorted(LOWERINGS))
+def test_pipe4_across_two_processes_trains_as_one_process(one_process, two_processes, lowering):
     # Ranks 0-1 in process 0, 2-3 in process 1: one pipe hop crosses. The
     # gradient norm's sum over the 4 ranks runs in another order across
     # processes: measured on jax 0.10.2 it differs by an ulp from step 4 on,
-    # and the losses by at most 1.9e-7 relative over 20 steps. The bound is
-    # test_train's RTOL (1e-5, far below what a lost stage or a wrong row
-    # does); do not loosen it.
-    two, one = two_processes(4, 1), one_process(4, 1)
+    # and the losses by at most 1.9e-7 relative over 20 steps (the per-rank
+    # lowering's run: the same). The bound is test_train's RTOL (1e-5, far
+    # below what a lost stage or a wrong row does); do not loosen it. The
+    # one-process run is the SPMD lowering's 1F1B for both.
+    two, one = two_processes(4, 1, **LOWERINGS[lowering]), one_process(4, 1)
     assert [m[0] for m in two] == [m[0] for m in one] == list(range(TINY["steps"] + 1))
     for got, want in zip(two, one):
         _assert_record_close(got, want, rel=1e-5)
@@ -280,7 +292,10 @@ def _assert_record_close(got: tuple, want: tuple, rel: float) -> None:
             assert abs(a - b) <= rel * abs(b), f"step {step}: {name} {a} != {b} (rel {rel})"
 
 
-def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_env, one_process):
+@pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
+def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
+    tmp_path, cache_env, one_process, lowering
+):
     """2 processes x 2 devices, pipe 2 x data 2: kill process 1 after the first checkpoint.
 
     Process 0 must stop within a minute, naming process 1; both restarted
@@ -289,10 +304,12 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(tmp_path, cache_
     resume; every loss, gradient norm and held-out loss must equal one
     process's run with 4 devices, bit for bit (measured on jax 0.10.2: each
     process holds one pipe rank and its data group, so every sum across
-    processes has two terms, which add alike in any order).
+    processes has two terms, which add alike in any order). Under both
+    lowerings; the one-process run is the SPMD lowering's.
     """
     workdir = tmp_path / "run"
-    command = [sys.executable, os.path.join(ROOT, "train.py")] + _flags(workdir, 2, 2)
+    command = [sys.executable, os.path.join(ROOT, "train.py")]
+    command += _flags(workdir, 2, 2, lowering=lowering)
     address = _free_address()
     logs = [open(tmp_path / f"stderr{i}", "w+") for i in range(2)]
     procs = [
