@@ -61,6 +61,7 @@ _EXPORTS = {
     "launch_local": ("jpipe._launch", "launch"),
     "load_sailor_profile": ("jpipe.planner._profiles", "load_sailor_profile"),
     "make_mesh": ("jpipe._pipeline", "make_mesh"),
+    "make_rank_meshes": ("jpipe._pipeline", "make_rank_meshes"),
     "make_plan": ("jpipe._ticks", "make_plan"),
     "microbatches": ("jpipe._pipeline", "microbatches"),
     "pack_lifetimes": ("jpipe._ticks", "pack_lifetimes"),

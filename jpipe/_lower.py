@@ -198,7 +198,9 @@ def trace_kernels(
 ) -> list[StageKernels]:
     """Traces every stage's F, I and W, feeding each the previous one's output shape.
 
-    Each stage is traced as one device of `mesh` sees it (`jpipe._manual`):
+    Each stage is traced as one device of `mesh` sees it (`jpipe._manual`;
+    `mesh` and `layout` may also be lists, one per stage, for ranks whose
+    meshes differ in shape):
     varying over `pipe_axis` and the `batch_axes` (``data``, ``fsdp``), each
     parameter over the model axes its spec splits it over, so that the
     stage's own collectives over the model axes (``tensor``) get JAX's
@@ -206,15 +208,17 @@ def trace_kernels(
     """
     kernels: list[StageKernels] = []
     x = None
-    abstract = mesh.abstract_mesh
-    with axis_env(dict(mesh.shape)):
-        for s, fn in enumerate(stage_fns):
-            view = DeviceView(abstract, pipe_axis, tuple(batch_axes), layout.stage_axes(s))
+    for s, fn in enumerate(stage_fns):
+        # Per stage, where the stages' ranks have meshes of their own shapes (lists).
+        m = mesh[s] if isinstance(mesh, (list, tuple)) else mesh
+        lay = layout[s] if isinstance(layout, (list, tuple)) else layout
+        with axis_env(dict(m.shape)):
+            view = DeviceView(m.abstract_mesh, pipe_axis, tuple(batch_axes), lay.stage_axes(s))
             k = StageKernels.trace(
-                fn, layout.stage_avals(s), x, microbatch_inputs, view, name=f"stage {s}"
+                fn, lay.stage_avals(s), x, microbatch_inputs, view, name=f"stage {s}"
             )
-            kernels.append(k)
-            x = k.y
+        kernels.append(k)
+        x = k.y
     return kernels
 
 

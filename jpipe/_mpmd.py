@@ -213,20 +213,34 @@ class RankPrograms:
         data_axis: str | None,
         stage_to_rank,
         fused_backward: bool = False,
+        meshes=None,
     ):
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
         self.fused_backward = fused_backward
         self.kernels = tuple(kernels)
         self.stage_to_rank = tuple(stage_to_rank)
         self.data_axis = data_axis
-        S, R = schedule.num_stages, mesh.shape[pipe_axis]
+        # Ranks with meshes of their own shapes hold their parameters as one
+        # dict each (`shaped`); otherwise as rows of the packed [R, ...] arrays.
+        self.shaped = meshes is not None
+        self.meshes = list(meshes) if self.shaped else rank_meshes(mesh, pipe_axis)
+        S, R = schedule.num_stages, len(self.meshes)
         self.num_stages, self.num_ranks = S, R
         self.M = schedule.num_microbatches
-        _refuse_pipe_index(kernels, dict(mesh.shape), pipe_axis)
-        self.meshes = rank_meshes(mesh, pipe_axis)
+        self.layouts = [
+            layout.on_axes({a: n for a, n in m.shape.items() if a not in (pipe_axis, data_axis)})
+            if self.shaped
+            else layout
+            for m in self.meshes
+        ]
+        _refuse_pipe_index(
+            kernels, [dict(self.meshes[r].shape) for r in self.stage_to_rank], pipe_axis
+        )
         self.courier = Courier([process_of(m) for m in self.meshes])
         self.local = self.courier.local  # per rank: are its devices this process's?
-        names = mesh.axis_names
+        if self.shaped:
+            _refuse_regrouping_across_processes(schedule, self.meshes, self.courier, pipe_axis)
+        names = self.meshes[0].axis_names
         self.fsdp = layout.fsdp_axis
         self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
         self.every = P(tuple(names))  # a value per device, stacked: [n, ...]
@@ -240,20 +254,12 @@ class RankPrograms:
         self.loss_shape = (2,) if self.weighted else ()
 
         # Each rank's own buckets: those of its stages, in a fixed order.
-        self.rank_buckets = [
-            tuple(
-                dict.fromkeys(
-                    b
-                    for s in range(S)
-                    if self.stage_to_rank[s] == r
-                    for b in layout.stage_buckets(s)
-                )
-            )
-            for r in range(R)
-        ]
-        self.full_param_sharding = {
-            b: NamedSharding(mesh, self.param_specs[b]) for b in layout.buckets
-        }
+        self.rank_buckets = [layout.rank_buckets(r) for r in range(R)]
+        self.full_param_sharding = (
+            None
+            if self.shaped
+            else {b: NamedSharding(mesh, self.param_specs[b]) for b in layout.buckets}
+        )
         self.rank_param_sharding = [
             {b: NamedSharding(m, self.param_specs[b]) for b in layout.buckets} for m in self.meshes
         ]
@@ -326,17 +332,18 @@ class RankPrograms:
 
     def _gathered(self, rows, s):
         """Stage `s`'s arrays from the rank's rows, gathered over ``fsdp`` where it splits them."""
-        out = {}
-        for b in self.layout.stage_buckets(s):
-            d = self.layout.fsdp_dim(b)
+        out, layout = {}, self.layouts[self.stage_to_rank[s]]
+        for b in layout.stage_buckets(s):
+            d = layout.fsdp_dim(b)
             v = rows[b][0]
             out[b] = v if d is None else lax.all_gather(v, self.fsdp, axis=d, tiled=True)
-        return self.layout.stage_params(s, out)
+        return layout.stage_params(s, out)
 
-    def _scattered(self, b, g):
+    def _scattered(self, b, g, s):
         """A weight gradient of bucket `b`, summed over ``fsdp`` and cut to this device's block."""
-        g = g.reshape(self.layout.gathered_shape(b))
-        d = self.layout.fsdp_dim(b)
+        layout = self.layouts[self.stage_to_rank[s]]
+        g = g.reshape(layout.gathered_shape(b))
+        d = layout.fsdp_dim(b)
         return g if d is None else lax.psum_scatter(g, self.fsdp, scatter_dimension=d, tiled=True)
 
     def _inputs_of(self, batch, mb):
@@ -356,7 +363,7 @@ class RankPrograms:
 
     def _stage_pieces(self, s: int) -> dict:
         """Stage `s`'s F, I, W, B and F_eval, jitted on its rank's sub-mesh."""
-        S, k, layout = self.num_stages, self.kernels[s], self.layout
+        S, k, layout = self.num_stages, self.kernels[s], self.layouts[self.stage_to_rank[s]]
         mesh = self.meshes[self.stage_to_rank[s]]
         own = layout.stage_buckets(s)
         first, final = s == 0, s == S - 1
@@ -393,7 +400,9 @@ class RankPrograms:
         def weight_grad(rows, batch, mb, res, kept, acc):
             params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
             dp = k.weight_grad(params, inputs, [v[0] for v in res], [v[0] for v in kept])
-            return {b: acc[b] + self._scattered(b, g)[None] for b, g in zip(own, dp, strict=True)}
+            return {
+                b: acc[b] + self._scattered(b, g, s)[None] for b, g in zip(own, dp, strict=True)
+            }
 
         def backward(rows, batch, mb, res, g, acc):
             dx, kept = input_grad(rows, batch, mb, res, g)
@@ -434,8 +443,8 @@ class RankPrograms:
 
     def _finish_grads(self, r: int):
         """Rank `r`'s gradients averaged over the batch axes (fsdp summed where no scatter did)."""
-        fsdp, data_axis, layout = self.fsdp, self.data_axis, self.layout
-        fsdp_size = self.mesh.shape[fsdp] if fsdp is not None else 1
+        fsdp, data_axis, layout = self.fsdp, self.data_axis, self.layouts[r]
+        fsdp_size = self.meshes[r].shape[fsdp] if fsdp is not None else 1
 
         def finish(acc, weight):
             out = {}
@@ -548,6 +557,12 @@ class RankPrograms:
 
     def _rank_rows(self, packed) -> list[dict | None]:
         """Each local rank's rows of its own buckets, as arrays on its sub-mesh (no copy)."""
+        if self.shaped:  # already one dict per rank
+            if len(packed) != self.num_ranks:
+                raise ValueError(
+                    f"got parameters for {len(packed)} ranks; the pipeline has {self.num_ranks}"
+                )
+            return [dict(p) if here else None for p, here in zip(packed, self.local, strict=True)]
         pieces_of = {b: _by_device([a]) for b, a in packed.items()}
         return [
             {
@@ -568,10 +583,32 @@ class RankPrograms:
         ]
 
     def _move(self, values, r_from, r_to, key, avals):
-        """`values` (per-device avals `avals`) from rank `r_from` to `r_to` (`Courier.move`)."""
+        """`values` (per-device avals `avals`) from rank `r_from` to `r_to` (`Courier.move`).
+
+        Between ranks whose meshes differ in shape (a value the same on every
+        device of the model axes, as a stage's output and input gradient are),
+        each of `r_to`'s devices gets the copy of the device of `r_from` with
+        its data and fsdp coordinates.
+        """
         if r_from == r_to:
             return values
+        if self.meshes[r_from].devices.shape != self.meshes[r_to].devices.shape:
+            return [self._regrouped(v, r_from, r_to) for v in values]
         return self.courier.move(values, r_from, r_to, key, self._stacked(r_to, avals))
+
+    def _regrouped(self, v, r_from, r_to):
+        """A value stacked per device of rank `r_from`, stacked per device of rank `r_to`."""
+        src, dst = self.meshes[r_from], self.meshes[r_to]
+        names = dst.axis_names
+        batch = {names.index(a) for a in self.batch_axes}
+        have = {shard.device: shard.data for shard in v.addressable_shards}
+        pieces = {}
+        for index in np.ndindex(dst.devices.shape):
+            source = tuple(i if axis in batch else 0 for axis, i in enumerate(index))
+            pieces[dst.devices[index]] = jax.device_put(
+                have[src.devices[source]], dst.devices[index]
+            )
+        return _assemble((self.n_dev[r_to],) + v.shape[1:], self.rank_every[r_to], pieces)
 
     def _loss_zero(self):
         r = self.stage_to_rank[-1]
@@ -579,7 +616,13 @@ class RankPrograms:
         return jax.device_put(jnp.zeros(shape, self.loss_dtype), self.rank_every[r])
 
     def _replicated(self, x):
-        """A scalar held on this process's devices as one array replicated over the whole mesh."""
+        """A scalar held on this process's devices as one array replicated over the whole mesh.
+
+        Ranks with meshes of their own shapes have no whole mesh: there, the
+        scalar as it is (on the last rank's devices).
+        """
+        if self.shaped:
+            return x
         sharding = NamedSharding(self.mesh, P())
         if self.courier.single:
             return jax.device_put(x, sharding)
@@ -708,18 +751,27 @@ class RankPrograms:
         if self.weighted:
             weight = self._shared(weight, end + jax.process_count())
         by_device: dict = {b: {} for b in layout.buckets}
+        per_rank = []
         for r in range(R):
             if not here[r]:
+                per_rank.append(None)
                 continue
             w = self._ones[r] if not self.weighted else jax.device_put(weight, self._scalar[r])
+            if self.shaped:
+                per_rank.append(self._finish[r](acc[r], w))
+                ops += 1
+                continue
             finished = {**self._finish[r](acc[r], w), **self._padding[r]()}
             for b, g in finished.items():
                 by_device[b].update(_by_device([g]))
             ops += 2
-        grads = {
-            b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
-            for b in layout.buckets
-        }
+        if self.shaped:
+            grads = per_rank
+        else:
+            grads = {
+                b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
+                for b in layout.buckets
+            }
         self.last_run = {
             "host_ops": ops + 1,
             "transfers_between_processes": self.courier.transfers,
@@ -734,6 +786,7 @@ class RankPrograms:
             self.compile(packed, batch)
         self.courier.begin()
         S, rank_of, y, here = self.num_stages, self.stage_to_rank, self._y_avals, self.local
+        layout = self.layout
         rows, batches = self._rank_rows(packed), self._rank_batches(batch)
         last = rank_of[-1]
         loss_acc = self._loss_zero() if here[last] else None
@@ -745,7 +798,7 @@ class RankPrograms:
                 if to is not None and here[to]:
                     x_in[(s + 1, mb)] = self._move(None, r, to, i, y[s])
                 continue
-            own_rows = {b: rows[r][b] for b in self.layout.stage_buckets(s)}
+            own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
             x = [] if s == 0 else x_in.pop((s, mb))
             if s == S - 1:
@@ -830,14 +883,21 @@ class RankPrograms:
         """
         if not self.compiled:
             raise ValueError("compile the pieces first (RankPrograms.compile)")
-        R, layout = self.num_ranks, self.layout
+        R = self.num_ranks
 
-        def bucket_bytes(b):
-            shape, dtype = layout.buckets[b]
-            return math.prod(layout.local_shape(b)) * np.dtype(dtype).itemsize
+        def bucket_bytes(b, r):
+            layout = self.layouts[r]
+            return math.prod(layout.local_shape(b)) * np.dtype(layout.buckets[b][1]).itemsize
 
-        params = [sum(bucket_bytes(b) for b in layout.buckets)] * R
-        grads = [sum(bucket_bytes(b) for b in self.rank_buckets[r]) for r in range(R)]
+        # Packed rows hold every bucket (zeros where not the rank's); a rank's own dict, its own.
+        params = [
+            sum(
+                bucket_bytes(b, r)
+                for b in (self.rank_buckets[r] if self.shaped else self.layout.buckets)
+            )
+            for r in range(R)
+        ]
+        grads = [sum(bucket_bytes(b, r) for b in self.rank_buckets[r]) for r in range(R)]
         held = self.held_values()
         values = [max((h[r] for h in held), default=0) for r in range(R)]
         peak = list(grads)
@@ -857,6 +917,34 @@ class RankPrograms:
             else None
             for r in range(R)
         ]
+
+
+def _refuse_regrouping_across_processes(schedule, meshes, courier, pipe_axis: str) -> None:
+    """Refuses what ranks of different mesh shapes cannot hand each other.
+
+    A stage's output and input gradient are the same on every device of the
+    model axes, so they move between meshes of different shapes (a copy per
+    device, within a process). Residuals are each device's own block: an
+    EVICT to a partner of another shape, and any regrouping between
+    processes, are refused by name.
+    """
+    shape = [m.devices.shape for m in meshes]
+    rank_of = schedule.stage_to_rank
+    for r, _, a in schedule.all_actions():
+        if a.kind == "EVICT" and shape[r] != shape[a.partner]:
+            raise ValueError(
+                f"rank {r}'s {a} sends residuals to rank {a.partner}, whose mesh has another "
+                f"shape ({dict(meshes[a.partner].shape)} against {dict(meshes[r].shape)}); "
+                "residuals are each device's own block, so evict to a rank of the same shape"
+            )
+    for s in range(schedule.num_stages - 1):
+        r, q = rank_of[s], rank_of[s + 1]
+        if shape[r] != shape[q] and courier.processes[r] != courier.processes[q]:
+            raise ValueError(
+                f"stages {s} and {s + 1} run on ranks {r} and {q}, whose meshes differ in shape "
+                f"and lie in different processes; moving values between such ranks runs within "
+                "a process only, for now: give ranks in different processes meshes of one shape"
+            )
 
 
 def _keep(values: dict, key, value) -> None:
@@ -895,14 +983,15 @@ def _same_index(x, y, shape) -> bool:
     return all(sx.indices(n) == sy.indices(n) for sx, sy, n in zip(x, y, shape, strict=False))
 
 
-def _refuse_pipe_index(kernels, axis_sizes: dict, pipe_axis: str) -> None:
+def _refuse_pipe_index(kernels, axis_sizes: list[dict], pipe_axis: str) -> None:
     """Refuses a stage that reads ``lax.axis_index`` of the pipeline axis.
 
     Each rank runs on its own sub-mesh, whose ``pipe`` axis has one device,
     so the index would be 0 on every rank: silently wrong, so refused.
+    `axis_sizes`: per stage, its rank's mesh's.
     """
     for s, k in enumerate(kernels):
-        with axis_env(axis_sizes):
+        with axis_env(axis_sizes[s]):
             text = str(jax.make_jaxpr(k._f_fn)(*_avals_of(k)))
         if f"axis_index[axis_name={pipe_axis}" in text:
             raise ValueError(

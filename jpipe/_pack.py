@@ -254,6 +254,29 @@ class ParamLayout:
     def stage_buckets(self, s: int) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.leaves[s])
 
+    def rank_buckets(self, r: int) -> tuple[str, ...]:
+        """The buckets rank `r`'s stages use, in stage order (the others are its padding)."""
+        return tuple(
+            dict.fromkeys(
+                b
+                for s, rank in enumerate(self.stage_to_rank)
+                if rank == r
+                for b in self.stage_buckets(s)
+            )
+        )
+
+    def on_axes(self, axis_sizes: dict[str, int]) -> ParamLayout:
+        """This layout over axes of other sizes (a rank's own mesh), its specs checked there."""
+        for name, (row, _) in self.buckets.items():
+            for n, e in zip(row, self.specs.get(name, (None,) * len(row))):
+                ways = math.prod(axis_sizes.get(a, 1) for a in _axes_of(e))
+                if n % ways:
+                    raise ValueError(
+                        f"bucket {name}: a dimension of {n} cannot be split {ways} ways over "
+                        f"{_axes_of(e)} (sizes {axis_sizes})"
+                    )
+        return dataclasses.replace(self, axis_sizes=dict(axis_sizes))
+
     @property
     def padding(self) -> dict:
         """Elements held over all ranks, and those the stages actually use."""

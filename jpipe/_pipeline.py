@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -112,6 +113,96 @@ def make_mesh(
     else:
         grid = _host_grid(devices, dict(zip(names, shape)), across_hosts)
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def make_rank_meshes(shapes: Sequence[dict[str, int]], devices=None) -> list[Mesh]:
+    """One mesh per pipeline rank, each of its own shape, for the per-rank lowering.
+
+    Each has `make_mesh`'s axes ``(pipe, data, fsdp, tensor)`` with ``pipe``
+    of size 1 and the sizes its entry of `shapes` gives (the others 1); the
+    ranks take consecutive devices, in order. E.g. a first stage on one
+    device and the others on tensor-parallel pairs:
+    ``make_rank_meshes([{"tensor": 1}, {"tensor": 2}, {"tensor": 2}])``
+    (5 devices). Pass the list as `Pipeline`'s mesh, with ``lowering="mpmd"``.
+
+    Args:
+      shapes: per rank, ``{"data": d, "fsdp": f, "tensor": t}`` (any of
+        them; ``data`` and ``fsdp`` must agree across ranks).
+      devices: the devices to take from (default `jax.devices()`, sorted by
+        ``(process_index, id)``).
+    """
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
+    meshes, at = [], 0
+    for r, shape in enumerate(shapes):
+        unknown = set(shape) - {"data", "fsdp", "tensor"}
+        if unknown:
+            raise ValueError(
+                f"rank {r}'s mesh names {sorted(unknown)}; accepted: data, fsdp, tensor"
+            )
+        n = math.prod(shape.values())
+        if at + n > len(devices):
+            raise ValueError(
+                f"the rank meshes {list(shapes)} need {at + n}+ devices, but only "
+                f"{len(devices)} are present"
+            )
+        meshes.append(
+            make_mesh(
+                1,
+                shape.get("data", 1),
+                devices[at : at + n],
+                fsdp=shape.get("fsdp", 1),
+                tensor=shape.get("tensor", 1),
+            )
+        )
+        at += n
+    return meshes
+
+
+def _check_rank_meshes(
+    meshes, schedule: Schedule, lowering: str, pipe_axis: str, data_axis: str, fsdp_axis: str
+) -> tuple[Mesh, ...]:
+    """One mesh per rank, checked: the per-rank lowering, the same axes and batch sizes."""
+    meshes = tuple(_auto(m) for m in meshes)
+    if not meshes or not all(isinstance(m, Mesh) for m in meshes):
+        raise ValueError("mesh must be a jax Mesh, or (lowering='mpmd') a list of one per rank")
+    if lowering != "mpmd":
+        raise ValueError(
+            "one mesh per rank (ranks of different shapes) needs the per-rank lowering: "
+            "pass lowering='mpmd' (the SPMD program is one mesh for every rank)"
+        )
+    if len(meshes) != schedule.num_ranks:
+        raise ValueError(
+            f"got {len(meshes)} rank meshes for a schedule of {schedule.num_ranks} ranks"
+        )
+    names = meshes[0].axis_names
+    for r, m in enumerate(meshes):
+        if m.axis_names != names:
+            raise ValueError(
+                f"rank {r}'s mesh has axes {m.axis_names}, rank 0's {names}: give every rank "
+                "the same axes (jpipe.make_rank_meshes)"
+            )
+        if m.shape.get(pipe_axis, 1) != 1:
+            raise ValueError(
+                f"rank {r}'s mesh has a {pipe_axis!r} axis of {m.shape[pipe_axis]}; a rank's "
+                "own mesh has one row of it"
+            )
+        for axis in (data_axis, fsdp_axis):
+            if m.shape.get(axis, 1) != meshes[0].shape.get(axis, 1):
+                raise ValueError(
+                    f"rank {r}'s mesh has {axis}={m.shape.get(axis, 1)}, rank 0's "
+                    f"{meshes[0].shape.get(axis, 1)}: ranks may differ in their model axes "
+                    f"(tensor) and devices, not (yet) in how the batch is split ({data_axis}, "
+                    f"{fsdp_axis})"
+                )
+    seen: dict = {}
+    for r, m in enumerate(meshes):
+        for d in m.devices.flat:
+            if d in seen:
+                raise ValueError(f"device {d} is in the meshes of ranks {seen[d]} and {r}")
+            seen[d] = r
+    return meshes
 
 
 def _host_grid(devices, sizes: dict[str, int], across_hosts: dict[str, int]):
@@ -208,7 +299,12 @@ class Pipeline:
         ``sum(total) / sum(weight)``, e.g. a token-masked mean of the batch).
       schedule: a `jpipe.Schedule` with one stage per function.
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count, and
-        any others (`jpipe.make_mesh`). The program is manual over every
+        any others (`jpipe.make_mesh`); or, under ``lowering="mpmd"``, one
+        mesh per rank (`jpipe.make_rank_meshes`), each with the same axes
+        (``pipe`` of size 1) and the same ``data`` and ``fsdp`` sizes but
+        its own ``tensor`` size and devices: a rank of tensor 1 beside ranks
+        of tensor 2, or of different device kinds. Parameters are then one
+        dict per rank (`pack`), and so are the gradients. The program is manual over every
         axis: each device holds its block of the stages' arrays as their
         specs say (`pack`), and the stage functions write the collectives of
         axes other than ``pipe``, ``data`` and ``fsdp`` themselves, with
@@ -277,6 +373,13 @@ class Pipeline:
         self.all_idle = all_idle
         self.stages = tuple(stages)
         self.schedule = schedule
+        # One mesh per rank, of its own shape (`rank_meshes`), or one mesh for all.
+        self.rank_meshes: tuple[Mesh, ...] | None = None
+        if not isinstance(mesh, Mesh):
+            self.rank_meshes = _check_rank_meshes(
+                mesh, schedule, lowering, pipe_axis, data_axis, fsdp_axis
+            )
+            mesh = self.rank_meshes[0]  # its axis names and batch sizes are every rank's
         self.mesh = _auto(mesh)
         self.pipe_axis = pipe_axis
         self.data_axis = data_axis if data_axis in mesh.axis_names else None
@@ -284,7 +387,7 @@ class Pipeline:
         self.fsdp_axis = fsdp_axis if mesh.shape.get(fsdp_axis, 1) > 1 else None
         if pipe_axis not in mesh.axis_names:
             raise ValueError(f"the mesh has no {pipe_axis!r} axis (it has {mesh.axis_names})")
-        R = mesh.shape[pipe_axis]
+        R = len(self.rank_meshes) if self.rank_meshes else mesh.shape[pipe_axis]
         if schedule.num_ranks != R:
             raise ValueError(
                 f"the schedule has {schedule.num_ranks} ranks but the mesh's {pipe_axis!r} "
@@ -314,6 +417,10 @@ class Pipeline:
 
     # -- parameters ------------------------------------------------------------
 
+    def _inner_axes(self, mesh: Mesh) -> dict[str, int]:
+        """The sizes of `mesh`'s axes that may split parameters (all but pipe and data)."""
+        return {a: n for a, n in mesh.shape.items() if a not in (self.pipe_axis, self.data_axis)}
+
     def _layout_for(self, params_list, specs=None) -> ParamLayout:
         if len(params_list) != len(self.stages):
             raise ValueError(
@@ -321,9 +428,7 @@ class Pipeline:
             )
         if specs is None and self.layout is not None:
             specs = self._specs
-        inner_axes = {
-            a: n for a, n in self.mesh.shape.items() if a not in (self.pipe_axis, self.data_axis)
-        }
+        inner_axes = self._inner_axes(self.mesh)
         layout = ParamLayout.of(
             params_list,
             self.plan.stage_to_rank,
@@ -332,6 +437,8 @@ class Pipeline:
             axis_sizes=inner_axes,
             fsdp_axis=self.fsdp_axis,
         )
+        for m in self.rank_meshes or ():
+            layout.on_axes(self._inner_axes(m))  # every rank's mesh splits the arrays it holds
         if self.layout is None:
             self.layout, self._specs = layout, specs
         elif layout != self.layout:
@@ -355,7 +462,24 @@ class Pipeline:
             inside every stage.
         """
         layout = self._layout_for(params_list, specs)
+        if self.rank_meshes is not None:
+            return self._pack_per_rank(layout, params_list)
         return layout.pack(params_list, self.mesh, self.pipe_axis)
+
+    def _pack_per_rank(self, layout: ParamLayout, params_list) -> list[dict]:
+        """Each rank's own buckets, ``{bucket: Array [1, *row]}`` on its own mesh."""
+        shardings = self.param_sharding
+        out = []
+        for r in range(len(self.rank_meshes)):
+            rows = {}
+            for s, stage_params in enumerate(params_list):
+                if layout.stage_to_rank[s] != r:
+                    continue
+                for leaf, (name, _, _) in zip(jax.tree.leaves(stage_params), layout.leaves[s]):
+                    row = np.asarray(leaf).reshape((1,) + layout.buckets[name][0])
+                    rows[name] = jax.device_put(row, shardings[r][name])
+            out.append({b: rows[b] for b in layout.rank_buckets(r)})
+        return out
 
     def packed_shapes(self, params_list, specs=None) -> dict:
         """What `pack` would give, as shapes: ``{bucket: ShapeDtypeStruct [R, ...]}``.
@@ -366,6 +490,7 @@ class Pipeline:
         compiles a model too big for this machine without making any array,
         and its ``memory_analysis()`` gives what each device would hold.
         """
+        self._one_mesh("Pipeline.packed_shapes")
         layout = self._layout_for(params_list, specs)
         shardings = layout.sharding(self.mesh, self.pipe_axis)
         return {
@@ -392,6 +517,7 @@ class Pipeline:
           rng: a JAX key.
           specs: as for `pack`.
         """
+        self._one_mesh("Pipeline.init")
         packed_parts: dict[str, list] = {}
         here = jax.process_index()
         for r, program in enumerate(self.init_programs(init_fn, rng, specs)):
@@ -417,6 +543,7 @@ class Pipeline:
         as the rank's blocks of the packed arrays; ``.lower(rng).compile()``
         and ``memory_analysis()`` tell what each device allocates to make them.
         """
+        self._one_mesh("Pipeline.init_programs")
         shapes = jax.eval_shape(lambda k: init_fn(k, None), rng)
         layout = self._layout_for(shapes, specs)
         names = self.mesh.axis_names
@@ -446,12 +573,34 @@ class Pipeline:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
         if self.layout is None:
             raise ValueError("pack parameters first, so the pipeline knows their layout")
+        if self.rank_meshes is not None:
+            layout = self.layout
+            return [
+                jax.tree.unflatten(
+                    layout.trees[s],
+                    [
+                        np.asarray(packed[layout.stage_to_rank[s]][name])[0].reshape(shape)
+                        for name, shape, _ in layout.leaves[s]
+                    ],
+                )
+                for s in range(len(self.stages))
+            ]
         return self.layout.unpack_host(packed)
 
     @property
-    def param_sharding(self) -> dict:
+    def param_sharding(self) -> dict | list[dict]:
+        """Where `pack` puts each bucket: ``{bucket: NamedSharding}``, a dict per rank with
+        `rank_meshes`."""
         if self.layout is None:
             raise ValueError("pack parameters first, so the pipeline knows their layout")
+        if self.rank_meshes is not None:
+            return [
+                {
+                    b: NamedSharding(m, self.layout.spec(b, self.pipe_axis))
+                    for b in self.layout.rank_buckets(r)
+                }
+                for r, m in enumerate(self.rank_meshes)
+            ]
         return self.layout.sharding(self.mesh, self.pipe_axis)
 
     @property
@@ -511,15 +660,26 @@ class Pipeline:
         key = self._key(batch)
         if key not in self._kernels_cache:
             batch_axes = tuple(a for a in (self.data_axis, self.fsdp_axis) if a is not None)
+            mesh, layout = self.mesh, self.layout
+            if self.rank_meshes is not None:  # each stage as a device of its own rank's mesh
+                mesh = [self.rank_meshes[r] for r in self.plan.stage_to_rank]
+                layout = [self.layout.on_axes(self._inner_axes(m)) for m in mesh]
             self._kernels_cache[key] = trace_kernels(
                 self.stages,
-                self.layout,
+                layout,
                 self._microbatch_shapes(batch),
-                self.mesh,
+                mesh,
                 self.pipe_axis,
                 batch_axes,
             )
         return self._kernels_cache[key]
+
+    def _one_mesh(self, what: str) -> None:
+        if self.rank_meshes is not None:
+            raise ValueError(
+                f"{what} makes the packed [R, ...] arrays of one mesh; this Pipeline has a mesh "
+                "per rank, whose parameters are one dict per rank: use Pipeline.pack"
+            )
 
     def _only_spmd(self, what: str) -> None:
         if self.lowering != "spmd":
@@ -548,6 +708,7 @@ class Pipeline:
                 self.pipe_axis,
                 self.data_axis,
                 self.plan.stage_to_rank,
+                meshes=self.rank_meshes,
             )
         return self._rank_programs[key]
 

@@ -518,6 +518,11 @@ def test_read_plan_file_errors(tmp_path):
         "microbatch_size": 2,
     }
     assert read_plan_file(good).layers_per_stage == (3, 3)
+    assert read_plan_file(good).lowering == "spmd"
+    # Planned with each device holding its own rank's memory: the per-rank lowering's.
+    assert read_plan_file({**good, "memory_layout": "per_rank"}).lowering == "mpmd"
+    with pytest.raises(ValueError, match="memory_layout 'x' is not one the trainer runs"):
+        read_plan_file({**good, "memory_layout": "x"})
     with pytest.raises(ValueError, match="has no field 'schedule'"):
         read_plan_file({k: v for k, v in good.items() if k != "schedule"})
     with pytest.raises(ValueError, match="a stage without a transformer block"):

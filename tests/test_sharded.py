@@ -372,3 +372,89 @@ def test_a_stage_may_average_over_the_batch_axes():
         packed = pipe.pack(params, specs)
         loss, grads = pipe.value_and_grad(packed, jax.device_put(batch, pipe.batch_sharding))
         assert testing.compare((loss, pipe.unpack(grads)), want)[1] <= RTOL, axes
+
+
+def test_ranks_of_different_tensor_degrees_train_as_the_whole_model():
+    """Rank 0 on one device (tensor 1), ranks 1 and 2 on tensor-parallel pairs (5 devices).
+
+    The per-rank lowering with one mesh per rank: each stage's arrays are split
+    over its own rank's tensor degree, activations and their gradients are
+    regrouped between the shapes, and SGD applied per rank for 3 steps gives
+    the losses, gradients and parameters of the whole, unsplit, unpipelined model trained
+    the same way (float32).
+    """
+    import optax
+
+    meshes = jpipe.make_rank_meshes([{"tensor": 1}, {"tensor": 2}, {"tensor": 2}])
+    assert [dict(m.shape)["tensor"] for m in meshes] == [1, 2, 2]
+    model = models.make_stages(CONFIG, (1, 2, 1), tensor_axis="tensor")
+    params = model.init(0)
+    schedule = jpipe.get_schedule("1f1b", 3, 4)
+    pipe = jpipe.Pipeline(model.stages, schedule, meshes, lowering="mpmd")
+    packed = pipe.pack(params, gpt.tensor_specs(CONFIG, params))
+    # Each rank holds only its own stages' arrays, split by its own degree:
+    # a qkv kernel [16, 48] whole on rank 0's device, in column halves on rank 1's.
+    qkv = [b for b in packed[0] if b.startswith("float32[16x48]")]
+    assert qkv and [b for b in packed[1] if b.startswith("float32[16x48]")]
+    assert {packed[0][b].addressable_shards[0].data.shape for b in qkv} == {(1, 16, 48)}
+    assert {packed[1][b].addressable_shards[0].data.shape for b in packed[1] if "16x48" in b} == {
+        (1, 16, 24)
+    }
+    assert not set(packed[0]) & {b for b in pipe.layout.buckets if b not in packed[0]}
+
+    # Plain SGD with momentum, per rank (an update linear in the gradients, so the
+    # parameters stay within float32 of the reference's; Adam's first steps
+    # divide near-zero gradients by their own size).
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    update = jax.jit(lambda g, state: optimizer.update(g, state))
+    states = [optimizer.init(p) for p in packed]  # per rank: on its own devices
+    whole = models.make_stages(CONFIG, (1, 2, 1))
+    reference, ref_state = params, optimizer.init(params)
+    losses = []
+    for step in range(3):
+        batch = models.example_batch(CONFIG, batch_size=8, seed=step)
+        loss, grads = pipe.value_and_grad(packed, batch)
+        assert isinstance(grads, list) and [set(g) for g in grads] == [set(p) for p in packed]
+        want = jpipe.reference_value_and_grad(whole.stages, reference, batch, 4)
+        _, rel = testing.compare((loss, pipe.unpack(grads)), want)
+        assert rel <= RTOL, (step, rel)
+        for r in range(3):
+            updates, states[r] = update(grads[r], states[r])
+            packed[r] = optax.apply_updates(packed[r], updates)
+        updates, ref_state = optimizer.update(want[1], ref_state)
+        reference = optax.apply_updates(reference, updates)
+        _, rel = testing.compare(pipe.unpack(packed), reference)
+        assert rel <= RTOL, (step, rel)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]  # it trains
+
+
+def test_rank_meshes_are_checked():
+    model = models.make_stages(CONFIG, (2, 2), tensor_axis="tensor")
+    schedule = jpipe.get_schedule("1f1b", 2, 4)
+    meshes = jpipe.make_rank_meshes([{"tensor": 1}, {"tensor": 2}])
+    with pytest.raises(ValueError, match="needs the per-rank lowering: pass lowering='mpmd'"):
+        jpipe.Pipeline(model.stages, schedule, meshes)
+    with pytest.raises(ValueError, match="got 1 rank meshes for a schedule of 2 ranks"):
+        jpipe.Pipeline(model.stages, schedule, meshes[:1], lowering="mpmd")
+    data = jpipe.make_rank_meshes([{"data": 1}, {"data": 2}])
+    with pytest.raises(ValueError, match="rank 1's mesh has data=2, rank 0's 1"):
+        jpipe.Pipeline(model.stages, schedule, data, lowering="mpmd")
+    with pytest.raises(ValueError, match="device .* is in the meshes of ranks 0 and 1"):
+        jpipe.Pipeline(model.stages, schedule, [meshes[0], meshes[0]], lowering="mpmd")
+    with pytest.raises(ValueError, match="accepted: data, fsdp, tensor"):
+        jpipe.make_rank_meshes([{"pipe": 2}])
+    pipe = jpipe.Pipeline(model.stages, schedule, meshes, lowering="mpmd")
+    with pytest.raises(ValueError, match="Pipeline.init makes the packed"):
+        pipe.init(model.init, jax.random.key(0))
+    # BPipe's eviction from rank 0 to rank 3, of another shape, is refused by name.
+    four = models.make_stages(CONFIG, (1, 1, 1, 1), tensor_axis="tensor")
+    bpipe = jpipe.get_schedule("1f1b_bpipe", 4, 4)
+    assert any(r == 0 and a.kind == "EVICT" and a.partner == 3 for r, _, a in bpipe.all_actions())
+    shapes = [{"tensor": 1}, {"tensor": 1}, {"tensor": 1}, {"tensor": 2}]
+    evicting = jpipe.Pipeline(four.stages, bpipe, jpipe.make_rank_meshes(shapes), lowering="mpmd")
+    params = four.init(0)
+    packed = evicting.pack(params, gpt.tensor_specs(CONFIG, params))
+    batch = models.example_batch(CONFIG, batch_size=8, seed=0)
+    with pytest.raises(ValueError, match="evict to a rank of the same shape"):
+        evicting.value_and_grad(packed, batch)

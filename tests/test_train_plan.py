@@ -56,6 +56,12 @@ def test_plan_sets_the_trainer_config(tmp_path):
     (tmp_path / "tensor.json").write_text(json.dumps(tensor))
     config.plan = str(tmp_path / "tensor.json")
     assert TrainConfig.from_config(config).mesh.tensor == 2  # the plan's degree is applied
+    assert TrainConfig.from_config(config).lowering == "spmd"
+    # A plan checked with each device holding its own rank's memory runs per rank.
+    per_rank = {**tensor, "memory_layout": "per_rank"}
+    (tmp_path / "per_rank.json").write_text(json.dumps(per_rank))
+    config.plan = str(tmp_path / "per_rank.json")
+    assert TrainConfig.from_config(config).lowering == "mpmd"
     config.plan = str(_plan_file(tmp_path))
     config.model.num_layers = 4
     with pytest.raises(ConfigError, match="splits 3 transformer blocks .*num_layers=4"):

@@ -1039,6 +1039,10 @@ class TrainerSettings:
       num_chunks: stages per rank, or 0 for the schedule's own.
       num_microbatches: M.
       batch_size: the global batch.
+      lowering: the lowering whose memory the plan was checked for: ``"spmd"``
+        (layout ``spmd``: every device holds the largest rank's) or
+        ``"mpmd"`` (layout ``per_rank``: each device its own rank's, as the
+        per-rank lowering gives).
     """
 
     pipe: int
@@ -1049,6 +1053,7 @@ class TrainerSettings:
     num_chunks: int
     num_microbatches: int
     batch_size: int
+    lowering: str = "spmd"
 
 
 def plan_file(ev: Evaluation, profile: Profile) -> dict:
@@ -1097,11 +1102,11 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where} has a field of the wrong type: {e}") from None
     layout = d.get("memory_layout", "spmd")
-    if layout != "spmd":
+    lowerings = {"spmd": "spmd", "per_rank": "mpmd"}  # the lowering that holds that memory
+    if layout not in lowerings:
         raise ValueError(
-            f"{where} was checked under the {layout!r} memory layout, but the trainer runs one "
-            "SPMD program, where every device holds the largest rank's memory; plan with "
-            "--memory-layout spmd (the default)"
+            f"{where}: memory_layout {layout!r} is not one the trainer runs; accepted: "
+            f"{', '.join(lowerings)}"
         )
     for name, v in (
         ("mesh.pipe", pipe),
@@ -1125,7 +1130,9 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             f"{where}: num_microbatches {M} x microbatch_size {mbs} x mesh.data {data} "
             f"!= global_batch {batch}"
         )
-    return TrainerSettings(pipe, data, tensor, blocks, schedule, chunks, M, batch)
+    return TrainerSettings(
+        pipe, data, tensor, blocks, schedule, chunks, M, batch, lowerings[layout]
+    )
 
 
 def median_abs_error(pairs: Sequence[tuple[float, float]]) -> float:

@@ -5,7 +5,9 @@
 and raise `ConfigError` naming the field, the value and what is accepted.
 A ``plan`` field naming a plan file (``python -m jpipe.plan ... --save FILE``)
 sets the mesh, the layers per stage, the schedule, its chunks, the
-microbatches and the batch from that file first (`jpipe.read_plan_file`).
+microbatches, the batch and the lowering (``mpmd`` for a plan checked per
+rank, ``--memory-layout per_rank``) from that file first
+(`jpipe.read_plan_file`).
 Checks that need the schedule, the devices or the corpus happen in
 `jpipe.train.prepare`.
 """
@@ -448,6 +450,8 @@ def _apply_plan(kwargs: dict) -> dict:
         "num_microbatches": settings.num_microbatches,
         "batch_size": settings.batch_size,
         "layers_per_stage": ",".join(str(b) for b in settings.layers_per_stage),
+        # A plan checked per rank (each device its own rank's memory) runs per rank.
+        "lowering": settings.lowering,
     }
 
 
