@@ -821,13 +821,25 @@ def _variants(base: Schedule, key, allowed: set[str], current: Move | None, part
     return [mv for mv in out if mv != current and _span(row, at, mv) is not None]
 
 
-def _allowed_moves(layout: str) -> set[str]:
-    kinds = {
-        "recompute": ("FC", "RECOMPUTE"),
-        "evict": ("EVICT", "LOAD"),
-        "offload": ("OFFLOAD_START", "OFFLOAD_END", "RELOAD_START", "RELOAD_END"),
+# The memory actions of each kind of move.
+MOVE_KINDS = {
+    "recompute": ("FC", "RECOMPUTE"),
+    "evict": ("EVICT", "LOAD"),
+    "offload": ("OFFLOAD_START", "OFFLOAD_END", "RELOAD_START", "RELOAD_END"),
+}
+
+
+def _allowed_moves(layout: str, wanted=None) -> set[str]:
+    """The kinds of move whose every action the layout's lowering runs (and in `wanted`)."""
+    if wanted is not None:
+        unknown = sorted(set(wanted) - set(MOVE_KINDS))
+        if unknown:
+            raise ValueError(f"memory actions {unknown} are not among {', '.join(MOVE_KINDS)}")
+    return {
+        move
+        for move, kinds in MOVE_KINDS.items()
+        if all(lowering_runs(layout, k) for k in kinds) and (wanted is None or move in wanted)
     }
-    return {move for move, ks in kinds.items() if all(lowering_runs(layout, k) for k in ks)}
 
 
 class _Evaluator:
@@ -868,6 +880,7 @@ def local_search(
     *,
     deadline: float = math.inf,
     log: Callable[[str], None] | None = None,
+    memory_actions: Sequence[str] | None = None,
 ) -> LocalSearch:
     """Memory actions for `base` until it fits `budget` at the least added time (module
     docstring); `LocalSearch.schedule` is None if it found no way to fit.
@@ -876,7 +889,7 @@ def local_search(
     actions and no overlapped cells; `budget` is what a device may hold.
     """
     evaluate = _Evaluator(figures, budget, layout)
-    found = _local_search(base, evaluate, _allowed_moves(layout), deadline, log)
+    found = _local_search(base, evaluate, _allowed_moves(layout, memory_actions), deadline, log)
     if found is None:
         return LocalSearch(None, (), None, None, evaluate.count)
     return LocalSearch(*found, evaluate.count)
@@ -1122,6 +1135,7 @@ def search_schedule(
     local: bool = True,
     batch: int | None = None,
     margin: float = MARGIN,
+    memory_actions: Sequence[str] | None = None,
     max_seconds: float = 60.0,
     log: Callable[[str], None] | None = None,
 ) -> ScheduleSearch:
@@ -1147,6 +1161,9 @@ def search_schedule(
         figures as given (microbatches of a fixed size).
       margin: the share of `budget` kept free (`MARGIN`): a candidate fits
         when every device's bytes are within ``budget * (1 - margin)``.
+      memory_actions: the kinds of memory action allowed (``"recompute"``,
+        ``"evict"``, ``"offload"``; `MOVE_KINDS`), in the built-ins and the
+        local search alike; default every kind the lowering runs.
       max_seconds: a bound on the local search's time (it then keeps what it
         found; the built-ins are always all simulated).
       log: called with a line of progress now and then.
@@ -1172,7 +1189,8 @@ def search_schedule(
                     f"M must divide it"
                 )
         reference = getattr(figures, "microbatch_size", None) or batch // Ms[0]
-    memory_moves = tuple(sorted(_allowed_moves(layout)))
+    memory_moves = tuple(sorted(_allowed_moves(layout, memory_actions)))
+    allowed_kinds = {k for move in memory_moves for k in MOVE_KINDS[move]}
     evaluate_count = 0
     candidates: list[Candidate] = []
     skipped: list[str] = []
@@ -1201,6 +1219,13 @@ def search_schedule(
                 skipped.append(
                     f"{spec}, M={M}: the {LOWERING_OF[layout]} lowering does not run its "
                     f"memory actions ({', '.join(kinds)}); layout per_rank would take it"
+                )
+                continue
+            kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
+            if not kinds <= allowed_kinds:
+                skipped.append(
+                    f"{spec}, M={M}: its memory actions ({', '.join(sorted(kinds))}) are not "
+                    f"among those allowed ({', '.join(memory_moves) or 'none'})"
                 )
                 continue
             sim = simulate(schedule, fig.costs)
@@ -1232,7 +1257,10 @@ def search_schedule(
                 continue
             if log:
                 log(f"  local search on {cand.label} ({cand.memory.most:.4g} bytes)")
-            found = local_search(cand.schedule, fig, usable, layout, deadline=deadline, log=log)
+            found = local_search(
+                cand.schedule, fig, usable, layout, deadline=deadline, log=log,
+                memory_actions=memory_moves,
+            )  # fmt: skip
             evaluate_count += found.simulated
             if found.schedule is None:
                 skipped.append(f"{cand.label}: the local search found no placement that fits")
@@ -1240,7 +1268,7 @@ def search_schedule(
             schedule, moves, sim, memory = found[:4]
             candidates.append(
                 Candidate(
-                    spec=f"{cand.spec} + {len(moves)} memory moves",
+                    spec=f"{cand.spec} + {len(moves)} memory move{'s' if len(moves) > 1 else ''}",
                     schedule=dataclasses.replace(schedule, name=f"{cand.spec}+search"),
                     chunks=cand.chunks,
                     microbatches=cand.microbatches,
