@@ -4,7 +4,7 @@ Usage::
 
     python -m jpipe.search --profile gpt2_small --ranks 4 --microbatches 16 --budget 9GiB
         [--layout spmd|per_rank] [--schedules 1f1b,zb_h1,vmin,...] [--no-local]
-        [--batch N] [--rate flops_per_second=4e14,...] [--margin 0.1] [--max-seconds 60]
+        [--batch N] [--rate flops_per_second=4e14,...] [--margin 0.1] [--max-simulations 20000]
         [--json] [--png FILE] [--svg FILE] [--csv FILE] [--width 120]
     python -m jpipe.search --cost F=1,I=1,W=1,evict=0.3 \\
         --bytes activation=1e9,carry=5e8,params=2e9,input=6e6,working=1.5e9 \\
@@ -172,7 +172,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", help="a stage profile's rates to override, NAME=NUMBER,...")
     p.add_argument("--margin", type=float, default=MARGIN,
                    help="share of the budget kept free (default %(default)s)")  # fmt: skip
-    p.add_argument("--max-seconds", type=float, default=60.0, help="bound on the local search")
+    p.add_argument(
+        "--max-simulations",
+        type=int,
+        default=20_000,
+        help="bound on the schedules the local search simulates (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="a bound on the local search's time too (then load-dependent)",
+    )
     p.add_argument("--top", type=int, default=8, help="candidates to list")
     p.add_argument("--width", type=int, default=120, help="chart width in columns")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -232,6 +243,7 @@ def _run(args):
         local=not args.no_local,
         batch=batch,
         margin=args.margin,
+        max_simulations=args.max_simulations,
         max_seconds=args.max_seconds,
         log=log,
     ), figures
