@@ -52,9 +52,11 @@ from jpipe.models import gpt  # noqa: E402
 GIB = 2**30
 
 
-def compiled_bytes(schedule: jpipe.Schedule, lowering: str, M: int) -> dict:
-    """Each device's compiled bytes for `schedule` on GPT-2 small (module docstring)."""
-    config = memory.GPT2_SMALL
+def compiled_bytes(
+    schedule: jpipe.Schedule, lowering: str, M: int, config=memory.GPT2_SMALL
+) -> dict:
+    """Each device's compiled bytes for `schedule` on GPT-2 small, or `config` (module
+    docstring)."""
     R, S = schedule.num_ranks, schedule.num_stages
     model = gpt.make_stages(config, models.split_layers(config.num_layers, S))
     mesh = jpipe.make_mesh(R, 1, jax.devices()[:R])

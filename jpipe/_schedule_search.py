@@ -340,8 +340,11 @@ def stage_profile_from_json(d: dict, rates: dict | None = None) -> StageProfile:
 PROFILES_DIR = os.path.join(os.path.dirname(__file__), "_data", "profiles")
 
 
-def load_stage_profile(path: str, rates: dict | None = None) -> StageProfile:
-    """Reads a stage profile file, or one shipped with jpipe by name (``gpt2_small``)."""
+def load_stage_profile(path: str | dict, rates: dict | None = None) -> StageProfile:
+    """Reads a stage profile file, one shipped with jpipe by name (``gpt2_small``), or a
+    ``jpipe-stages/1`` object already parsed; `rates` overrides the file's."""
+    if isinstance(path, dict):
+        return stage_profile_from_json(path, rates)
     if not os.path.exists(path) and os.sep not in path and not path.endswith(".json"):
         shipped = os.path.join(PROFILES_DIR, path + ".json")
         if not os.path.exists(shipped):
