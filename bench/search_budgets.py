@@ -1,7 +1,7 @@
 """Budgets against winners: `jpipe.search_schedule` on GPT-2 small, each winner compiled.
 
 ``python -m bench.search_budgets [--ranks 4] [--budgets 12,10,9,8,7,6] [--layouts spmd,per_rank]
-[--microbatches 16] [--json PATH] [--no-compile]``
+[--microbatches 16] [--json PATH] [--no-compile] [--check SPEC[@V],...]``
 
 For each layout and budget (GiB per device), the search runs on the shipped
 GPT-2 small stage profile (``jpipe.load_stage_profile("gpt2_small")``, made
@@ -26,6 +26,10 @@ markdown row per budget with the winner, its simulated step against
 1F1B's (the same figures, the same M), its simulated bytes on the fullest
 device, the compiled bytes on the fullest device and against the budget,
 and the best built-in that fits with its step against the winner's.
+
+``--check 1f1b,zb_h1,vhalf,interleaved_1f1b@2`` instead compiles the built-ins
+named and prints, per layout, the search's simulated bytes on each device
+beside the compiled ones (no budget, no margin): the memory model checked.
 """
 
 from __future__ import annotations
@@ -161,6 +165,50 @@ def rows(R: int, M: int, budgets, layouts, compile_winners: bool = True, log=pri
     return out
 
 
+def check_rows(R: int, M: int, specs, layouts, log=print) -> list[dict]:
+    """Built-ins compiled beside the search's bytes for them: the memory model checked."""
+    profile = jpipe.load_stage_profile("gpt2_small")
+    out = []
+    for layout in layouts:
+        for item in specs:
+            spec, _, chunks = item.partition("@")
+            result = jpipe.search_schedule(
+                profile, R, M, 1e15, layout=layout, schedules=[(spec, int(chunks or 1))],
+                local=False, margin=0.0,
+            )  # fmt: skip
+            c = result.candidates[0]
+            compiled = compiled_bytes(c.schedule, result.lowering, M)
+            row = {
+                "layout": layout,
+                "schedule": c.label,
+                "simulated_per_device_gib": [x / GIB for x in c.memory.device],
+                "compiled_per_device_gib": [x / GIB for x in compiled["device"]],
+            }
+            log(f"  {layout} {c.label}: compiled in {compiled['compile_seconds']:.0f} s")
+            out.append(row)
+    return out
+
+
+def check_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| layout | schedule | simulated GiB per device | compiled GiB per device "
+        "| compiled / simulated (fullest device) |",
+        "|---|---|---|---|---:|",
+    ]
+
+    def fmt(xs, same):
+        return f"{xs[0]:.2f}" if same else " / ".join(f"{x:.2f}" for x in xs)
+
+    for r in rows:
+        sim, got = r["simulated_per_device_gib"], r["compiled_per_device_gib"]
+        same = r["layout"] == "spmd"  # one program: the same on every device
+        lines.append(
+            f"| {r['layout']} | {r['schedule']} | {fmt(sim, same)} | {fmt(got, same)} "
+            f"| {max(got) / max(sim):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| layout | budget GiB | 1F1B simulated / compiled GiB | winner | step vs 1F1B "
@@ -199,9 +247,23 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="spmd,per_rank")
     parser.add_argument("--json", help="also write the rows to this path")
     parser.add_argument("--no-compile", action="store_true", help="search only")
+    parser.add_argument(
+        "--check",
+        metavar="SPEC[@V],...",
+        help="instead: compile these built-ins and print the search's bytes beside the compiled",
+    )
     args = parser.parse_args(argv)
     budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if args.check:
+        specs = [x.strip() for x in args.check.split(",") if x.strip()]
+        out = check_rows(args.ranks, args.microbatches, specs, layouts,
+                         log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        print(check_markdown(out), end="")
+        return 0
     out = rows(
         args.ranks,
         args.microbatches,

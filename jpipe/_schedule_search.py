@@ -911,7 +911,7 @@ def _local_search(base, evaluate, allowed, deadline, log):
 
     def build(ms):
         try:
-            return apply_moves(base, sorted(ms.values()), name=base.name)
+            return apply_moves(base, sorted(ms.values()), name=f"{base.name}+search")
         except ValueError:
             return None
 
@@ -1094,9 +1094,9 @@ class ScheduleSearch:
                 kinds[mv.split(" (")[0]] = kinds.get(mv.split(" (")[0], 0) + 1
             pairs = w.schedule.num_stages * w.microbatches
             out.append(
-                "  the local search moved "
-                + ", ".join(f"{n} {k}" for k, n in kinds.items())
-                + f" of {pairs} (stage, microbatch) pairs of {w.spec.split(' + ')[0]}"
+                f"  the local search moved {len(w.moves)} of the {pairs} (stage, microbatch) "
+                f"pairs of {w.spec.split(' + ')[0]}: "
+                + ", ".join(f"{n} by {k}" for k, n in sorted(kinds.items()))
             )
         faster = [c for c in self.candidates if c.time < w.time and not c.fits]
         if faster:
@@ -1281,7 +1281,7 @@ def search_schedule(
                 )
                 continue
             if log:
-                log(f"  local search on {cand.label} ({cand.memory.most:.4g} bytes)")
+                log(f"  local search on {cand.label} ({cand.memory.most / GIB:.2f} GiB)")
             found = local_search(
                 cand.schedule, fig, usable, layout, deadline=deadline, log=log,
                 memory_actions=memory_moves, max_simulations=left,
@@ -1295,7 +1295,7 @@ def search_schedule(
             candidates.append(
                 Candidate(
                     spec=f"{cand.spec} + {len(moves)} memory move{'s' if len(moves) > 1 else ''}",
-                    schedule=dataclasses.replace(schedule, name=f"{cand.spec}+search"),
+                    schedule=schedule,
                     chunks=cand.chunks,
                     microbatches=cand.microbatches,
                     simulation=sim,
