@@ -54,6 +54,7 @@ from jpipe import models  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 
 GIB = 2**30
+ROW = 128  # elements in a row of the SPMD program's buffers (`jpipe.Program.arena_rows`)
 
 
 def compiled_bytes(
@@ -86,11 +87,16 @@ def compiled_bytes(
             - m.alias_size_in_bytes
         )
         device = [step + adam] * R
+        rows = pipe.program(batch).arena_rows  # the residual and carry buffers it allocates
         detail = {
             "temp": m.temp_size_in_bytes,
             "argument": m.argument_size_in_bytes,
             "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes,
+            "buffers": [
+                sum(n * ROW * np.dtype(dt).itemsize for dt, n in rows[arena].items())
+                for arena in ("res", "carry")
+            ],
         }
     else:
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("tokens", "targets")}
@@ -184,6 +190,9 @@ def check_rows(R: int, M: int, specs, layouts, log=print) -> list[dict]:
                 "simulated_per_device_gib": [x / GIB for x in c.memory.device],
                 "compiled_per_device_gib": [x / GIB for x in compiled["device"]],
             }
+            if c.memory.buffers is not None and "buffers" in compiled["detail"]:
+                row["buffers_gib"] = [x / GIB for x in c.memory.buffers]
+                row["program_buffers_gib"] = [x / GIB for x in compiled["detail"]["buffers"]]
             log(f"  {layout} {c.label}: compiled in {compiled['compile_seconds']:.0f} s")
             out.append(row)
     return out
@@ -192,8 +201,9 @@ def check_rows(R: int, M: int, specs, layouts, log=print) -> list[dict]:
 def check_markdown(rows: list[dict]) -> str:
     lines = [
         "| layout | schedule | simulated GiB per device | compiled GiB per device "
-        "| compiled / simulated (fullest device) |",
-        "|---|---|---|---|---:|",
+        "| compiled / simulated (fullest device) | residual, carry buffers GiB: search "
+        "/ program |",
+        "|---|---|---|---|---:|---|",
     ]
 
     def fmt(xs, same):
@@ -202,9 +212,13 @@ def check_markdown(rows: list[dict]) -> str:
     for r in rows:
         sim, got = r["simulated_per_device_gib"], r["compiled_per_device_gib"]
         same = r["layout"] == "spmd"  # one program: the same on every device
+        buffers = "-"
+        if "buffers_gib" in r:
+            (a, b), (c, d) = r["buffers_gib"], r["program_buffers_gib"]
+            buffers = f"{a:.3f}, {b:.3f} / {c:.3f}, {d:.3f}"
         lines.append(
             f"| {r['layout']} | {r['schedule']} | {fmt(sim, same)} | {fmt(got, same)} "
-            f"| {max(got) / max(sim):.3f} |"
+            f"| {max(got) / max(sim):.3f} | {buffers} |"
         )
     return "\n".join(lines) + "\n"
 

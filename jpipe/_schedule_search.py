@@ -22,29 +22,39 @@ first):
    microbatch of one stage at once. Each step takes the change that removes
    the most of the bytes over the budget (the area of the byte curves above
    it, in bytes x time, then the peaks) per unit of step time it adds, among
-   the pairs live on the fullest device at its peak; once it fits, each change
-   is taken back where the schedule still fits without it (removing work
-   never makes the simulated step longer) and each recompute is tried as a
-   transfer instead. Transfers are placed as the built-ins place them: an
-   eviction or offload right after the action that made (or last read) the
-   residuals, the way back one compute action before the next reader, so
-   that action hides it.
+   the pairs live on the fullest device at its peak; where none frees
+   anything, the least harmful one, its pairs then left alone for a few
+   steps (a short tabu walk). It gives up on a base when the peak over the
+   budget has not fallen for S + R steps. Once it fits, each change is taken
+   back where the schedule still fits without it (removing work never makes
+   the simulated step longer) and each recompute is tried as a transfer
+   instead. Transfers are placed as the built-ins place them: an eviction or
+   offload right after the action that made (or last read) the residuals,
+   the way back one compute action before the next reader, so that action
+   hides it. The number of schedules simulated is bounded (a count, not a
+   time, so that the answer does not depend on the machine's load).
 
-Memory, per rank (`DeviceBytes`): its stages' ``params`` bytes (whatever the
-step holds whole: weights, gradients, optimizer state), the most live
-residuals, carries and kept inputs it holds at once (`jpipe.simulate`'s
-peak, in time, what it holds for a partner included), and the working
-memory of its largest piece (``working``, the largest over its stages: a
-piece runs on top of what is live, and the head's is the largest of
-GPT-2's). Per device, under the layout (`LAYOUTS`):
+Memory, per rank (`DeviceBytes`): the ``params`` bytes its device holds
+(weights, gradients, optimizer state), the most live residuals, carries and
+kept inputs it holds at once (the simulator's events in time, what it holds
+for a partner included; a copy's destination takes its buffer when the copy
+is issued), and the working memory of its largest piece (``working``, the
+largest over its stages: a piece runs on top of what is live, and the
+head's is the largest of GPT-2's). Per device, under the layout (`LAYOUTS`),
+as that layout's lowering allocates them:
 
 - ``"spmd"``: one program on every device (`Pipeline(lowering="spmd")`):
-  every device allocates the largest rank's parameters, the largest rank's
-  live values and the largest piece's working memory, which may sit on three
-  different ranks (docs/design.md), so every device holds the sum of the
-  three maxima;
+  every device allocates the largest rank's parameters, the gradients the
+  step returns beside its accumulator, the residual and carry buffers as the
+  program sizes them from its tick plan (`spmd_buffers`), and the largest
+  piece's working memory; the terms may come from different ranks
+  (docs/design.md);
 - ``"per_rank"``: one program per rank (`Pipeline(lowering="mpmd")`): each
-  device holds its own rank's sum.
+  device holds its own rank's values, working memory and gradients, and
+  (today) every rank's packed weights and optimizer state.
+
+A candidate fits when every device is within the budget less a margin
+(`MARGIN`) for what the model does not count (docs/search.md measures it).
 
 Which candidates may have memory actions is the lowering's own answer, not a
 switch kept here: under ``"per_rank"`` the per-rank lowering runs every kind
@@ -52,7 +62,8 @@ switch kept here: under ``"per_rank"`` the per-rank lowering runs every kind
 `jpipe.make_plan`, the SPMD lowering's first pass, accepts a schedule with
 it (`lowering_runs`). Today it refuses them all, so the SPMD search is over
 schedules without memory actions; once the SPMD lowering runs a kind, its
-candidates join the search with no change here.
+candidates join the search with no change here (their bytes then come from
+the simulator's values rather than the tick plan's buffers).
 """
 
 from __future__ import annotations
@@ -87,7 +98,7 @@ from jpipe._validate import ScheduleError, analyze
 
 LAYOUTS = ("spmd", "per_rank")
 # The share of the budget kept free for what the model does not count: on GPT-2 small the
-# SPMD program compiled 2 to 7% above the model, the per-rank lowering at or below it
+# SPMD program compiled 2 to 8% above the model, the per-rank lowering below it
 # (docs/search.md); the planner keeps the same share (`jpipe.planner.MEMORY_MARGIN`).
 MARGIN = 0.10
 LOWERING_OF = {"spmd": "spmd", "per_rank": "mpmd"}  # the Pipeline(lowering=...) of each layout
@@ -612,7 +623,10 @@ def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, floa
     its I then its W, so this can be above the simulator's peak. The carry
     buffer also has room past each carry for the widest stage's, as the
     ``"cond"`` control writes it (`jpipe._lower`; the ``"switch"`` control
-    needs no more than the extent, so this is its upper bound). None for a
+    needs no more than the extent). The program keeps one buffer per dtype,
+    each with its own widest write, where the figures have one size per
+    value: on GPT-2 small the residual buffer came out exactly and the carry
+    buffer up to 0.14 GiB under the program's (docs/search.md). None for a
     schedule with memory actions (the simulator's peak stands for it).
     """
     if schedule.has_memory_actions:
