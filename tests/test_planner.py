@@ -491,6 +491,78 @@ def test_parse_devices_errors():
         parse_devices("A100-40:2,A100-40:2")
 
 
+def _tight():
+    """8 equal layers whose parameters and residuals need a pipeline: 1F1B on 4 ranks
+    does not fit one program on 12 GB devices, V-Min does."""
+    prof = _toy(F=[1.0] * 8, B=[2.0] * 8, kinds=("fast",), memory=12e9, params=0.5e9)
+    return dataclasses.replace(prof, activation_bytes={1: (1e9,) * 8}, output_bytes=(1e7,) * 8)
+
+
+def test_memory_actions_are_counted_in_the_footprint():
+    """A schedule with memory actions is sized by the simulator in time (its kept inputs and
+    a partner's holding included), not read as if its FC were a W."""
+    prof = _tight()
+    ranks = tuple((DeviceGroup("fast", node=r),) for r in range(4))
+    layers = ((0, 1), (2, 3), (4, 5), (6, 7))
+    peaks = {}
+    for spec in ("1f1b", "1f1b_recompute:k=1", "1f1b_bpipe"):
+        p = ClusterPlan(ranks, layers, 1, 16, spec, memory_layout="per_rank")
+        ev = evaluate(p, prof)
+        schedule = jpipe.get_schedule(spec, 4, 16)
+        act, inputs = [2e9] * 4, [0.0] + [1e7] * 3
+        sizes = jpipe.Sizes(activation=act, carry=0.0, input=inputs)
+        expected = jpipe.simulate(schedule, jpipe.Costs(), sizes).peak_bytes
+        values = [m.parts["values"] for m in ev.memory.devices("per_rank")]
+        assert values == pytest.approx(list(expected))
+        peaks[spec] = values
+    assert peaks["1f1b_recompute:k=1"][0] < peaks["1f1b"][0] / 2
+    # BPipe moves rank 0's residuals to its partner, rank 3, which now holds more
+    assert peaks["1f1b_bpipe"][0] < peaks["1f1b"][0]
+    assert peaks["1f1b_bpipe"][3] > peaks["1f1b"][3]
+
+
+def test_the_spmd_planner_takes_no_memory_action_its_lowering_refuses():
+    prof = _tight()
+    kwargs = dict(top=1, tensor_parallel=(1,), schedules=("1f1b_recompute:k=1",))
+    with pytest.raises(ValueError, match="SPMD lowering does not run its memory actions"):
+        plan(prof, [("fast", 4)], 16, **kwargs)
+    ev = plan(prof, [("fast", 4)], 16, memory_layout="per_rank", **kwargs).best[0].evaluation
+    assert ev.plan.schedule == "1f1b_recompute:k=1"
+    assert ev.memory.fits("per_rank", jpipe.planner.MEMORY_MARGIN)
+
+
+@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+def test_schedules_search_lets_jpipe_search_pick_one_that_fits(layout, tmp_path):
+    prof = _tight()
+    kwargs = dict(top=1, tensor_parallel=(1,), memory_layout=layout)
+    if layout == "spmd":
+        with pytest.raises(ValueError, match="no plan fits"):
+            plan(prof, [("fast", 4)], 16, schedules=("1f1b",), **kwargs)
+    result = plan(prof, [("fast", 4)], 16, schedules=("search",), **kwargs)
+    c = result.best[0]
+    ev = c.evaluation
+    assert any("chosen by jpipe.search_schedule" in line for line in c.reasons)
+    assert ev.memory.fits(layout, jpipe.planner.MEMORY_MARGIN)
+    # the plan names a schedule the trainer can build, and evaluating it again agrees
+    schedule = jpipe.get_schedule(
+        ev.plan.schedule, ev.plan.pipe, ev.plan.num_microbatches, ev.plan.num_chunks
+    )
+    assert schedule == ev.simulation.schedule
+    assert evaluate(ev.plan, prof).step_seconds == pytest.approx(ev.step_seconds)
+    # no schedule the search tries beats it on this shape (the same split, costs and check)
+    for spec in ("1f1b", "vhalf", "vmin", "zbv", "interleaved_1f1b"):
+        try:
+            other = plan(prof, [("fast", 4)], 16, schedules=(spec,), **kwargs).best[0]
+        except ValueError:
+            continue  # does not fit
+        assert ev.step_seconds <= other.evaluation.step_seconds + 1e-9
+    if layout == "spmd":
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(plan_file(ev, prof)))
+        s = read_plan_file(str(path))
+        assert (s.schedule, s.num_chunks) == (ev.plan.schedule, ev.plan.num_chunks or 0)
+
+
 # --- plan files for the trainer ------------------------------------------------------------
 
 

@@ -12,7 +12,10 @@ Usage::
 Planning (``--model``) searches tensor-, data- and pipeline-parallel degrees,
 device orderings, microbatch sizes and schedules; each candidate's layers are
 split by the exact partitioner and its schedule simulated with the profile's
-per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`). It
+per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`).
+``--schedules search`` has `jpipe.search_schedule` choose, for each shape,
+the fastest built-in (with its options, V shapes, and memory actions where
+the layout's lowering runs them) whose footprint fits the tightest device. It
 prints the best plans with their predicted step time, per-device peak memory
 and why each was chosen, and a chart of the winner; ``--save`` writes the
 winner as a plan file that the trainer reads (`read_plan_file`).
@@ -97,7 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--validate-all", metavar="DIR", help="predict every Sailor plan under DIR")
     p.add_argument("--devices", metavar="TYPE:N,...", help="devices to plan for")
     p.add_argument("--global-batch", type=int, help="sequences per step")
-    p.add_argument("--schedules", default="1f1b", help="schedule SPECs to try, comma-separated")
+    p.add_argument(
+        "--schedules",
+        default="1f1b",
+        help="schedule SPECs to try, comma-separated; 'search' has jpipe.search_schedule pick "
+        "the fastest built-in that fits each shape",
+    )
     p.add_argument("--microbatch-sizes", metavar="B1,B2", help="microbatch sizes to try")
     p.add_argument("--top", type=int, default=3, help="how many plans to print")
     p.add_argument(

@@ -70,6 +70,7 @@ from collections.abc import Sequence
 
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
+from jpipe._schedule_search import StageFigures, runs_schedule, search_schedule
 from jpipe._simulate import Costs, Simulation, Sizes, peak_bytes, simulate
 from jpipe.planner._partition import (
     Partition,
@@ -81,6 +82,7 @@ from jpipe.planner._profiles import Profile
 
 PLAN_FORMAT = "jpipe-plan/1"
 LAYOUTS = ("spmd", "per_rank")
+SEARCH = "search"  # the schedule SPEC that has `jpipe.search_schedule` pick one per shape
 MEMORY_MARGIN = 0.10  # kept free on every device until validated on jpipe's own runs
 
 
@@ -275,15 +277,42 @@ def _stage_activations(profile: Profile, layers, mbs: int, tp: int) -> float:
     return sum(acts[l] for l in layers)
 
 
-def _values_sizes(schedule: Schedule, act: Sequence[float]) -> Sizes:
+def _stage_inputs(profile: Profile, stage_layers, mbs: int) -> list[float]:
+    """What an FC of each stage keeps: its input, the output of the stage before (the
+    first stage's input is the batch)."""
+    outputs = profile.outputs(mbs)
+    return [0.0] + [outputs[layers[-1]] for layers in stage_layers[:-1]]
+
+
+def _values_sizes(
+    schedule: Schedule, act: Sequence[float], inputs: Sequence[float] | None = None
+) -> Sizes:
     # W needs the layer inputs: an I's carry is taken as large as the residuals (conservative)
-    return Sizes(activation=list(act), carry=list(act) if schedule.splits_backward else 0.0)
+    return Sizes(
+        activation=list(act),
+        carry=list(act) if schedule.splits_backward else 0.0,
+        input=0.0 if inputs is None else list(inputs),
+    )
+
+
+def _values(
+    schedule: Schedule, act: Sequence[float], inputs: Sequence[float] | None = None
+) -> tuple[float, ...]:
+    """Each rank's peak of live residuals and carries (`act` each stage's residual bytes
+    per microbatch; `inputs` what an FC keeps). With memory actions (a built-in such as
+    ``1f1b_recompute``, or one `jpipe.search_schedule` chose) the simulator counts them in
+    time, with unit costs and free transfers (as the validator places them), what a rank
+    holds for a partner included; without, in list order."""
+    sizes = _values_sizes(schedule, act, inputs)
+    if schedule.has_memory_actions:
+        return simulate(schedule, Costs(), sizes).peak_bytes
+    return peak_bytes(schedule, sizes, schedule.num_stages)
 
 
 def spmd_values(schedule: Schedule, act: Sequence[float]) -> float:
     """The live residuals and carries every device of an SPMD program holds: the largest
     rank's peak, with `act` each stage's residual bytes per microbatch."""
-    return max(peak_bytes(schedule, _values_sizes(schedule, act), schedule.num_stages))
+    return max(_values(schedule, act))
 
 
 def memory_footprint(
@@ -307,7 +336,7 @@ def memory_footprint(
             _stage_activations(profile, layers, mbs, dev[s].tensor_parallel)
             for s, layers in enumerate(plan.stage_layers)
         ]
-        values = peak_bytes(schedule, _values_sizes(schedule, act), S)
+        values = _values(schedule, act, _stage_inputs(profile, plan.stage_layers, mbs))
         for r in range(plan.pipe):
             stages = [s for s in range(S) if owner[s] == r]
             tp = plan.ranks[r][d].tensor_parallel
@@ -645,8 +674,18 @@ def _divisors(n: int) -> list[int]:
 def _live_units(schedule: Schedule) -> list[float]:
     """Per stage, the most of its own values its rank holds at once, in units of the
     stage's residuals per microbatch (its residuals and, where the backward is split,
-    its carries, taken as large), as `memory_footprint` counts them."""
+    its carries, taken as large), as `memory_footprint` counts them. With memory actions,
+    each stage's peak on its own rank as the simulator counts it (`_values`; what a
+    partner holds for it is left to the footprint checked after the split)."""
     carry = 1.0 if schedule.splits_backward else 0.0
+    if schedule.has_memory_actions:
+        S, owner = schedule.num_stages, schedule.stage_to_rank
+        most = []
+        for s in range(S):
+            one = [1.0 if q == s else 0.0 for q in range(S)]
+            sizes = Sizes(activation=one, carry=[carry * x for x in one], input=0.0)
+            most.append(simulate(schedule, Costs(), sizes).peak_bytes[owner[s]])
+        return most
     most = [0.0] * schedule.num_stages
     for r in range(schedule.num_ranks):
         live = [0.0] * schedule.num_stages
@@ -848,6 +887,7 @@ def plan(
         )
     shapes = []  # (lower bound, plan) for every candidate
     skipped = []
+    chosen: dict[ClusterPlan, str] = {}  # plans whose schedule the search picked: why
     kinds = [k for k, _ in devices]
     for tp in tps:
         units = {k: n // tp for k, n in devices}
@@ -875,10 +915,34 @@ def plan(
                         continue
                     M = global_batch // (mbs * d)
                     for spec in schedules:
+                        shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
+                        if spec == SEARCH:
+                            try:
+                                candidate, schedule, why = _searched(
+                                    profile, shape, usable, memory_margin, receiver_busy
+                                )
+                            except ValueError as e:
+                                skipped.append(f"{_describe(shape)}: {e}")
+                                continue
+                            chosen[candidate] = why
+                            shapes.append(
+                                (
+                                    _lower_bound(profile, candidate, schedule.stage_to_rank),
+                                    candidate,
+                                    schedule,
+                                )
+                            )
+                            continue
                         try:
                             schedule = get_schedule(spec, p, M)
                         except ValueError as e:
                             skipped.append(f"{spec} on {p} ranks x {M} microbatches: {e}")
+                            continue
+                        if not runs_schedule(memory_layout, schedule):
+                            skipped.append(
+                                f"{spec}: the SPMD lowering does not run its memory actions "
+                                "(plan with --memory-layout per_rank for lowering='mpmd')"
+                            )
                             continue
                         S = schedule.num_stages
                         if S > profile.num_layers:
@@ -887,9 +951,7 @@ def plan(
                         try:
                             candidate = _fitting_split(
                                 profile,
-                                ClusterPlan(
-                                    ranks, (), mbs, global_batch, spec, None, memory_layout
-                                ),
+                                shape,
                                 schedule,
                                 usable,
                                 memory_margin,
@@ -921,11 +983,142 @@ def plan(
     if not found:
         raise ValueError("no plan fits: " + _summarise(skipped))
     best = tuple(
-        Candidate(ev, _reasons(profile, ev, found, receiver_busy, memory_margin)) for ev in found
+        Candidate(
+            ev,
+            _reasons(profile, ev, found, receiver_busy, memory_margin)
+            + ((chosen[ev.plan],) if ev.plan in chosen else ()),
+        )
+        for ev in found
     )
     return SearchResult(
         best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start, memory_margin
     )
+
+
+class _PlanFigures:
+    """`jpipe.search_schedule`'s figures for one shape of a plan: each schedule gets its
+    own layer split (`_fitting_split`) and the per-stage costs and bytes `evaluate` and
+    `memory_footprint` would count for it (`_stage_figures`)."""
+
+    def __init__(self, profile, shape, usable, margin, receiver_busy):
+        self.profile, self.shape = profile, shape
+        self.usable, self.margin, self.receiver_busy = usable, margin, receiver_busy
+        self.plans: dict[Schedule, ClusterPlan] = {}
+        self._splits: dict = {}
+
+    def for_schedule(self, schedule: Schedule):
+        if schedule.num_stages > self.profile.num_layers:
+            raise ValueError(
+                f"{schedule.num_stages} stages, more than the profile's {self.profile.num_layers}"
+                " layers"
+            )
+        # With one stage a rank and no memory actions, schedules that keep as many of each
+        # stage's values split the layers alike (`_fitting_split` and the footprint it
+        # checks read nothing else of them): 1F1B and eager 1F1B, for instance.
+        alike = not schedule.has_memory_actions and schedule.num_stages == schedule.num_ranks
+        key = (
+            None if alike else schedule,
+            schedule.stage_to_rank,
+            schedule.splits_backward,
+            tuple(_live_units(schedule)),
+        )
+        if key not in self._splits:
+            self._splits[key] = _fitting_split(
+                self.profile, self.shape, schedule, self.usable, self.margin, self.receiver_busy
+            )
+        plan_ = self._splits[key]
+        self.plans[schedule] = plan_
+        return _stage_figures(self.profile, plan_, schedule, self.receiver_busy)
+
+
+def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, receiver_busy):
+    """Per-stage costs and bytes of `plan_`'s first replica, as `evaluate` and
+    `memory_footprint` count them (blocking sends folded into the actions; the runtime's
+    bytes per parameter, residuals, carries as large as them where the backward is split,
+    ``working_factor`` of the residuals). A recompute costs the stage's forward without
+    its send; an eviction the residuals over the link to the partner rank's device."""
+    S, owner, R = schedule.num_stages, schedule.stage_to_rank, plan_.pipe
+    mbs, terms = plan_.microbatch_size, profile.memory_terms
+    dev = [plan_.ranks[owner[s]][0] for s in range(S)]
+    outputs = profile.outputs(mbs)
+    F, I, W, B, forward, act, evict, params = ([] for _ in range(8))
+    for s, layers in enumerate(plan_.stage_layers):
+        g = dev[s]
+        t = profile.layer_times(g.kind, mbs, g.tensor_parallel)
+        i_half, w_half = t.split()
+        forward.append(sum(t.forward[l] for l in layers))
+        F.append(forward[-1])
+        B.append(sum(t.backward[l] for l in layers))
+        I.append(sum(i_half[l] for l in layers))
+        W.append(sum(w_half[l] for l in layers))
+        act.append(_stage_activations(profile, layers, mbs, g.tensor_parallel))
+        partner = plan_.ranks[R - 1 - owner[s]][0]
+        evict.append(_link_seconds(profile, g, partner, act[-1]) if partner != g else 0.0)
+        params.append(terms.bytes_per_param * _stage_params(profile, layers, g.tensor_parallel))
+    for s in range(S - 1):
+        if owner[s] == owner[s + 1]:
+            continue
+        c = _link_seconds(profile, dev[s], dev[s + 1], outputs[plan_.stage_layers[s][-1]])
+        F[s] += c
+        I[s + 1] += c
+        B[s + 1] += c
+        if receiver_busy:
+            F[s + 1] += c
+            I[s] += c
+            B[s] += c
+    sizes = _values_sizes(schedule, act, _stage_inputs(profile, plan_.stage_layers, mbs))
+    return StageFigures(
+        Costs(F=F, I=I, W=W, B=B, recompute=forward, evict=evict),
+        dataclasses.replace(sizes, params=params),
+        working=[terms.working_factor * a for a in act],
+        num_stages=S,
+        source=f"the {profile.model} profile",
+    )
+
+
+def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, receiver_busy):
+    """`jpipe.search_schedule` for one shape: `(plan, schedule, why)`, or `ValueError`.
+
+    The budget is what the tightest device of the shape may hold besides its fixed
+    overhead (its usable memory less the margin); under ``spmd`` every device must hold
+    the largest rank's terms, under ``per_rank`` each its own, the search's layouts.
+    The candidates are the built-ins and their options (V shapes and memory actions
+    where the layout's lowering runs them: recomputes and evictions; the profiles give
+    no host bandwidth for offloads), each split by `_fitting_split`; not the local
+    search, whose schedules have no name a plan file could give the trainer.
+    """
+    terms = profile.memory_terms
+    budget = min(
+        usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel)
+        for row in shape.ranks
+        for g in row
+    )
+    if budget <= 0:
+        raise ValueError("search: the fixed overhead alone fills the smallest device")
+    figures = _PlanFigures(profile, shape, usable, margin, receiver_busy)
+    result = search_schedule(
+        figures,
+        shape.pipe,
+        shape.num_microbatches,
+        budget,
+        layout=shape.memory_layout,
+        local=False,
+        margin=0.0,
+        memory_actions=("recompute", "evict"),
+    )
+    w = result.winner
+    if w is None:
+        raise ValueError(f"search: {'; '.join(result.reasons())}")
+    plan_ = dataclasses.replace(
+        figures.plans[w.schedule], schedule=w.spec, num_chunks=w.chunks if w.chunks > 1 else None
+    )
+    fitting = sum(c.fits for c in result.candidates)
+    why = (
+        f"schedule chosen by jpipe.search_schedule: {w.label}, the fastest of {fitting} that "
+        f"fit {budget / 1e9:.3g} GB besides the overhead ({shape.memory_layout} layout) among "
+        f"{len(result.candidates)} simulated"
+    )
+    return plan_, w.schedule, why
 
 
 def _summarise(skipped: Sequence[str], most: int = 5) -> str:

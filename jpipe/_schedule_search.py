@@ -1,0 +1,1335 @@
+"""Search: the fastest schedule whose per-device bytes fit a memory budget.
+
+Given each stage's costs and bytes (`StageFigures`, or a `StageProfile` that
+holds them for several splits of one model), the number of ranks R, one or
+more microbatch counts M and a budget of bytes per device, `search_schedule`
+returns the candidate with the lowest simulated step time (`jpipe.simulate`'s
+makespan) whose simulated bytes fit on every device, with why it won.
+
+Candidates, all validated by `jpipe.validate` (the simulator validates
+first):
+
+1. Every built-in with every option the search knows for it (`BUILTINS`:
+   1F1B, GPipe, ZB-H1/H2, interleaved 1F1B with 2 to 4 chunks, the V shapes
+   ZB-V, V-Half, V-Min and DualPipeV, and the built-ins with memory actions,
+   `1f1b_recompute` for k = 1 .. R - 1, `1f1b_bpipe`, `zb_h1_offload` for
+   several gaps), for every M given; or the SPECs the caller names.
+2. A local search over memory actions: each built-in without them that is
+   faster than the best candidate that fits but does not fit itself gets,
+   greedily, a recompute (``FC`` ... ``RECOMPUTE``), an eviction to another
+   rank (``EVICT`` ... ``LOAD``) or an offload to the host (``OFFLOAD_*`` ...
+   ``RELOAD_*``) for single (stage, microbatch) pairs, or for every
+   microbatch of one stage at once. Each step takes the change that removes
+   the most of the bytes over the budget (the area of the byte curves above
+   it, in bytes x time, then the peaks) per unit of step time it adds, among
+   the pairs live on the fullest device at its peak; where none frees
+   anything, the least harmful one, its pairs then left alone for a few
+   steps (a short tabu walk). It gives up on a base when the peak over the
+   budget has not fallen for S + R steps. Once it fits, each change is taken
+   back where the schedule still fits without it (removing work never makes
+   the simulated step longer) and each recompute is tried as a transfer
+   instead. Transfers are placed as the built-ins place them: an eviction or
+   offload right after the action that made (or last read) the residuals,
+   the way back one compute action before the next reader, so that action
+   hides it. The number of schedules simulated is bounded (a count, not a
+   time, so that the answer does not depend on the machine's load).
+
+Memory, per rank (`DeviceBytes`): the ``params`` bytes its device holds
+(weights, gradients, optimizer state), the most live residuals, carries and
+kept inputs it holds at once (the simulator's events in time, what it holds
+for a partner included; a copy's destination takes its buffer when the copy
+is issued), and the working memory of its largest piece (``working``, the
+largest over its stages: a piece runs on top of what is live, and the
+head's is the largest of GPT-2's). Per device, under the layout (`LAYOUTS`),
+as that layout's lowering allocates them:
+
+- ``"spmd"``: one program on every device (`Pipeline(lowering="spmd")`):
+  every device allocates the largest rank's parameters, the gradients the
+  step returns beside its accumulator, the residual and carry buffers as the
+  program sizes them from its tick plan (`spmd_buffers`), and the largest
+  piece's working memory; the terms may come from different ranks
+  (docs/design.md);
+- ``"per_rank"``: one program per rank (`Pipeline(lowering="mpmd")`): each
+  device holds its own rank's values, working memory and gradients, and
+  (today) every rank's packed weights and optimizer state.
+
+A candidate fits when every device is within the budget less a margin
+(`MARGIN`) for what the model does not count (docs/search.md measures it).
+
+Which candidates may have memory actions is the lowering's own answer, not a
+switch kept here: under ``"per_rank"`` the per-rank lowering runs every kind
+(`jpipe.RankPrograms`); under ``"spmd"`` a kind counts only if
+`jpipe.make_plan`, the SPMD lowering's first pass, accepts a schedule with
+it (`lowering_runs`). Today it refuses them all, so the SPMD search is over
+schedules without memory actions; once the SPMD lowering runs a kind, its
+candidates join the search with no change here (their bytes then come from
+the simulator's values rather than the tick plan's buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from jpipe._registry import get_schedule
+from jpipe._schedule import (
+    COMPUTE_KINDS,
+    EVICT,
+    FC,
+    LOAD,
+    MEMORY_KINDS,
+    OFFLOAD_END,
+    OFFLOAD_START,
+    RECOMPUTE,
+    RELOAD_END,
+    RELOAD_START,
+    Action,
+    Overlap,
+    Schedule,
+)
+from jpipe._simulate import Costs, Simulation, Sizes, _live_events, simulate
+from jpipe._validate import ScheduleError, analyze
+
+LAYOUTS = ("spmd", "per_rank")
+# The share of the budget kept free for what the model does not count: on GPT-2 small the
+# SPMD program compiled 2 to 8% above the model, the per-rank lowering below it
+# (docs/search.md); the planner keeps the same share (`jpipe.planner.MEMORY_MARGIN`).
+MARGIN = 0.10
+LOWERING_OF = {"spmd": "spmd", "per_rank": "mpmd"}  # the Pipeline(lowering=...) of each layout
+STAGE_PROFILE_FORMAT = "jpipe-stages/1"
+GIB = 2**30
+
+# The built-ins the search tries, with the options it tries for each: (name, chunks per
+# rank, {option: values}); a callable of (R, M) gives values that depend on them.
+BUILTINS: tuple[tuple[str, tuple[int, ...], dict], ...] = (
+    ("1f1b", (1,), {}),
+    ("gpipe", (1,), {}),
+    ("eager_1f1b", (1,), {}),
+    ("zb_h1", (1,), {}),
+    ("zb_h2", (1,), {}),
+    ("interleaved_1f1b", (2, 3, 4), {}),
+    ("zbv", (2,), {}),
+    ("vhalf", (2,), {}),
+    ("vmin", (2,), {}),
+    ("dualpipev", (2,), {}),
+    ("1f1b_recompute", (1,), {"k": lambda R, M: range(1, R)}),
+    ("1f1b_bpipe", (1,), {}),
+    ("zb_h1_offload", (1,), {"min_gap": lambda R, M: (3, 4, 6, 8)}),
+)
+
+
+# -- the figures: each stage's costs and bytes ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFigures:
+    """Each stage's costs and bytes for one microbatch, for one split into stages.
+
+    Attributes:
+      costs: time of each kind of action (`jpipe.Costs`, per stage or one
+        value for all), the memory actions' included (``recompute``,
+        ``evict``/``load``, ``offload``/``reload``).
+      sizes: bytes (`jpipe.Sizes`): ``activation`` (residuals kept from F to
+        the backward), ``carry`` (I to W), ``input`` (what an FC keeps),
+        ``params`` (held the whole step: weights, gradients, optimizer state).
+      working: the working memory of the stage's largest piece, on top of
+        the live values while it runs.
+      grad_output: the stage's gradients as the SPMD step returns them,
+        beside the accumulator that ``params`` counts (one more copy of the
+        gradients on every device under ``"spmd"``; the per-rank lowering
+        accumulates in place).
+      num_stages: the number of stages these figures are for; `None` when
+        every value is one number, which then stands for one rank's share of
+        the model at one stage per rank: a schedule with V stages per rank
+        gets 1/V of every cost and byte per stage (the latency ``comm``
+        excepted).
+      source: where the figures come from, for reports.
+    """
+
+    costs: Costs = Costs()
+    sizes: Sizes = Sizes()
+    working: float | tuple[float, ...] = 0.0
+    grad_output: float | tuple[float, ...] = 0.0
+    num_stages: int | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        for name in ("working", "grad_output"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, name, value)
+            for v in value if isinstance(value, tuple) else (value,):
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"{name} bytes must be finite and non-negative, got {v!r}")
+        lengths = {
+            len(v)
+            for obj in (self.costs, self.sizes)
+            for v in dataclasses.asdict(obj).values()
+            if isinstance(v, tuple)
+        } | {len(v) for v in (self.working, self.grad_output) if isinstance(v, tuple)}
+        lengths.discard(self.num_stages)
+        if isinstance(self.costs.comm, tuple):
+            lengths.discard(len(self.costs.comm))  # one per boundary
+        if self.num_stages is None and lengths:
+            raise ValueError(
+                f"figures with one value per stage need num_stages (got lists of "
+                f"{sorted(lengths)} values)"
+            )
+        if self.num_stages is not None and lengths:
+            raise ValueError(
+                f"figures for {self.num_stages} stages have lists of {sorted(lengths)} values; "
+                f"give {self.num_stages} (comm: {self.num_stages - 1})"
+            )
+
+    def for_schedule(self, schedule: Schedule) -> StageFigures:
+        """The figures for `schedule`'s stages; `ValueError` names why there are none."""
+        S, R = schedule.num_stages, schedule.num_ranks
+        if self.num_stages is not None:
+            if self.num_stages != S:
+                raise ValueError(
+                    f"the figures are for {self.num_stages} stages and {schedule.name or 'it'} "
+                    f"has {S}"
+                )
+            return self
+        if S % R:
+            raise ValueError(f"{S} stages do not divide over {R} ranks")
+        return self.scaled(R / S)
+
+    def scaled(self, factor: float, *, params: bool = True) -> StageFigures:
+        """Every cost and byte times `factor` (the latency `comm` kept; `params` too if not
+        `params`)."""
+
+        def times(value):
+            if value is None:
+                return None
+            if isinstance(value, tuple):
+                return tuple(v * factor for v in value)
+            return value * factor
+
+        costs = dataclasses.replace(
+            self.costs,
+            **{k: times(getattr(self.costs, k)) for k in Costs._KEYS if k != "comm"},
+        )
+        keys = [k for k in Sizes._KEYS if params or k != "params"]
+        sizes = dataclasses.replace(self.sizes, **{k: times(getattr(self.sizes, k)) for k in keys})
+        grads = times(self.grad_output) if params else self.grad_output
+        return dataclasses.replace(
+            self, costs=costs, sizes=sizes, working=times(self.working), grad_output=grads
+        )
+
+    def working_table(self, num_stages: int) -> tuple[float, ...]:
+        return _table(self.working, num_stages)
+
+    def grad_output_table(self, num_stages: int) -> tuple[float, ...]:
+        return _table(self.grad_output, num_stages)
+
+
+def _table(value, num_stages: int) -> tuple[float, ...]:
+    if isinstance(value, tuple):
+        return tuple(float(w) for w in value)
+    return (float(value),) * num_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProfile:
+    """Figures of one model for several splits into stages (a ``jpipe-stages/1`` file).
+
+    Attributes:
+      model: what was measured.
+      microbatch_size: sequences per microbatch the figures are for.
+      splits: ``{number of stages: StageFigures}``.
+      blocks: ``{number of stages: blocks per stage}``, the split each is for.
+      source: how the figures were made, for reports.
+    """
+
+    model: str
+    microbatch_size: int
+    splits: dict[int, StageFigures]
+    blocks: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def for_schedule(self, schedule: Schedule) -> StageFigures:
+        S = schedule.num_stages
+        if S not in self.splits:
+            raise ValueError(
+                f"the {self.model} profile has no split into {S} stages (it has "
+                f"{', '.join(map(str, sorted(self.splits)))})"
+            )
+        return self.splits[S]
+
+    def scaled(self, factor: float, *, params: bool = True) -> StageProfile:
+        return dataclasses.replace(
+            self,
+            splits={S: f.scaled(factor, params=params) for S, f in self.splits.items()},
+        )
+
+
+def stage_profile_from_json(d: dict, rates: dict | None = None) -> StageProfile:
+    """Reads a ``jpipe-stages/1`` object (see docs/search.md); errors name the bad field.
+
+    Each split holds per stage the FLOPs of its F, I and W pieces and of a
+    recompute, and its bytes; times are FLOPs over the file's
+    ``rates.flops_per_second``, transfers bytes over ``partner_bytes_per_s``
+    (an eviction, and the activation sent to the next stage) and
+    ``host_bytes_per_s`` (an offload). `rates` overrides any of the three.
+    """
+    if d.get("format") != STAGE_PROFILE_FORMAT:
+        raise ValueError(
+            f"not a jpipe stage profile: 'format' is {d.get('format')!r}, "
+            f"not {STAGE_PROFILE_FORMAT!r}"
+        )
+    try:
+        file_rates = {k: float(v) for k, v in d["rates"].items()}
+        unknown = sorted(set(rates or ()) - set(file_rates))
+        if unknown:
+            raise ValueError(f"unknown rates {unknown}; the rates are {sorted(file_rates)}")
+        r = {**file_rates, **(rates or {})}
+        flops, partner, host = (
+            r["flops_per_second"],
+            r["partner_bytes_per_s"],
+            r["host_bytes_per_s"],
+        )
+        for name, v in r.items():
+            if not v > 0:
+                raise ValueError(f"rate {name} must be positive, got {v!r}")
+        splits, blocks = {}, {}
+        for entry in d["splits"]:
+            S = int(entry["stages"])
+            where = f"splits[stages={S}]"
+
+            def per_stage(key, entry=entry, S=S, where=where):
+                values = [float(x) for x in entry[key]]
+                if len(values) != S:
+                    raise ValueError(f"{where}.{key} has {len(values)} values, expected {S}")
+                return values
+
+            fl = entry["flops"]
+            act = per_stage("activation")
+            out = per_stage("output")
+            costs = Costs(
+                F=[x / flops for x in fl["F"]],
+                I=[x / flops for x in fl["I"]],
+                W=[x / flops for x in fl["W"]],
+                recompute=[x / flops for x in fl["recompute"]],
+                comm=[x / partner for x in out[:-1]] if S > 1 else 0.0,
+                evict=[x / partner for x in act],
+                offload=[x / host for x in act],
+            )
+            sizes = Sizes(
+                activation=act,
+                carry=per_stage("carry"),
+                input=per_stage("input"),
+                params=per_stage("params"),
+            )
+            splits[S] = StageFigures(
+                costs,
+                sizes,
+                working=tuple(per_stage("working")),
+                grad_output=tuple(per_stage("grad_output")) if "grad_output" in entry else 0.0,
+                num_stages=S,
+                source=str(d.get("source", "")),
+            )
+            blocks[S] = tuple(int(b) for b in entry.get("blocks_per_stage", ()))
+        return StageProfile(
+            model=str(d["model"]),
+            microbatch_size=int(d["microbatch_size"]),
+            splits=splits,
+            blocks=blocks,
+            source=str(d.get("source", "")),
+        )
+    except KeyError as e:
+        raise ValueError(f"the stage profile is missing the field {e.args[0]!r}") from None
+
+
+PROFILES_DIR = os.path.join(os.path.dirname(__file__), "_data", "profiles")
+
+
+def load_stage_profile(path: str | dict, rates: dict | None = None) -> StageProfile:
+    """Reads a stage profile file, one shipped with jpipe by name (``gpt2_small``), or a
+    ``jpipe-stages/1`` object already parsed; `rates` overrides the file's."""
+    if isinstance(path, dict):
+        return stage_profile_from_json(path, rates)
+    if not os.path.exists(path) and os.sep not in path and not path.endswith(".json"):
+        shipped = os.path.join(PROFILES_DIR, path + ".json")
+        if not os.path.exists(shipped):
+            have = sorted(f[:-5] for f in os.listdir(PROFILES_DIR) if f.endswith(".json"))
+            raise ValueError(f"no profile file {path!r} and none shipped by that name ({have})")
+        path = shipped
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read profile {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    return stage_profile_from_json(d, rates)
+
+
+# -- what the lowerings run ------------------------------------------------------------------
+
+
+# One small schedule per memory action, to ask the SPMD lowering whether it runs it.
+_PROBES = {
+    "FC": ("1f1b_recompute", 3, 4, {"k": 1}),
+    "RECOMPUTE": ("1f1b_recompute", 3, 4, {"k": 1}),
+    "EVICT": ("1f1b_bpipe", 4, 8, {}),
+    "LOAD": ("1f1b_bpipe", 4, 8, {}),
+    "OFFLOAD_START": ("zb_h1_offload", 4, 8, {}),
+    "OFFLOAD_END": ("zb_h1_offload", 4, 8, {}),
+    "RELOAD_START": ("zb_h1_offload", 4, 8, {}),
+    "RELOAD_END": ("zb_h1_offload", 4, 8, {}),
+}
+
+
+@functools.cache
+def lowering_runs(layout: str, kind: str) -> bool:
+    """Whether the lowering of `layout` runs memory actions of `kind`.
+
+    The per-rank lowering runs them all. For the SPMD lowering this asks
+    `jpipe.make_plan` (its first pass, pure Python) to lay out a small
+    built-in that has the kind: today it refuses every kind by name, and the
+    day it accepts one, the search takes candidates with it under ``"spmd"``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f"{kind!r} is not a memory action ({', '.join(MEMORY_KINDS)})")
+    if layout == "per_rank":
+        return True
+    from jpipe._ticks import make_plan  # the SPMD lowering's pass; imported only when asked
+
+    name, R, M, options = _PROBES[kind]
+    probe = get_schedule(name, R, M, **options)
+    assert any(a.kind == kind for _, _, a in probe.all_actions()), (name, kind)
+    try:
+        make_plan(probe)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def runs_schedule(layout: str, schedule: Schedule) -> bool:
+    """Whether the lowering of `layout` runs every memory action of `schedule`."""
+    return all(lowering_runs(layout, a.kind) for _, _, a in schedule.all_actions() if a.is_memory)
+
+
+# -- bytes per device ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBytes:
+    """A schedule's bytes per rank, and per device under a layout (module docstring).
+
+    Attributes:
+      layout: ``"spmd"`` or ``"per_rank"``.
+      params: per rank, its stages' ``params`` bytes.
+      values: per rank, the most residuals, carries and kept inputs it holds at once.
+      working: per rank, its largest piece's working memory.
+      device: per rank, what the device of that rank allocates under `layout`.
+    """
+
+    layout: str
+    params: tuple[float, ...]
+    values: tuple[float, ...]
+    working: tuple[float, ...]
+    device: tuple[float, ...]
+    grad_output: float = 0.0
+    buffers: tuple[float, float] | None = None
+
+    @property
+    def most(self) -> float:
+        return max(self.device)
+
+    @property
+    def fullest(self) -> int:
+        """The rank whose device holds the most (the first, if several)."""
+        return max(range(len(self.device)), key=lambda r: (self.device[r], -r))
+
+    def parts(self, rank: int) -> dict[str, float]:
+        """What the device of `rank` holds, term by term (under SPMD, each the largest rank's)."""
+        if self.layout == "spmd":
+            out = {"params": max(self.params)}
+            if self.grad_output:
+                out["gradient output"] = self.grad_output
+            if self.buffers is not None:
+                out["residual buffer"], out["carry buffer"] = self.buffers
+            else:
+                out["values"] = max(self.values)
+            return out | {"working": max(self.working)}
+        return {"params": self.params[rank], "values": self.values[rank],
+                "working": self.working[rank]}  # fmt: skip
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: float):
+    """Per rank: the parameter bytes its device holds, its working memory, and how many
+    bytes of live values its device may hold within `budget`.
+
+    Under ``"spmd"`` every device holds the largest rank's ``params``. Under
+    ``"per_rank"`` each rank holds its own gradients, but today the per-rank
+    lowering keeps the packed parameters, and the optimizer state built on
+    them, whole on every rank (docs/design.md, "not yet the rank's own"): a
+    rank holds the largest rank's ``params`` less its gradients
+    (``grad_output``), plus its own gradients.
+    """
+    S, R = schedule.num_stages, schedule.num_ranks
+    params_of = figures.sizes.table(S)["params"]
+    grads_of = figures.grad_output_table(S)
+    working_of = figures.working_table(S)
+    own = [sum(params_of[s] for s in schedule.stages_of(r)) for r in range(R)]
+    grads = [sum(grads_of[s] for s in schedule.stages_of(r)) for r in range(R)]
+    if layout == "spmd":
+        params = [max(own)] * R
+    else:
+        shared = max(p - g for p, g in zip(own, grads))
+        params = [shared + g for g in grads]
+    working = [max((working_of[s] for s in schedule.stages_of(r)), default=0.0) for r in range(R)]
+    if layout == "spmd":
+        room = [budget - max(params) - max(grads) - max(working)] * R
+    else:
+        room = [budget - p - w for p, w in zip(params, working)]
+    return params, working, room
+
+
+# Transfers whose destination takes its buffer: at the copy's issue, when the rank reaches it.
+_TAKES_AT_ISSUE = ("EVICT", "LOAD", "RELOAD_START")
+
+
+def _curves(sim: Simulation, figures: StageFigures):
+    """Per rank, its live values in time: a list of ``(time, live after, key)``.
+
+    The simulator's own events (what each action takes and gives back, and
+    when; what a partner holds for a rank included), with one change that can
+    only add bytes: a transfer's destination takes its buffer when the rank
+    issues the copy (as JAX allocates a `device_put`'s result), not when a
+    busy link or copy engine starts it; its source is still freed when it
+    lands. `key` is the `(stage, microbatch)` whose bytes changed.
+    """
+    schedule = sim.schedule
+    S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    size = figures.sizes.table(S)
+    rows = [schedule.actions(r) for r in range(R)]
+    starts = sim.starts
+    if schedule.has_memory_actions:
+        first = min((min(row) for row in sim.starts if row), default=0.0)
+        starts = []
+        for r, row in enumerate(rows):
+            issued, out = first, list(sim.starts[r])
+            for i, a in enumerate(row):
+                if a.kind in _TAKES_AT_ISSUE:
+                    out[i] = min(out[i], issued)
+                if a.kind in COMPUTE_KINDS or a.kind in ("OFFLOAD_END", "RELOAD_END"):
+                    issued = sim.ends[r][i]  # the rank moves on when these end
+            starts.append(out)
+    events = _live_events(
+        rows, starts, sim.ends, starts, S, M, R,
+        size["activation"], size["input"], size["carry"],
+    )  # fmt: skip
+    curves = []
+    for row in events:
+        live, curve = 0.0, []
+        for when, delta, (r, i) in row:
+            live += delta
+            curve.append((when[0], live, rows[r][i].key))
+        curves.append(curve)
+    return curves
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    """How far a simulated schedule is from fitting (the local search's objective)."""
+
+    area: float  # sum over ranks of the bytes x time above the allowance
+    peak_over: float  # sum over ranks of the peak above it (a zero-length spike has no area)
+    fullest: int  # the rank furthest over (or fullest, when none is over)
+    at_peak: tuple[tuple[int, int], ...]  # keys live on that rank at its peak
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_over <= 0
+
+
+def _fit(sim: Simulation, figures: StageFigures, room: Sequence[float]) -> tuple[_Fit, list]:
+    curves = _curves(sim, figures)
+    area = peak_over = 0.0
+    worst, worst_over, worst_at, peaks = 0, -math.inf, -1, []
+    for r, curve in enumerate(curves):
+        over_area, peak, peak_at = 0.0, 0.0, -1
+        for k, (t, live, _) in enumerate(curve):
+            if live > peak + 1e-9 * max(abs(peak), 1.0):
+                peak, peak_at = live, k
+            if k + 1 < len(curve) and live > room[r]:
+                over_area += (live - room[r]) * (curve[k + 1][0] - t)
+        peaks.append(peak)
+        area += over_area
+        peak_over += max(0.0, peak - room[r])
+        if peak - room[r] > worst_over:
+            worst, worst_over, worst_at = r, peak - room[r], peak_at
+    # the keys live at the peak: replay the worst rank's changes up to it
+    live_keys: dict = {}
+    prev = 0.0
+    for _, live, key in curves[worst][: worst_at + 1]:
+        live_keys[key] = live_keys.get(key, 0.0) + (live - prev)
+        prev = live
+    at_peak = tuple(sorted(k for k, v in live_keys.items() if v > 1e-9))
+    return _Fit(area, peak_over, worst, at_peak), peaks
+
+
+def device_bytes(
+    sim: Simulation, figures: StageFigures, layout: str, *, values: Sequence[float] | None = None
+) -> DeviceBytes:
+    """Each rank's bytes and each device's under `layout` (module docstring).
+
+    `figures` must be for the simulated schedule's stages
+    (`StageFigures.for_schedule`). `values`, when known, is each rank's peak
+    of live values (the search passes what it computed already).
+    """
+    schedule = sim.schedule
+    params, working, _ = _allowances(schedule, figures, layout, 0.0)
+    if values is None:
+        values = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
+    values = tuple(max(0.0, v) for v in values)
+    if layout == "spmd":
+        S = schedule.num_stages
+        grads = max(
+            sum(figures.grad_output_table(S)[s] for s in schedule.stages_of(r))
+            for r in range(schedule.num_ranks)
+        )
+        buffers = spmd_buffers(schedule, figures)
+        held = max(values) if buffers is None else sum(buffers)
+        device = (max(params) + grads + held + max(working),) * schedule.num_ranks
+        return DeviceBytes(layout, tuple(params), values, tuple(working), device, grads, buffers)
+    device = tuple(p + v + w for p, v, w in zip(params, values, working))
+    return DeviceBytes(layout, tuple(params), values, tuple(working), device)
+
+
+def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, float] | None:
+    """The SPMD program's residual and carry buffers, in bytes, as it sizes them.
+
+    `jpipe.make_plan` lays the schedule out in lock-step ticks, and on each
+    rank every residual (and I-to-W carry) is placed for its lifetime in
+    ticks by first fit (`jpipe.pack_lifetimes`); every device allocates the
+    largest rank's extent of each buffer (docs/design.md). A value can live
+    longer in ticks than in the simulated time, and a full backward runs as
+    its I then its W, so this can be above the simulator's peak. The carry
+    buffer also has room past each carry for the widest stage's, as the
+    ``"cond"`` control writes it (`jpipe._lower`; the ``"switch"`` control
+    needs no more than the extent). The program keeps one buffer per dtype,
+    each with its own widest write, where the figures have one size per
+    value: on GPT-2 small the residual buffer came out exactly and the carry
+    buffer up to 0.14 GiB under the program's (docs/search.md). None for a
+    schedule with memory actions (the simulator's peak stands for it).
+    """
+    if schedule.has_memory_actions:
+        return None
+    from jpipe._ticks import make_plan, pack_lifetimes
+
+    plan = make_plan(schedule)
+    table = figures.sizes.table(schedule.num_stages)
+    extents = []
+    for arena, sizes in (("res", table["activation"]), ("carry", table["carry"])):
+        write = max(sizes) if arena == "carry" else 0.0
+        most = 0.0
+        for ivs in plan.lifetimes.get(arena, ()):
+            extent, offsets = pack_lifetimes(ivs, lambda key, sizes=sizes: sizes[key[0]])
+            most = max(most, extent, *(off + write for off in offsets.values()))
+        extents.append(float(most))
+    return extents[0], extents[1]
+
+
+# -- candidates ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One schedule the search simulated.
+
+    Attributes:
+      spec: how to build it: a SPEC (``1f1b_recompute:k=2``, with ``chunks``)
+        for a built-in, or the SPEC it started from and what the local search
+        added (then only `schedule` builds it: save it with ``--csv``).
+      schedule: the schedule.
+      chunks: stages per rank.
+      microbatches: M.
+      simulation: its simulation with the figures' costs.
+      memory: its bytes (`DeviceBytes`).
+      fits: whether every device's bytes are within the budget.
+      builtin: whether it is a built-in as the registry makes it (not changed
+        by the local search).
+      moves: what the local search added, as text (empty for a built-in).
+    """
+
+    spec: str
+    schedule: Schedule
+    chunks: int
+    microbatches: int
+    simulation: Simulation = dataclasses.field(repr=False)
+    memory: DeviceBytes
+    fits: bool
+    builtin: bool = True
+    moves: tuple[str, ...] = ()
+
+    @property
+    def time(self) -> float:
+        return self.simulation.makespan
+
+    @property
+    def label(self) -> str:
+        chunks = f" (V={self.chunks})" if self.chunks > 1 else ""
+        return f"{self.spec}{chunks}, M={self.microbatches}"
+
+    def to_json(self) -> dict:
+        return {
+            "spec": self.spec,
+            "chunks": self.chunks,
+            "microbatches": self.microbatches,
+            "builtin": self.builtin,
+            "moves": list(self.moves),
+            "time": self.time,
+            "bubble_fraction": self.simulation.bubble_fraction,
+            "fits": self.fits,
+            "device_bytes": list(self.memory.device),
+            "memory": self.memory.to_json(),
+            "memory_actions": sum(a.is_memory for _, _, a in self.schedule.all_actions()),
+        }
+
+
+def _spec_text(name: str, options: dict) -> str:
+    return name + (":" + ",".join(f"{k}={v!r}" for k, v in options.items()) if options else "")
+
+
+def builtin_specs(num_ranks: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """Every ``(SPEC, chunks)`` of `BUILTINS` for R ranks and M microbatches."""
+    out = []
+    for name, chunk_counts, grid in BUILTINS:
+        combos = [{}]
+        for key, values in grid.items():
+            values = values(num_ranks, num_microbatches) if callable(values) else values
+            combos = [{**c, key: v} for c in combos for v in values]
+        for chunks in chunk_counts:
+            for options in combos:
+                out.append((_spec_text(name, options), chunks))
+    return out
+
+
+# -- the local search over memory actions ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Move:
+    """Where one (stage, microbatch)'s residuals wait between their maker and their reader.
+
+    Attributes:
+      kind: ``"recompute"`` (its forward keeps only the input; a RECOMPUTE
+        `lead` compute actions before the reader rebuilds them), ``"evict"``
+        (to rank `partner` and back) or ``"offload"`` (to the host and back).
+      stage, microbatch: the pair.
+      lead: compute actions between a RECOMPUTE and the reader (0 or 1).
+      partner: the rank an eviction goes to.
+      after_input_grad: an eviction or offload over the wait from the I to
+        the W (split backward) instead of from the F to the first reader.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    lead: int = 0
+    partner: int = -1
+    after_input_grad: bool = False
+
+    def __str__(self) -> str:
+        where = f"({self.stage},{self.microbatch})"
+        if self.kind == "recompute":
+            return f"recompute {where}" + (f" {self.lead} action ahead" if self.lead else "")
+        gap = " between I and W" if self.after_input_grad else ""
+        to = f" to rank {self.partner}" if self.kind == "evict" else " to the host"
+        return f"{self.kind} {where}{to}{gap}"
+
+
+def _positions(row: Sequence[Action]) -> dict:
+    return {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(row)}
+
+
+def _span(row, at, move: Move):
+    """`(maker, reader)` indices in `row` of the wait `move` acts over, or None if too short.
+
+    A recompute needs one compute action between the forward and the reader
+    (else it frees nothing); a transfer three (one to hide the way out, one
+    the way back, and one while nothing is on the device).
+    """
+    s, m = move.stage, move.microbatch
+    f = at.get(("F", s, m))
+    reader = at.get(("B", s, m), at.get(("I", s, m)))
+    if f is None or reader is None:
+        return None
+    if move.kind == "recompute":
+        return (f, reader) if reader - f >= 2 else None
+    if move.after_input_grad:
+        i, w = at.get(("I", s, m)), at.get(("W", s, m))
+        if i is None or w is None:
+            return None
+        f, reader = i, w
+    return (f, reader) if reader - f >= 3 else None
+
+
+def apply_moves(base: Schedule, moves: Sequence[Move], name: str = "") -> Schedule:
+    """`base` (compute actions only) with each move's memory actions inserted.
+
+    Raises `ValueError` for a move whose pair has no room (`_span`).
+    """
+    by_rank: dict[int, list[Move]] = {}
+    owner = base.stage_to_rank
+    for mv in moves:
+        by_rank.setdefault(owner[mv.stage], []).append(mv)
+    rows = []
+    for r in range(base.num_ranks):
+        row = list(base.actions(r))
+        if r not in by_rank:
+            rows.append(row)
+            continue
+        at = _positions(row)
+        before = [[] for _ in row]
+        after = [[] for _ in row]
+        for mv in by_rank[r]:
+            span = _span(row, at, mv)
+            if span is None:
+                raise ValueError(f"{mv}: the wait is too short on rank {r}")
+            maker, reader = span
+            s, m = mv.stage, mv.microbatch
+            if mv.kind == "recompute":
+                row[maker] = FC(s, m)
+                before[max(maker + 1, reader - mv.lead)].append(RECOMPUTE(s, m))
+            elif mv.kind == "evict":
+                after[maker].insert(0, EVICT(s, m, mv.partner))
+                before[reader - 1].insert(0, LOAD(s, m, mv.partner))
+            else:  # offload
+                after[maker].insert(0, OFFLOAD_START(s, m))
+                after[maker + 1].append(OFFLOAD_END(s, m))
+                before[reader - 1].insert(0, RELOAD_START(s, m))
+                before[reader].append(RELOAD_END(s, m))
+        rows.append([x for i, a in enumerate(row) for x in (*before[i], a, *after[i])])
+    return Schedule.of(rows, name=name or base.name)
+
+
+def _variants(base: Schedule, key, allowed: set[str], current: Move | None, partners) -> list:
+    """Every move for `key` the lowering runs, other than `current`."""
+    s, m = key
+    r = base.stage_to_rank[s]
+    row = base.actions(r)
+    at = _positions(row)
+    out = []
+    if "recompute" in allowed:
+        out += [Move("recompute", s, m, lead=k) for k in (0, 1)]
+    split = ("I", s, m) in at
+    for gap in (False, True) if split else (False,):
+        if "evict" in allowed:
+            out += [Move("evict", s, m, partner=p, after_input_grad=gap) for p in partners(r)]
+        if "offload" in allowed:
+            out.append(Move("offload", s, m, after_input_grad=gap))
+    return [mv for mv in out if mv != current and _span(row, at, mv) is not None]
+
+
+# The memory actions of each kind of move.
+MOVE_KINDS = {
+    "recompute": ("FC", "RECOMPUTE"),
+    "evict": ("EVICT", "LOAD"),
+    "offload": ("OFFLOAD_START", "OFFLOAD_END", "RELOAD_START", "RELOAD_END"),
+}
+
+
+def _allowed_moves(layout: str, wanted=None) -> set[str]:
+    """The kinds of move whose every action the layout's lowering runs (and in `wanted`)."""
+    if wanted is not None:
+        unknown = sorted(set(wanted) - set(MOVE_KINDS))
+        if unknown:
+            raise ValueError(f"memory actions {unknown} are not among {', '.join(MOVE_KINDS)}")
+    return {
+        move
+        for move, kinds in MOVE_KINDS.items()
+        if all(lowering_runs(layout, k) for k in kinds) and (wanted is None or move in wanted)
+    }
+
+
+class _Evaluator:
+    """Simulates schedules against the figures and the budget, counting them (up to `limit`)."""
+
+    def __init__(self, figures: StageFigures, budget: float, layout: str, limit=math.inf):
+        self.figures, self.budget, self.layout = figures, budget, layout
+        self.count, self.limit = 0, limit
+
+    @property
+    def exhausted(self) -> bool:
+        return self.count >= self.limit
+
+    def __call__(self, schedule: Schedule):
+        """`(simulation, fit, DeviceBytes)`, or None if `schedule` does not validate."""
+        try:
+            analyze(schedule)
+        except ScheduleError:
+            return None
+        self.count += 1
+        sim = simulate(schedule, self.figures.costs)
+        _, _, room = _allowances(schedule, self.figures, self.layout, self.budget)
+        fit, peaks = _fit(sim, self.figures, room)
+        return sim, fit, device_bytes(sim, self.figures, self.layout, values=peaks)
+
+
+class LocalSearch(NamedTuple):
+    """What `local_search` found: a schedule that fits, or None, and the effort."""
+
+    schedule: Schedule | None
+    moves: tuple[Move, ...]
+    simulation: Simulation | None
+    memory: DeviceBytes | None
+    simulated: int
+
+
+def local_search(
+    base: Schedule,
+    figures: StageFigures,
+    budget: float,
+    layout: str,
+    *,
+    deadline: float = math.inf,
+    max_simulations: float = math.inf,
+    log: Callable[[str], None] | None = None,
+    memory_actions: Sequence[str] | None = None,
+) -> LocalSearch:
+    """Memory actions for `base` until it fits `budget` at the least added time (module
+    docstring); `LocalSearch.schedule` is None if it found no way to fit.
+
+    `figures` are `base`'s (`StageFigures.for_schedule`); `base` has no memory
+    actions and no overlapped cells; `budget` is what a device may hold.
+    """
+    evaluate = _Evaluator(figures, budget, layout, max_simulations)
+    found = _local_search(base, evaluate, _allowed_moves(layout, memory_actions), deadline, log)
+    if found is None:
+        return LocalSearch(None, (), None, None, evaluate.count)
+    return LocalSearch(*found, evaluate.count)
+
+
+def _local_search(base, evaluate, allowed, deadline, log):
+    if not allowed:
+        return None
+    R = base.num_ranks
+    moves: dict[tuple[int, int], Move] = {}
+
+    def build(ms):
+        try:
+            return apply_moves(base, sorted(ms.values()), name=f"{base.name}+search")
+        except ValueError:
+            return None
+
+    def run(ms):
+        schedule = build(ms)
+        return None if schedule is None else evaluate(schedule)
+
+    current = run(moves)
+    if current is None:
+        return None
+
+    def partners(r):
+        # BPipe's partner, and the rank whose device has the most room now
+        mem = current[2]
+        roomiest = min((q for q in range(R) if q != r), key=lambda q: mem.device[q], default=None)
+        return sorted({q for q in (R - 1 - r, roomiest) if q is not None and q != r})
+
+    tau = 0.01 * current[0].makespan  # so that a free move is worth far more than a costly one
+    steps = stalls = 0
+    recent: list = []  # pairs changed by the last non-improving steps: not changed again soon
+    # Give up when the bytes over the budget at the peak have not fallen for this many steps:
+    # on GPT-2 small's searches those that fit went at most 5 steps without, those that
+    # failed 13 to 24.
+    patience = base.num_stages + R
+    lowest, since = math.inf, 0
+    while not current[1].fits:
+        if time.perf_counter() > deadline or evaluate.exhausted:
+            return None
+        fit = current[1]
+        if fit.peak_over < lowest * (1 - 1e-9):
+            lowest, since = fit.peak_over, 0
+        elif (since := since + 1) > patience:
+            return None
+        trials = []  # (pairs changed, moves)
+        keys = [k for k in fit.at_peak if base.stage_to_rank[k[0]] == fit.fullest or k in moves]
+        keys = keys or list(fit.at_peak)
+        for key in keys:
+            for mv in _variants(base, key, allowed, moves.get(key), partners):
+                trials.append(({key}, {**moves, key: mv}))
+        # the same move for every microbatch of a stage at once (1F1B's plateaus: its
+        # first rank holds R microbatches through the whole steady state)
+        for s in sorted({k[0] for k in keys}):
+            shapes = {
+                dataclasses.replace(mv, microbatch=0)
+                for k in keys
+                if k[0] == s
+                for mv in _variants(base, k, allowed, None, partners)
+            }
+            for shape in sorted(shapes):
+                # to the pairs of the stage not moved yet, and to all of them
+                fill, every = dict(moves), dict(moves)
+                for m in range(base.num_microbatches):
+                    mv = dataclasses.replace(shape, microbatch=m)
+                    if mv in _variants(base, (s, m), allowed, None, partners):
+                        every[(s, m)] = mv
+                        if (s, m) not in moves:
+                            fill[(s, m)] = mv
+                if len(fill) > len(moves) + 1:
+                    trials.append((set(fill) - set(moves), fill))
+                changed = {k for k in every if every[k] != moves.get(k)}
+                if every != fill and len(changed) > 1:
+                    trials.append((changed, every))
+        best = least_bad = None
+        for changed, trial in trials:
+            got = run(trial)
+            if got is None:
+                continue
+            sim, new, _ = got
+            gain = (fit.area - new.area, fit.peak_over - new.peak_over)
+            if gain[0] > 0 or (gain[0] == 0 and gain[1] > 0):
+                cost = max(0.0, sim.makespan - current[0].makespan) + tau
+                score = (gain[0] / cost, gain[1] / cost)
+                if best is None or score > best[0]:
+                    best = (score, trial, got)
+            elif not changed & set(recent):
+                rank = (new.peak_over, new.area, sim.makespan)
+                if least_bad is None or rank < least_bad[0]:
+                    least_bad = (rank, trial, got, changed)
+        if best is not None:
+            moves, current = best[1], best[2]
+        elif least_bad is not None and stalls < 2 * base.num_ranks:
+            # Nothing on the fullest device frees bytes by itself: take the change that
+            # costs least and keep its pairs from being changed back for a while (a short
+            # tabu walk), so that the next step can find what frees them.
+            moves, current = least_bad[1], least_bad[2]
+            recent = (recent + sorted(least_bad[3]))[-4:]
+            stalls += 1
+        else:
+            return None  # nothing left to move frees anything on the fullest device
+        steps += 1
+        if log and steps % 10 == 0:
+            log(
+                f"    {base.name}: {len(moves)} pairs moved, {current[1].peak_over / GIB:.2f} GiB "
+                f"over, step {current[0].makespan:.4g}"
+            )
+    # Take back what is not needed, then try each recompute as a transfer.
+    improved = True
+    while improved and time.perf_counter() <= deadline and not evaluate.exhausted:
+        improved = False
+        order = sorted(moves, key=lambda k: (moves[k].kind != "recompute", k))
+        for key in order:
+            trial = {k: v for k, v in moves.items() if k != key}
+            got = run(trial)
+            if got is not None and got[1].fits and got[0].makespan <= current[0].makespan:
+                moves, current, improved = trial, got, True
+        for key in [k for k in moves if moves[k].kind == "recompute"]:
+            for mv in _variants(base, key, allowed - {"recompute"}, None, partners):
+                trial = {**moves, key: mv}
+                got = run(trial)
+                if got is not None and got[1].fits and got[0].makespan < current[0].makespan:
+                    moves, current, improved = trial, got, True
+                    break
+    return build(moves), tuple(sorted(moves.values())), current[0], current[2]
+
+
+# -- the search ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSearch:
+    """What `search_schedule` found.
+
+    Attributes:
+      winner: the fastest candidate that fits, or None.
+      best_builtin: the fastest built-in (unchanged by the local search) that fits.
+      candidates: every candidate simulated, fastest first.
+      skipped: why some SPECs gave no candidate (one line each).
+      budget: bytes per device.
+      margin: the share of `budget` kept free; a candidate fits within `usable`.
+      layout: ``"spmd"`` or ``"per_rank"``; `lowering` the Pipeline lowering it stands for.
+      memory_moves: the kinds of memory action the lowering runs (`lowering_runs`).
+      simulated: schedules simulated, the local search's included.
+      seconds: how long the search took.
+    """
+
+    winner: Candidate | None
+    best_builtin: Candidate | None
+    candidates: tuple[Candidate, ...]
+    skipped: tuple[str, ...]
+    budget: float
+    layout: str
+    memory_moves: tuple[str, ...]
+    simulated: int
+    seconds: float
+    margin: float = 0.0
+
+    @property
+    def lowering(self) -> str:
+        return LOWERING_OF[self.layout]
+
+    @property
+    def usable(self) -> float:
+        """What a device may hold: the budget less the margin."""
+        return self.budget * (1 - self.margin)
+
+    def reasons(self, unit: float = GIB, unit_name: str = "GiB") -> list[str]:
+        """Why the winner won, in lines (see `search_schedule`)."""
+        b = lambda x: f"{x / unit:.2f} {unit_name}"  # noqa: E731
+        out = []
+        w = self.winner
+        of = f"{b(self.budget)}" + (
+            f" ({b(self.usable)} with the {self.margin:.0%} margin)" if self.margin else ""
+        )
+        if w is None:
+            fullest = min(self.candidates, key=lambda c: c.memory.most, default=None)
+            out.append(f"nothing fits {of} per device ({self.layout} layout)")
+            if fullest is not None:
+                out.append(f"the least memory: {fullest.label} with {b(fullest.memory.most)}")
+            return out
+        out.append(
+            f"winner: {w.label}: simulated step {w.time:.4g}, {b(w.memory.most)} on the "
+            f"fullest device (rank {w.memory.fullest}) of {of}, "
+            f"{self.layout} layout (lowering={self.lowering!r})"
+        )
+        parts = ", ".join(f"{k} {b(v)}" for k, v in w.memory.parts(w.memory.fullest).items())
+        out.append(f"  fullest device: {parts}")
+        if w.moves:
+            kinds = {}
+            for mv in w.moves:
+                kinds[mv.split(" (")[0]] = kinds.get(mv.split(" (")[0], 0) + 1
+            pairs = w.schedule.num_stages * w.microbatches
+            out.append(
+                f"  the local search moved {len(w.moves)} of the {pairs} (stage, microbatch) "
+                f"pairs of {w.spec.split(' + ')[0]}: "
+                + ", ".join(f"{n} by {k}" for k, n in sorted(kinds.items()))
+            )
+        faster = [c for c in self.candidates if c.time < w.time and not c.fits]
+        if faster:
+            shown = ", ".join(f"{c.label} ({c.time:.4g}, {b(c.memory.most)})" for c in faster[:4])
+            more = f" and {len(faster) - 4} more" if len(faster) > 4 else ""
+            out.append(f"  faster but over the budget: {shown}{more}")
+        else:
+            out.append("  no candidate is faster, whatever its memory")
+        fitting = [c for c in self.candidates if c.fits and c is not w]
+        if fitting:
+            nxt = fitting[0]
+            out.append(
+                f"  next that fits: {nxt.label} at {nxt.time:.4g} "
+                f"({(nxt.time / w.time - 1) * 100:+.1f}%), {b(nxt.memory.most)}"
+            )
+        bb = self.best_builtin
+        if bb is not None and bb is not w:
+            out.append(
+                f"best built-in that fits: {bb.label} at {bb.time:.4g} "
+                f"({(bb.time / w.time - 1) * 100:+.1f}% against the winner), {b(bb.memory.most)}"
+            )
+        elif bb is w:
+            out.append("  it is itself the best built-in that fits")
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "budget_bytes": self.budget,
+            "margin": self.margin,
+            "usable_bytes": self.usable,
+            "layout": self.layout,
+            "lowering": self.lowering,
+            "memory_moves": list(self.memory_moves),
+            "winner": None if self.winner is None else self.winner.to_json(),
+            "best_builtin": None if self.best_builtin is None else self.best_builtin.to_json(),
+            "candidates": [c.to_json() for c in self.candidates],
+            "skipped": list(self.skipped),
+            "simulated": self.simulated,
+            "seconds": self.seconds,
+            "why": self.reasons(),
+        }
+
+
+def search_schedule(
+    figures: StageFigures | StageProfile,
+    num_ranks: int,
+    microbatches: int | Sequence[int],
+    budget: float,
+    *,
+    layout: str = "spmd",
+    schedules: Sequence[str | tuple[str, int]] | None = None,
+    local: bool = True,
+    batch: int | None = None,
+    margin: float = MARGIN,
+    memory_actions: Sequence[str] | None = None,
+    max_simulations: int = 20_000,
+    max_seconds: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ScheduleSearch:
+    """The fastest schedule whose simulated bytes per device fit `budget` (module docstring).
+
+    Args:
+      figures: each stage's costs and bytes per microbatch (`StageFigures`),
+        or a `StageProfile` with figures for several splits.
+      num_ranks: R.
+      microbatches: M, or several to try.
+      budget: bytes per device.
+      layout: ``"spmd"`` (every device holds the largest rank's terms; the
+        SPMD lowering) or ``"per_rank"`` (each its own; ``lowering="mpmd"``).
+      schedules: SPECs to try instead of every built-in (`builtin_specs`),
+        each a string (its default chunks) or ``(SPEC, chunks)``.
+      local: also run the local search over memory actions where the
+        lowering runs them.
+      batch: sequences per step. With it, the figures are taken as for
+        microbatches of ``figures.microbatch_size`` sequences (a
+        `StageProfile`'s; for plain `StageFigures`, ``batch / M`` of the
+        first M) and each M gets them scaled to ``batch / M`` sequences
+        (linearly; parameters unscaled). Without it, every M uses the
+        figures as given (microbatches of a fixed size).
+      margin: the share of `budget` kept free (`MARGIN`): a candidate fits
+        when every device's bytes are within ``budget * (1 - margin)``.
+      memory_actions: the kinds of memory action allowed (``"recompute"``,
+        ``"evict"``, ``"offload"``; `MOVE_KINDS`), in the built-ins and the
+        local search alike; default every kind the lowering runs.
+      max_simulations: a bound on the schedules the local search simulates,
+        all bases together (the built-ins are always all simulated); a base
+        left without any is skipped, saying so. A count, so that the result
+        does not depend on the machine's load.
+      max_seconds: a bound on the local search's time as well, if given (the
+        result then depends on the machine's speed).
+      log: called with a line of progress now and then.
+    """
+    start = time.perf_counter()
+    if layout not in LAYOUTS:
+        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if not (isinstance(num_ranks, int) and num_ranks >= 1):
+        raise ValueError(f"the number of ranks must be a positive integer, got {num_ranks!r}")
+    Ms = [microbatches] if isinstance(microbatches, int) else list(microbatches)
+    if not Ms or any(not isinstance(m, int) or m < 1 for m in Ms):
+        raise ValueError(f"microbatch counts must be positive integers, got {microbatches!r}")
+    if not budget > 0:
+        raise ValueError(f"the budget must be a positive number of bytes, got {budget!r}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"the margin must be in [0, 1), got {margin!r}")
+    usable = budget * (1 - margin)
+    if batch is not None:
+        for m in Ms:
+            if batch % m:
+                raise ValueError(
+                    f"{m} microbatches do not divide the batch of {batch} sequences; "
+                    f"M must divide it"
+                )
+        reference = getattr(figures, "microbatch_size", None) or batch // Ms[0]
+    memory_moves = tuple(sorted(_allowed_moves(layout, memory_actions)))
+    allowed_kinds = {k for move in memory_moves for k in MOVE_KINDS[move]}
+    evaluate_count = 0
+    candidates: list[Candidate] = []
+    skipped: list[str] = []
+    bases: list[tuple[Candidate, StageFigures]] = []
+    for M in Ms:
+        scaled = figures
+        if batch is not None and batch // M != reference:
+            scaled = figures.scaled((batch // M) / reference, params=False)
+        specs = builtin_specs(num_ranks, M) if schedules is None else schedules
+        for item in specs:
+            spec, chunks = (item, None) if isinstance(item, str) else item
+            try:
+                schedule = get_schedule(spec, num_ranks, M, chunks)
+                fig = scaled.for_schedule(schedule)
+            except ValueError as e:
+                skipped.append(f"{spec}{f' (V={chunks})' if chunks else ''}, M={M}: {e}")
+                continue
+            if schedule.num_ranks != num_ranks or schedule.num_microbatches != M:
+                skipped.append(
+                    f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
+                    f"{schedule.num_microbatches} microbatches"
+                )
+                continue
+            if not runs_schedule(layout, schedule):
+                kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
+                skipped.append(
+                    f"{spec}, M={M}: the {LOWERING_OF[layout]} lowering does not run its "
+                    f"memory actions ({', '.join(kinds)}); layout per_rank would take it"
+                )
+                continue
+            kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
+            if not kinds <= allowed_kinds:
+                skipped.append(
+                    f"{spec}, M={M}: its memory actions ({', '.join(sorted(kinds))}) are not "
+                    f"among those allowed ({', '.join(memory_moves) or 'none'})"
+                )
+                continue
+            sim = simulate(schedule, fig.costs)
+            evaluate_count += 1
+            memory = device_bytes(sim, fig, layout)
+            V = schedule.num_stages // max(num_ranks, 1)
+            cand = Candidate(
+                spec=spec, schedule=schedule, chunks=V, microbatches=M, simulation=sim,
+                memory=memory, fits=memory.most <= usable,
+            )  # fmt: skip
+            candidates.append(cand)
+            plain = not schedule.has_memory_actions and not any(
+                isinstance(step, Overlap) for row in schedule.ranks for step in row
+            )
+            if plain:
+                bases.append((cand, fig))
+    if log:
+        fitting = sum(c.fits for c in candidates)
+        log(f"  {len(candidates)} built-in candidates simulated, {fitting} fit")
+    deadline = math.inf if max_seconds is None else start + max_seconds
+    local_count = 0
+    if local and memory_moves:
+        bases.sort(key=lambda x: x[0].time)
+        for cand, fig in bases:
+            best = min((c.time for c in candidates if c.fits), default=math.inf)
+            if cand.fits or cand.time >= best:
+                continue  # memory actions never make a step shorter
+            left = max_simulations - local_count
+            if time.perf_counter() > deadline or left <= 0:
+                skipped.append(
+                    f"{cand.label}: no local search (past --max-simulations or --max-seconds)"
+                )
+                continue
+            if log:
+                log(f"  local search on {cand.label} ({cand.memory.most / GIB:.2f} GiB)")
+            found = local_search(
+                cand.schedule, fig, usable, layout, deadline=deadline, log=log,
+                memory_actions=memory_moves, max_simulations=left,
+            )  # fmt: skip
+            evaluate_count += found.simulated
+            local_count += found.simulated
+            if found.schedule is None:
+                skipped.append(f"{cand.label}: the local search found no placement that fits")
+                continue
+            schedule, moves, sim, memory = found[:4]
+            candidates.append(
+                Candidate(
+                    spec=f"{cand.spec} + {len(moves)} memory move{'s' if len(moves) > 1 else ''}",
+                    schedule=schedule,
+                    chunks=cand.chunks,
+                    microbatches=cand.microbatches,
+                    simulation=sim,
+                    memory=memory,
+                    fits=memory.most <= usable,
+                    builtin=False,
+                    moves=tuple(map(str, moves)),
+                )
+            )
+    candidates.sort(key=lambda c: (c.time, c.memory.most, not c.builtin))
+    fitting = [c for c in candidates if c.fits]
+    return ScheduleSearch(
+        winner=fitting[0] if fitting else None,
+        best_builtin=next((c for c in fitting if c.builtin), None),
+        candidates=tuple(candidates),
+        skipped=tuple(skipped),
+        budget=float(budget),
+        layout=layout,
+        memory_moves=memory_moves,
+        simulated=evaluate_count,
+        seconds=time.perf_counter() - start,
+        margin=float(margin),
+    )

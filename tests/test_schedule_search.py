@@ -1,0 +1,346 @@
+"""`jpipe.search_schedule` and ``python -m jpipe.search``: pure Python, no devices."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+import jpipe
+from jpipe import search as search_cli
+from jpipe._schedule_search import (
+    BUILTINS,
+    Move,
+    StageFigures,
+    apply_moves,
+    builtin_specs,
+    device_bytes,
+    local_search,
+    lowering_runs,
+    runs_schedule,
+    spmd_buffers,
+    stage_profile_from_json,
+)
+from jpipe._ticks import make_plan
+
+# One rank's share of a model per microbatch: a forward, its two backward halves,
+# residuals of 1, carries of 0.5, a kept input of 0.05, 2 of parameters and 1 of
+# working memory; transfers cost less than a forward.
+UNIFORM = StageFigures(
+    jpipe.Costs(F=1, I=1, W=1, evict=0.3, offload=0.5),
+    jpipe.Sizes(activation=1, carry=0.5, input=0.05, params=2),
+    working=1,
+)
+
+
+def test_figures_refuse_lists_of_the_wrong_length_and_scale_for_chunks():
+    with pytest.raises(ValueError, match="need num_stages"):
+        StageFigures(jpipe.Costs(F=[1, 2]))
+    with pytest.raises(ValueError, match="give 3"):
+        StageFigures(jpipe.Costs(F=[1, 2]), num_stages=3)
+    zbv = jpipe.get_schedule("zbv", 4, 8)
+    half = UNIFORM.for_schedule(zbv)  # 8 stages on 4 ranks: each half a rank's share
+    assert half.costs.F == 0.5 and half.sizes.activation == 0.5 and half.working == 0.5
+    assert half.costs.comm == UNIFORM.costs.comm
+    listed = StageFigures(jpipe.Costs(F=[1, 1, 1, 2]), num_stages=4)
+    assert listed.for_schedule(jpipe.get_schedule("1f1b", 4, 8)) is listed
+    with pytest.raises(ValueError, match="for 4 stages and zbv has 8"):
+        listed.for_schedule(zbv)
+
+
+@pytest.mark.parametrize("kind", jpipe.MEMORY_KINDS)
+def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
+    """The switch is the lowering's refusal: a kind counts exactly when make_plan takes it."""
+    assert lowering_runs("per_rank", kind)
+    for name, options in (("1f1b_recompute", {"k": 1}), ("1f1b_bpipe", {}),
+                          ("zb_h1_offload", {})):  # fmt: skip
+        schedule = jpipe.get_schedule(name, 4, 8, **options)
+        if kind not in {a.kind for _, _, a in schedule.all_actions()}:
+            continue
+        try:
+            make_plan(schedule)
+            accepted = True
+        except NotImplementedError:
+            accepted = False
+        assert lowering_runs("spmd", kind) == accepted
+        assert runs_schedule("spmd", schedule) == accepted
+
+
+def test_no_spmd_candidate_has_an_action_the_spmd_lowering_refuses():
+    result = jpipe.search_schedule(UNIFORM, 4, 8, 6.0, layout="spmd")
+    for c in result.candidates:
+        make_plan(c.schedule)  # raises for a memory action the SPMD lowering does not run
+    refused = [line for line in result.skipped if "does not run its memory actions" in line]
+    assert bool(refused) == (not result.memory_moves)
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [("1f1b", {}), ("zb_h1", {}), ("vhalf", {}), ("1f1b_recompute", {"k": 2}),
+     ("1f1b_bpipe", {}), ("zb_h1_offload", {})],
+)  # fmt: skip
+def test_device_bytes_are_params_values_and_working(name, options):
+    schedule = jpipe.get_schedule(name, 4, 8, **options)
+    fig = dataclasses.replace(UNIFORM, grad_output=0.5).for_schedule(schedule)
+    S = schedule.num_stages
+    sim = jpipe.simulate(schedule, fig.costs, fig.sizes)
+    per_rank = device_bytes(sim, fig, "per_rank")
+    spmd = device_bytes(sim, fig, "spmd")
+    own = [sum(fig.sizes.table(S)["params"][s] for s in schedule.stages_of(r)) for r in range(4)]
+    grads = [sum(fig.grad_output_table(S)[s] for s in schedule.stages_of(r)) for r in range(4)]
+    for r in range(4):
+        stages = schedule.stages_of(r)
+        # the per-rank lowering holds every rank's weights and optimizer state, its own grads
+        assert per_rank.params[r] == pytest.approx(
+            max(o - g for o, g in zip(own, grads)) + grads[r]
+        )
+        simulated = sim.peak_bytes[r] - own[r]
+        if schedule.has_memory_actions:  # copies take their buffer when issued: never fewer
+            assert per_rank.values[r] >= simulated - 1e-9
+        else:
+            assert per_rank.values[r] == pytest.approx(simulated)
+        assert per_rank.working[r] == max(fig.working_table(S)[s] for s in stages)
+        assert per_rank.device[r] == pytest.approx(
+            per_rank.params[r] + per_rank.values[r] + per_rank.working[r]
+        )
+    # one program: the largest of each term on every device, the buffers as it sizes them
+    buffers = spmd_buffers(schedule, fig)
+    held = max(per_rank.values) if buffers is None else sum(buffers)
+    assert (buffers is None) == schedule.has_memory_actions
+    expected = max(own) + max(grads) + held + max(per_rank.working)
+    assert spmd.device == pytest.approx((expected,) * 4)
+    if buffers is not None:  # the residual buffer is at least the most residuals live at once
+        residuals = dataclasses.replace(fig, sizes=dataclasses.replace(fig.sizes, carry=0))
+        peak = max(device_bytes(jpipe.simulate(schedule, fig.costs), residuals, "per_rank").values)
+        assert buffers[0] >= peak - 1e-9
+
+
+def test_builtin_specs_cover_every_builtin_with_its_options():
+    specs = builtin_specs(4, 8)
+    assert {s.split(":")[0] for s, _ in specs} == {name for name, _, _ in BUILTINS}
+    assert ("1f1b_recompute:k=3", 1) in specs and ("1f1b_recompute:k=4", 1) not in specs
+    assert ("interleaved_1f1b", 3) in specs
+    assert set(jpipe.registered_schedules()) >= {name for name, _, _ in BUILTINS}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_applied_moves_validate_and_keep_the_compute(seed):
+    import random
+
+    rng = random.Random(seed)
+    name = rng.choice(["1f1b", "zb_h1", "interleaved_1f1b", "vhalf", "gpipe"])
+    base = jpipe.get_schedule(name, 4, 8)
+    moves = {}
+    for _ in range(rng.randint(1, 12)):
+        s, m = rng.randrange(base.num_stages), rng.randrange(8)
+        kind = rng.choice(["recompute", "evict", "offload"])
+        partner = rng.choice([r for r in range(4) if r != base.stage_to_rank[s]])
+        mv = Move(kind, s, m, lead=rng.randint(0, 1), partner=partner if kind == "evict" else -1,
+                  after_input_grad=base.splits_backward and rng.random() < 0.5)  # fmt: skip
+        try:
+            apply_moves(base, [mv])
+        except ValueError:
+            continue  # no room for it on this pair
+        moves[(s, m)] = mv
+    schedule = apply_moves(base, sorted(moves.values()))
+    jpipe.validate(schedule)
+    assert schedule.without_memory_actions() == base
+    assert sum(a.is_memory for _, _, a in schedule.all_actions()) >= len(moves)
+
+
+def _fitting(result):
+    return [c for c in result.candidates if c.fits]
+
+
+@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+@pytest.mark.parametrize("budget", [4.5, 5.0, 6.0, 7.0, 100.0])
+def test_the_winner_is_the_fastest_that_fits(layout, budget):
+    result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout=layout)
+    fitting = _fitting(result)
+    if not fitting:
+        assert result.winner is None and result.best_builtin is None
+        return
+    w = result.winner
+    assert result.usable == pytest.approx(0.9 * budget)  # the default margin keeps 10% free
+    assert w.fits and w.memory.most <= result.usable
+    assert all(w.time <= c.time for c in fitting)
+    builtins = [c for c in fitting if c.builtin]
+    assert (result.best_builtin is None) == (not builtins)  # the local search may fit alone
+    if builtins:
+        assert result.best_builtin.builtin and result.best_builtin.fits
+        assert all(result.best_builtin.time <= c.time for c in builtins)
+    jpipe.validate(w.schedule)
+    assert runs_schedule(layout, w.schedule)
+    if budget == 100.0:  # everything fits: the fastest of all
+        assert w.time == min(c.time for c in result.candidates)
+    text = "\n".join(result.reasons())
+    assert w.label in text
+
+
+def test_the_local_search_fits_1f1b_where_it_did_not():
+    """Per rank, with only 1F1B to start from: memory actions make it fit, at some cost."""
+    plain = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="per_rank", schedules=["1f1b"])
+    base = plain.winner
+    budget = base.memory.most - 1.5  # one and a half microbatches less on rank 0
+    result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="per_rank",
+                                   schedules=["1f1b"], margin=0)  # fmt: skip
+    w = result.winner
+    assert w is not None and not w.builtin and w.moves
+    assert w.memory.most <= budget < base.memory.most
+    assert w.time >= base.time  # memory actions never shorten the step
+    assert w.schedule.without_memory_actions() == base.schedule
+    # and the simulator, run afresh, agrees with the bytes the search reports
+    fig = UNIFORM.for_schedule(w.schedule)
+    again = device_bytes(jpipe.simulate(w.schedule, fig.costs), fig, "per_rank")
+    assert again.device == pytest.approx(w.memory.device)
+
+
+@pytest.mark.parametrize("budget_drop", [1.0, 2.0])
+def test_the_local_search_is_no_slower_than_the_builtin_recompute(budget_drop):
+    """Greedy memory actions on 1F1B against 1f1b_recompute, the hand-made variant."""
+    base = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="per_rank",
+                                 schedules=["1f1b"]).winner  # fmt: skip
+    budget = base.memory.most - budget_drop
+    made = jpipe.search_schedule(
+        UNIFORM, 4, 16, budget, layout="per_rank", margin=0,
+        schedules=[f"1f1b_recompute:k={k}" for k in range(1, 4)],
+    ).winner  # fmt: skip
+    found = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="per_rank", margin=0,
+                                  schedules=["1f1b"]).winner  # fmt: skip
+    assert made is not None and found is not None
+    assert found.time <= made.time
+
+
+def test_the_local_search_gives_up_when_nothing_can_fit():
+    base = jpipe.get_schedule("1f1b", 4, 8)
+    fig = UNIFORM.for_schedule(base)
+    # params and working memory alone exceed the budget: no memory action helps
+    found = local_search(base, fig, 2.5, "per_rank")
+    assert found.schedule is None and found.simulated >= 1
+
+
+def test_several_microbatch_counts_scale_the_figures_with_the_batch():
+    result = jpipe.search_schedule(UNIFORM, 4, [8, 16], 100.0, batch=64, schedules=["1f1b"])
+    by_m = {c.microbatches: c for c in result.candidates}
+    # M = 16 halves the microbatch: half the time and bytes per microbatch, same params
+    assert by_m[16].memory.values[0] == pytest.approx(by_m[8].memory.values[0] / 2)
+    assert by_m[16].memory.params == by_m[8].memory.params
+    assert by_m[16].time == pytest.approx((16 + 3) * 3 / 2)
+    assert by_m[8].time == pytest.approx((8 + 3) * 3)
+    with pytest.raises(ValueError, match="do not divide the batch"):
+        jpipe.search_schedule(UNIFORM, 4, [8, 12], 100.0, batch=64)
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="memory layout"):
+        jpipe.search_schedule(UNIFORM, 4, 8, 6.0, layout="both")
+    with pytest.raises(ValueError, match="budget"):
+        jpipe.search_schedule(UNIFORM, 4, 8, 0)
+    result = jpipe.search_schedule(UNIFORM, 4, 8, 6.0, schedules=["nonesuch", "1f1b"])
+    assert any(
+        line.startswith("nonesuch") and "unknown schedule" in line for line in result.skipped
+    )
+
+
+# -- the shipped GPT-2 small profile --------------------------------------------------------
+
+
+def test_the_shipped_profile_loads_with_a_split_per_stage_count():
+    profile = jpipe.load_stage_profile("gpt2_small")
+    assert profile.microbatch_size == 4 and set(profile.splits) >= {4, 8}
+    four = profile.splits[4]
+    assert four.num_stages == 4 and sum(profile.blocks[4]) == 12
+    # the head's stage: its F has the logits matmul, its working memory is the largest
+    assert four.costs.F[3] > 2 * four.costs.F[1]
+    assert max(four.working) == four.working[3]
+    with pytest.raises(ValueError, match="no split into 16 stages"):
+        profile.for_schedule(jpipe.get_schedule("interleaved_1f1b", 4, 8, 4))
+    faster = jpipe.load_stage_profile("gpt2_small", {"flops_per_second": 2 * 0.4 * 989e12})
+    assert faster.splits[4].costs.F[1] == pytest.approx(four.costs.F[1] / 2)
+    with pytest.raises(ValueError, match="unknown rates"):
+        jpipe.load_stage_profile("gpt2_small", {"flop": 1.0})
+    with pytest.raises(ValueError, match="none shipped"):
+        jpipe.load_stage_profile("gpt7_large")
+
+
+def test_a_stage_profile_with_a_bad_field_is_refused_by_name():
+    with open(jpipe.load_stage_profile.__globals__["PROFILES_DIR"] + "/gpt2_small.json") as f:
+        d = json.load(f)
+    bad = dict(d, splits=[dict(d["splits"][0], carry=[1.0])])
+    with pytest.raises(ValueError, match=r"splits\[stages=2\]\.carry has 1 values, expected 2"):
+        stage_profile_from_json(bad)
+    with pytest.raises(ValueError, match="not a jpipe stage profile"):
+        stage_profile_from_json(dict(d, format="jpipe-profile/2"))
+
+
+def test_gpt2_small_on_a_budget_1f1b_does_not_fit():
+    profile = jpipe.load_stage_profile("gpt2_small")
+    for layout in ("spmd", "per_rank"):
+        every = jpipe.search_schedule(profile, 4, 16, 1e15, layout=layout, local=False)
+        ref = next(c for c in every.candidates if c.spec == "1f1b")
+        least = min(c.memory.most for c in every.candidates)
+        budget = 1.01 * least / (1 - every.margin)  # the leanest built-in just fits
+        result = jpipe.search_schedule(profile, 4, 16, budget, layout=layout)
+        w = result.winner
+        assert w is not None, result.reasons()
+        assert w.memory.most <= result.usable < ref.memory.most  # 1F1B does not fit
+        fitting_builtins = [c for c in result.candidates if c.fits and c.builtin]
+        assert fitting_builtins and all(w.time <= c.time for c in fitting_builtins)
+        assert budget > 2**30  # a real budget, in GiB
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+FLAGS = [
+    "--cost", "F=1,I=1,W=1,evict=0.3,offload=0.5",
+    "--bytes", "activation=1GiB,carry=0.5GiB,params=2GiB,input=50MiB,working=1GiB",
+    "-r", "4", "-m", "16",
+]  # fmt: skip
+
+
+def test_cli_prints_the_winner_and_saves_it(tmp_path, capsys):
+    csv, png = tmp_path / "w.csv", tmp_path / "w.png"
+    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "per_rank",
+                                    "--csv", str(csv), "--png", str(png)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "winner:" in out and "best built-in that fits" in out and "fullest device" in out
+    assert png.stat().st_size > 0
+    saved = jpipe.Schedule.from_csv(csv)
+    jpipe.validate(saved)
+    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "per_rank", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["winner"]["fits"] and d["layout"] == "per_rank"
+    assert d["lowering"] == "mpmd" and max(d["winner"]["device_bytes"]) <= 0.9 * 6 * 2**30
+    assert jpipe.Schedule.from_csv_text(saved.to_csv()).ranks == saved.ranks
+
+
+def test_cli_exit_codes(capsys):
+    assert search_cli.main(FLAGS + ["--budget", "1GiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+    assert search_cli.main(FLAGS + ["--budget", "lots"]) == 2
+    assert "cannot read 'lots' as bytes" in capsys.readouterr().err
+    assert search_cli.main(["-r", "4", "-m", "8", "--budget", "1GiB"]) == 2
+    assert "either as --profile or as --cost and --bytes" in capsys.readouterr().err
+    assert search_cli.main(FLAGS[:-2] + ["-m", "8,16", "--budget", "6GiB"]) == 2
+    assert "--batch" in capsys.readouterr().err
+
+
+def test_cli_reads_per_stage_lists_and_units():
+    fig = search_cli.figures_from_flags("F=1/1/1/2,comm=0.1/0.1/0.1", "activation=1GiB/1/1/1")
+    assert fig.num_stages == 4 and fig.costs.F == (1, 1, 1, 2)
+    assert fig.sizes.activation[0] == 2**30
+    assert search_cli.parse_bytes("1.5 GB") == 1.5e9
+    assert math.isclose(search_cli.parse_bytes("512MiB"), 0.5 * 2**30)
+    with pytest.raises(ValueError, match="lists of"):
+        search_cli.figures_from_flags("F=1/2", "activation=1/2/3")
+
+
+def test_cli_on_the_shipped_profile(capsys):
+    code = search_cli.main(["--profile", "gpt2_small", "-r", "4", "-m", "16",
+                            "--budget", "12GiB", "--json"])  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and max(d["winner"]["device_bytes"]) <= 0.9 * 12 * 2**30
+    assert d["layout"] == "spmd" and "GPT-2 small" in d["figures"]
+    assert dataclasses.is_dataclass(jpipe.load_stage_profile("gpt2_small"))
