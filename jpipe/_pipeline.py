@@ -516,8 +516,18 @@ class Pipeline:
             `jpipe.models.StagedModel.init` does.
           rng: a JAX key.
           specs: as for `pack`.
+
+        With one mesh per rank (`rank_meshes`), the result is one dict per
+        rank of its own buckets, ``{bucket: Array [1, ...]}``, as `pack` gives.
         """
-        self._one_mesh("Pipeline.init")
+        if self.rank_meshes is not None:
+            here = jax.process_index()
+            return [
+                program(rng) if any(d.process_index == here for d in m.devices.flat) else None
+                for program, m in zip(
+                    self.init_programs(init_fn, rng, specs), self.rank_meshes, strict=True
+                )
+            ]
         packed_parts: dict[str, list] = {}
         here = jax.process_index()
         for r, program in enumerate(self.init_programs(init_fn, rng, specs)):
@@ -543,7 +553,6 @@ class Pipeline:
         as the rank's blocks of the packed arrays; ``.lower(rng).compile()``
         and ``memory_analysis()`` tell what each device allocates to make them.
         """
-        self._one_mesh("Pipeline.init_programs")
         shapes = jax.eval_shape(lambda k: init_fn(k, None), rng)
         layout = self._layout_for(shapes, specs)
         names = self.mesh.axis_names
@@ -553,18 +562,22 @@ class Pipeline:
             stages_of[r].add(s)
         programs = []
         for r in range(self.schedule.num_ranks):
-            rank_mesh = Mesh(
-                self.mesh.devices.take([r], axis=pipe),
-                names,
-                axis_types=(AxisType.Auto,) * len(names),
-            )
+            if self.rank_meshes is not None:  # its own mesh, its own buckets only
+                rank_mesh, own = self.rank_meshes[r], layout.rank_buckets(r)
+            else:
+                rank_mesh = Mesh(
+                    self.mesh.devices.take([r], axis=pipe),
+                    names,
+                    axis_types=(AxisType.Auto,) * len(names),
+                )
+                own = tuple(layout.buckets)
             out_shardings = {
-                name: NamedSharding(rank_mesh, layout.spec(name, self.pipe_axis))
-                for name in layout.buckets
+                name: NamedSharding(rank_mesh, layout.spec(name, self.pipe_axis)) for name in own
             }
 
-            def make(key, r=r):
-                return layout.rank_rows(r, init_fn(key, stages_of[r]))
+            def make(key, r=r, own=own):
+                rows = layout.rank_rows(r, init_fn(key, stages_of[r]))
+                return {name: rows[name] for name in own}
 
             programs.append(jax.jit(make, out_shardings=out_shardings))
         return programs

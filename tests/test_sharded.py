@@ -445,8 +445,17 @@ def test_rank_meshes_are_checked():
     with pytest.raises(ValueError, match="accepted: data, fsdp, tensor"):
         jpipe.make_rank_meshes([{"pipe": 2}])
     pipe = jpipe.Pipeline(model.stages, schedule, meshes, lowering="mpmd")
-    with pytest.raises(ValueError, match="Pipeline.init makes the packed"):
-        pipe.init(model.init, jax.random.key(0))
+    with pytest.raises(ValueError, match="Pipeline.packed_shapes makes the packed"):
+        pipe.packed_shapes(model.init(0))
+    # init makes each rank's own buckets on its own mesh, as pack places them.
+    key = jax.random.key(5)
+    specs = gpt.tensor_specs(CONFIG, jax.eval_shape(model.init, key))
+    made, packed = pipe.init(model.init, key, specs), pipe.pack(model.init(key), specs)
+    assert [set(m) for m in made] == [set(p) for p in packed]
+    for m, p in zip(made, packed):
+        for name, array in p.items():
+            assert m[name].sharding == array.sharding, name
+            np.testing.assert_array_equal(np.asarray(m[name]), np.asarray(array))
     # BPipe's eviction from rank 0 to rank 3, of another shape, is refused by name.
     four = models.make_stages(CONFIG, (1, 1, 1, 1), tensor_axis="tensor")
     bpipe = jpipe.get_schedule("1f1b_bpipe", 4, 4)

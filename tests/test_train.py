@@ -174,6 +174,38 @@ def test_tensor_and_fsdp_meshes_train_the_same(reference, tmp_path):
     )
 
 
+def test_ranks_of_their_own_tensor_degrees_train_the_same(reference, tmp_path):
+    # mesh.tensor_per_rank: rank 0 on one device, rank 1 on a tensor pair, 2
+    # more on another pair (one mesh per rank, the per-rank lowering, an AdamW
+    # per rank clipped by the norm over every rank's gradients, data 2 inside
+    # each rank's mesh): the same losses as the pipe 4 x data 2 run; killed
+    # after step 4's checkpoint and resumed, the same again.
+    result, _ = reference
+    config = tiny_config(
+        lowering="mpmd", **{"mesh.pipe": 3, "mesh.data": 2, "mesh.tensor_per_rank": "1,2,1"}
+    )
+    config.layers_per_stage = "1,2,1"
+    workdir = tmp_path / "run"
+    train_until_killed(config, workdir, step=4)
+    resumed = trainer.train(config, str(workdir), progress=False)
+    assert resumed.start_step == 4
+    losses = {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(
+        [losses[s] for s in range(1, 7)], [result.losses[s] for s in range(1, 7)], rtol=RTOL
+    )
+    np.testing.assert_allclose(resumed.eval_losses[6], result.eval_losses[6], rtol=RTOL)
+    with pytest.raises(trainer.ConfigError, match="accepted with lowering='mpmd'"):
+        trainer.train(
+            tiny_config(**{"mesh.pipe": 2, "mesh.tensor_per_rank": "1,2"}), str(tmp_path / "x")
+        )
+    with pytest.raises(trainer.ConfigError, match="for each of the mesh.pipe=2 ranks"):
+        trainer.train(
+            tiny_config(lowering="mpmd", **{"mesh.pipe": 2, "mesh.tensor_per_rank": "1"}),
+            str(tmp_path / "y"),
+        )
+
+
 def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     result, _ = reference
     workdir = tmp_path / "run"

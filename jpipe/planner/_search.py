@@ -1247,6 +1247,7 @@ class TrainerSettings:
     num_microbatches: int
     batch_size: int
     lowering: str = "spmd"
+    tensor_per_rank: tuple[int, ...] | None = None
 
 
 def plan_file(ev: Evaluation, profile: Profile) -> dict:

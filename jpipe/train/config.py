@@ -72,6 +72,11 @@ class MeshConfig:
     each axis spans, the rest of it staying within a host (see
     `jpipe.make_mesh` and docs/multihost.md); 0 for both leaves the default
     order, which puts ``pipe`` across hosts first.
+
+    ``tensor_per_rank`` (e.g. ``"1,2,2"``) gives each pipeline rank a tensor
+    degree of its own, one mesh per rank (`jpipe.make_rank_meshes`), for the
+    per-rank lowering (``lowering="mpmd"``); ``""`` (the default) gives every
+    rank ``tensor``. ``tensor`` is then the largest of them.
     """
 
     pipe: int = 1
@@ -80,6 +85,7 @@ class MeshConfig:
     tensor: int = 1
     pipe_hosts: int = 0
     data_hosts: int = 0
+    tensor_per_rank: str = ""
 
     def __post_init__(self):
         _check_int("mesh.pipe", self.pipe, 1)
@@ -98,6 +104,52 @@ class MeshConfig:
                     hosts,
                     f"must divide mesh.{axis}={size} (each host holds an equal part of the axis)",
                 )
+        degrees = self.rank_tensors
+        if degrees is not None:
+            if len(degrees) != self.pipe or min(degrees) < 1:
+                raise config_error(
+                    "mesh.tensor_per_rank",
+                    self.tensor_per_rank,
+                    "must give a tensor degree of at least 1 for each of the "
+                    f"mesh.pipe={self.pipe} ranks, comma-separated (e.g. '1,2,2')",
+                )
+            if self.tensor not in (1, max(degrees)):
+                raise config_error(
+                    "mesh.tensor",
+                    self.tensor,
+                    f"conflicts with mesh.tensor_per_rank={self.tensor_per_rank!r}; accepted: "
+                    f"1 or {max(degrees)} (the largest rank's)",
+                )
+            if self.pipe_hosts or self.data_hosts:
+                raise config_error(
+                    "mesh.tensor_per_rank",
+                    self.tensor_per_rank,
+                    "runs in one process for now (ranks of different shapes hand values within "
+                    "a process); accepted: mesh.pipe_hosts=0 and mesh.data_hosts=0",
+                )
+
+    @property
+    def rank_tensors(self) -> tuple[int, ...] | None:
+        """Each rank's tensor degree (``tensor_per_rank``); None when all have ``tensor``."""
+        if not isinstance(self.tensor_per_rank, str):
+            raise config_error(
+                "mesh.tensor_per_rank", self.tensor_per_rank, "must be a string such as '1,2,2'"
+            )
+        if not self.tensor_per_rank.strip():
+            return None
+        try:
+            return tuple(int(t) for t in self.tensor_per_rank.split(","))
+        except ValueError:
+            raise config_error(
+                "mesh.tensor_per_rank",
+                self.tensor_per_rank,
+                "must be whole numbers separated by commas, one per rank (e.g. '1,2,2')",
+            ) from None
+
+    @property
+    def max_tensor(self) -> int:
+        """The largest tensor degree of any rank."""
+        return max(self.rank_tensors or (self.tensor,))
 
     @property
     def across_hosts(self) -> dict[str, int] | None:
@@ -108,7 +160,9 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
-        return self.pipe * self.data * self.fsdp * self.tensor
+        """The devices the mesh (or the ranks' meshes together) take."""
+        per_rank = self.rank_tensors or (self.tensor,) * self.pipe
+        return sum(per_rank) * self.data * self.fsdp
 
     @property
     def replicas(self) -> int:
@@ -348,6 +402,13 @@ class TrainConfig:
                 "measures the SPMD step's memory and stage times; the per-rank lowering's "
                 "profile is not built yet; accepted: profile=False with lowering='mpmd'",
             )
+        if self.mesh.rank_tensors is not None and self.lowering != "mpmd":
+            raise config_error(
+                "mesh.tensor_per_rank",
+                self.mesh.tensor_per_rank,
+                "gives the ranks meshes of different shapes, which only the per-rank lowering "
+                "runs; accepted with lowering='mpmd'",
+            )
         if self.profile and self.mesh.tensor > 1:
             raise config_error(
                 "profile",
@@ -442,6 +503,8 @@ def _apply_plan(kwargs: dict) -> dict:
         )
     mesh = dict(kwargs.get("mesh") or {})
     mesh.update(pipe=settings.pipe, data=settings.data, tensor=settings.tensor)
+    if settings.tensor_per_rank is not None:  # a degree per rank (a per_rank plan)
+        mesh["tensor_per_rank"] = ",".join(str(t) for t in settings.tensor_per_rank)
     return {
         **kwargs,
         "mesh": mesh,
@@ -501,9 +564,16 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     try:
         if get("plan", ""):  # the plan file's mesh is the one the run will use
             settings = jpipe.read_plan_file(get("plan"))
-            mesh = {"pipe": settings.pipe, "data": settings.data}
-        size = int(mesh["pipe"]) * int(mesh["data"])
-        size *= int(mesh.get("fsdp", 1) or 1) * int(mesh.get("tensor", 1) or 1)
+            mesh = {"pipe": settings.pipe, "data": settings.data, "tensor": settings.tensor}
+            if settings.tensor_per_rank:
+                mesh["tensor_per_rank"] = ",".join(map(str, settings.tensor_per_rank))
+        per_rank = str(mesh.get("tensor_per_rank", "") or "")
+        tensors = (
+            [int(t) for t in per_rank.split(",")]
+            if per_rank.strip()
+            else [int(mesh.get("tensor", 1) or 1)] * int(mesh["pipe"])
+        )
+        size = sum(tensors) * int(mesh["data"]) * int(mesh.get("fsdp", 1) or 1)
         n = int(get("cpu_devices", 0) or 0) or -(-size // num_processes())
     except (TypeError, KeyError, ValueError):
         return None  # `train` reports the bad field properly

@@ -244,9 +244,12 @@ def _run(
     key = jax.random.key(c.seed)
     specs = model.specs(jax.eval_shape(model.init, key)) if model.specs is not None else None
     params = pipeline.init(model.init, key, specs)
-    optimizer = optimizer_lib.make_optimizer(
-        c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
-    )
+    if pipeline.rank_meshes is not None:  # one dict per rank on its own mesh: one AdamW each
+        optimizer = optimizer_lib.per_rank_optimizers(c.optimizer, c.steps, pipeline)
+    else:
+        optimizer = optimizer_lib.make_optimizer(
+            c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
+        )
     lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     zero1 = c.optimizer.shard_over_data
@@ -265,10 +268,16 @@ def _run(
     # -- what a person sees before the first step --
     sim = jpipe.simulate(schedule)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    meshes = mesh if isinstance(mesh, list) else [mesh]
+    tensor = (
+        f"tensor per rank {c.mesh.tensor_per_rank} (a mesh per rank)"
+        if c.mesh.rank_tensors
+        else f"tensor={c.mesh.tensor}"
+    )
     say(
-        f"devices: {jpipe.describe_devices(list(mesh.devices.flat))}{processes}; "
-        f"mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
-        f"tensor={c.mesh.tensor}"
+        f"devices: {jpipe.describe_devices([d for m in meshes for d in m.devices.flat])}"
+        f"{processes}; mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
+        f"{tensor}"
     )
     say(
         f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "

@@ -12,6 +12,8 @@ each device holds only its own stages' state.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 import optax
@@ -84,7 +86,7 @@ def decay_by_row(weight_decay: float, rows: dict) -> optax.GradientTransformatio
 
 
 def make_optimizer(
-    c: OptimizerConfig, steps: int, decay_rows: dict
+    c: OptimizerConfig, steps: int, decay_rows: dict, clip: bool = True
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with `learning_rate_schedule`.
 
@@ -95,11 +97,57 @@ def make_optimizer(
       c: the optimizer's config.
       steps: the run's length, for the cosine decay.
       decay_rows: ``{bucket: bool[R]}`` from `packed_decay_rows`.
+      clip: False leaves the clipping out (`per_rank_optimizers`: the
+        global norm is then taken over every rank's gradients by the caller).
     """
-    clip = optax.clip_by_global_norm(c.grad_clip_norm) if c.grad_clip_norm else optax.identity()
+    clip = (
+        optax.clip_by_global_norm(c.grad_clip_norm)
+        if c.grad_clip_norm and clip
+        else optax.identity()
+    )
     return optax.chain(
         clip,
         optax.scale_by_adam(b1=c.b1, b2=c.b2),
         decay_by_row(c.weight_decay, decay_rows),
         optax.scale_by_learning_rate(learning_rate_schedule(c, steps)),
+    )
+
+
+class RankOptimizers(NamedTuple):
+    """One optimizer per rank (`per_rank_optimizers`) and the global-norm clip they share."""
+
+    optimizers: list
+    clip_norm: float
+
+    def init(self, params: list) -> list:
+        return [o.init(p) for o, p in zip(self.optimizers, params, strict=True)]
+
+
+def per_rank_optimizers(c: OptimizerConfig, steps: int, pipeline: jpipe.Pipeline) -> RankOptimizers:
+    """One optimizer per rank, for ranks with meshes of their own (`Pipeline.rank_meshes`).
+
+    Each rank's parameters are a dict of its own buckets on its own devices,
+    which one jitted update cannot span; each rank's AdamW is
+    `make_optimizer`'s without the clipping (its decay rows the rank's row
+    of `packed_decay_rows`): `clip_by_norm` clips with the norm over every
+    rank's gradients, as `optax.clip_by_global_norm` over the packed ones.
+    """
+    rows = packed_decay_rows(pipeline)
+    layout = pipeline.layout
+    return RankOptimizers(
+        [
+            make_optimizer(c, steps, {b: rows[b][r : r + 1] for b in layout.rank_buckets(r)}, False)
+            for r in range(layout.num_ranks)
+        ],
+        c.grad_clip_norm,
+    )
+
+
+def clip_by_norm(grads, norm, max_norm: float):
+    """`optax.clip_by_global_norm`'s scaling of `grads` with a norm already taken."""
+    if not max_norm:
+        return grads
+    trigger = norm < max_norm
+    return jax.tree.map(
+        lambda g: jax.numpy.where(trigger, g, (g / norm.astype(g.dtype)) * max_norm), grads
     )

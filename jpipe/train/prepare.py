@@ -29,7 +29,8 @@ class Prepared(NamedTuple):
       config: the checked config.
       schedule: the validated schedule.
       layers_per_stage: blocks per stage (``schedule.num_stages`` entries).
-      mesh: the ``(pipe, data, fsdp, tensor)`` mesh.
+      mesh: the ``(pipe, data, fsdp, tensor)`` mesh, or with
+        ``mesh.tensor_per_rank`` one mesh per rank (`jpipe.make_rank_meshes`).
       train_data, eval_data: the batches, served by step (`data.Batches`,
         `tokens.GrainBatches` or `sources.SourceBatches`).
       model: the model cut into the schedule's stages (`jpipe.models.build_model`).
@@ -38,7 +39,7 @@ class Prepared(NamedTuple):
     config: TrainConfig
     schedule: jpipe.Schedule
     layers_per_stage: tuple[int, ...]
-    mesh: jax.sharding.Mesh
+    mesh: jax.sharding.Mesh | list[jax.sharding.Mesh]  # a list: one per rank (tensor_per_rank)
     train_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     eval_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     model: models.StagedModel | None = None
@@ -72,28 +73,35 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         )
         axes = [("pipe", R), ("data", c.mesh.data)]
         axes += [(a, n) for a, n in (("fsdp", c.mesh.fsdp), ("tensor", c.mesh.tensor)) if n > 1]
+        if c.mesh.rank_tensors is not None:
+            raise ConfigError(
+                f"config.mesh.tensor_per_rank={c.mesh.tensor_per_rank!r} x config.mesh.data="
+                f"{c.mesh.data} x config.mesh.fsdp={c.mesh.fsdp} needs {c.mesh.size} devices, but "
+                f"only {len(devices)} are present ({jpipe.describe_devices(devices)}); accepted: "
+                f"the sum of tensor_per_rank * data * fsdp <= {len(devices)}{cpu_hint}"
+            )
         raise ConfigError(
             f"{' x '.join(f'config.mesh.{a}={n}' for a, n in axes)} needs {c.mesh.size} "
             f"devices, but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
             f"accepted: {' * '.join(a for a, _ in axes)} <= {len(devices)}{cpu_hint}"
         )
-    t = c.mesh.tensor
-    heads, d_ff = getattr(c.model, "num_heads", 1), getattr(c.model, "d_ff", 1)
-    kv_heads = getattr(c.model, "num_kv_heads", None)  # a Llama's
-    if isinstance(kv_heads, int) and kv_heads % t:
-        raise config_error(
-            "mesh.tensor",
-            t,
-            f"must divide model.num_kv_heads={kv_heads} (each device of the tensor axis holds "
-            "whole groups of key/value heads)",
-        )
-    if isinstance(heads, int) and isinstance(d_ff, int) and (heads % t or d_ff % t):
-        raise config_error(
-            "mesh.tensor",
-            t,
-            f"must divide model.num_heads={c.model.num_heads} and model.d_ff={c.model.d_ff} "
-            "(each device of the tensor axis runs whole heads and an equal part of the MLP)",
-        )
+    for t in sorted(set(c.mesh.rank_tensors or (c.mesh.tensor,))):  # every rank's degree
+        heads, d_ff = getattr(c.model, "num_heads", 1), getattr(c.model, "d_ff", 1)
+        kv_heads = getattr(c.model, "num_kv_heads", None)  # a Llama's
+        if isinstance(kv_heads, int) and kv_heads % t:
+            raise config_error(
+                "mesh.tensor",
+                t,
+                f"must divide model.num_kv_heads={kv_heads} (each device of the tensor axis holds "
+                "whole groups of key/value heads)",
+            )
+        if isinstance(heads, int) and isinstance(d_ff, int) and (heads % t or d_ff % t):
+            raise config_error(
+                "mesh.tensor",
+                t,
+                f"must divide model.num_heads={c.model.num_heads} and model.d_ff={c.model.d_ff} "
+                "(each device of the tensor axis runs whole heads and an equal part of the MLP)",
+            )
 
     setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
     from_file = c.schedule.lower().endswith(".csv") and os.path.isfile(c.schedule)
@@ -138,7 +146,7 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
                 c.layers_per_stage,
                 f"{e} (the schedule has {S} stages; model.num_layers={num_layers})",
             ) from None
-    tensor_axis = "tensor" if t > 1 else None
+    tensor_axis = "tensor" if c.mesh.max_tensor > 1 else None
     try:  # stage functions only: no arrays are made
         model = models.build_model(
             c.model_name, registry.BuildArgs(c.model, S, c.layers_per_stage, tensor_axis)
@@ -215,6 +223,11 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
                 f"{e} (mesh.pipe={R}, mesh.data={c.mesh.data}, pipe_hosts={c.mesh.pipe_hosts}, "
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
+    elif c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
+        mesh = jpipe.make_rank_meshes(
+            [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
+            devices,
+        )
     else:
         mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
     return Prepared(c, schedule, layers, mesh, train_data, eval_data, model)

@@ -114,6 +114,8 @@ def state_shardings(
     With `shard_over_data`, the optimizer state's packed arrays are split over
     the ``data`` axis too, where it divides their size (ZeRO stage 1).
     """
+    if pipeline.rank_meshes is not None:
+        return _rank_state_shardings(state, pipeline, shard_over_data)
     mesh = pipeline.mesh
     layout = pipeline.layout
     R = mesh.shape[pipeline.pipe_axis]
@@ -133,6 +135,33 @@ def state_shardings(
             extra = (data, D) if shard_over_data and D > 1 and in_opt_state else None
             return NamedSharding(mesh, layout.spec(key.key, pipeline.pipe_axis, extra))
         return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def _rank_state_shardings(state: TrainState, pipeline, shard_over_data: bool) -> TrainState:
+    """`state_shardings` for ranks with meshes of their own: each rank's entries on its mesh.
+
+    The parameters and optimizer state are one entry per rank (lists); the
+    step count sits with the batch, on the first rank's devices.
+    """
+    layout = pipeline.layout
+    data = pipeline.data_axis
+
+    def rank_of(path) -> int:
+        return path[1].idx  # (field, rank, ...): the rank's entry of the list
+
+    def pick(path, leaf):
+        field = getattr(path[0], "name", None)
+        if field == "step":
+            return NamedSharding(pipeline.rank_meshes[0], P())
+        mesh = pipeline.rank_meshes[rank_of(path)]
+        key = path[-1]
+        if isinstance(key, jax.tree_util.DictKey) and key.key in layout.buckets:
+            D = mesh.shape[data] if data else 1
+            extra = (data, D) if shard_over_data and D > 1 and field == "opt_state" else None
+            return NamedSharding(mesh, layout.spec(key.key, pipeline.pipe_axis, extra))
+        return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(pick, state)
 
@@ -194,13 +223,16 @@ class PerRankTrainStep:
                 out_shardings=pipeline.batch_sharding,
             )
             keyed = jax.eval_shape(lambda b: with_row_keys(b, row_keys_seed, 0), batch)
-        update = functools.partial(apply_gradients, optimizer=optimizer, lr=lr)
-        self._update = jax.jit(
-            update,
-            in_shardings=(shardings, replicated, pipeline.param_sharding),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,  # the gradients have no output to reuse their buffers
-        )
+        if pipeline.rank_meshes is not None:
+            self._update = _RankUpdates(pipeline, optimizer, lr, shardings)
+        else:
+            update = functools.partial(apply_gradients, optimizer=optimizer, lr=lr)
+            self._update = jax.jit(
+                update,
+                in_shardings=(shardings, replicated, pipeline.param_sharding),
+                out_shardings=(shardings, replicated),
+                donate_argnums=0,  # the gradients have no output to reuse their buffers
+            )
         keyed = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pipeline.batch_sharding),
             keyed,
@@ -216,3 +248,70 @@ class PerRankTrainStep:
     def memory_analysis(self):
         """None: the step is many programs (`RankPrograms.compiled` has each one's)."""
         return None
+
+
+class _RankUpdates:
+    """The optimizer's update for ranks with meshes of their own (`Pipeline.rank_meshes`).
+
+    Each rank's parameters and optimizer state live on its own devices, so
+    the update is one jitted program per rank (`apply_gradients`' AdamW with
+    that rank's decay rows, state donated), after the gradients' global norm
+    is taken from each rank's sum of squares: the clipping and the reported
+    ``grad_norm`` are those of every rank's gradients together, as under one
+    mesh. Called as the jitted `apply_gradients` is:
+    ``update(state, loss, grads) -> (state, metrics)``.
+    """
+
+    def __init__(self, pipeline, optimizers, lr, shardings: TrainState):
+        from jpipe.train.optimizer import clip_by_norm
+
+        self.meshes = pipeline.rank_meshes
+        self.lr = lr
+        scalars = [NamedSharding(m, P()) for m in self.meshes]
+        self._first = scalars[0]
+        self._scalars = scalars
+
+        def squares(grads):
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+
+        self._squares = [jax.jit(squares, out_shardings=sh) for sh in scalars]
+
+        def update(params, opt_state, grads, norm, optimizer):
+            grads = clip_by_norm(grads, norm, optimizers.clip_norm)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        self._updates = [
+            jax.jit(
+                functools.partial(update, optimizer=optimizer),
+                in_shardings=(
+                    shardings.params[r],
+                    shardings.opt_state[r],
+                    pipeline.param_sharding[r],
+                    scalars[r],
+                ),
+                out_shardings=(shardings.params[r], shardings.opt_state[r]),
+                donate_argnums=(0, 1),
+            )
+            for r, optimizer in enumerate(optimizers.optimizers)
+        ]
+
+    def __call__(self, state: TrainState, loss, grads):
+        total = sum(jax.device_put(f(g), self._first) for f, g in zip(self._squares, grads))
+        norm = jnp.sqrt(total)
+        params, opt_state = [], []
+        for r, update in enumerate(self._updates):
+            p, o = update(
+                state.params[r],
+                state.opt_state[r],
+                grads[r],
+                jax.device_put(norm, self._scalars[r]),
+            )
+            params.append(p)
+            opt_state.append(o)
+        metrics = {
+            "loss": loss.astype(jnp.float32),
+            "grad_norm": norm.astype(jnp.float32),
+            "lr": jnp.asarray(self.lr(state.step), jnp.float32),
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
