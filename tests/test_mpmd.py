@@ -6,6 +6,7 @@ lowering's, by the same tests parametrized over `jpipe.LOWERINGS`
 test_scan_split, the fuzz in test_compiler_properties).
 """
 
+import gc
 import re
 
 import jax
@@ -208,6 +209,10 @@ def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, opt
     programs = pipe.rank_programs(batch)
     programs.run(packed, batch)  # compiles; its outputs are dropped
     devices = [list(m.devices.flat) for m in programs.meshes]
+    # Garbage of earlier tests in this worker (reference cycles holding arrays)
+    # must not be collected mid-step, where it would read as a rank's values.
+    gc.collect()
+    gc.disable()
     before = _bytes_on([d for ds in devices for d in ds])
     held, accounts = programs.held_values(), programs.account()
     measured = []
@@ -218,7 +223,10 @@ def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, opt
         now = _bytes_on(before)
         measured.append([[now[d] - before[d] for d in ds] for ds in devices])
 
-    programs.run(packed, batch, after_op=after)
+    try:
+        programs.run(packed, batch, after_op=after)
+    finally:
+        gc.enable()
     assert len(measured) == len(programs.order)
     for i, per_rank in enumerate(measured):
         for r, per_device in enumerate(per_rank):
