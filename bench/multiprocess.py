@@ -145,9 +145,68 @@ def _transfer_api_program(pipe, batch, block, loops: int):
     return ping_pong, (x,)
 
 
+class _Piece:
+    """One compiled piece of the per-rank lowering, called again and again with its own arguments.
+
+    A donated argument (a W's gradient accumulator, the last stage's loss
+    sums) is replaced by the call's matching output, as the step does.
+    """
+
+    def __init__(self, exe, args, donated: int | None, out: int):
+        self.exe, self.args, self.donated, self.out = exe, list(args), donated, out
+
+    def __call__(self):
+        result = self.exe(*self.args)
+        if self.donated is not None:
+            self.args[self.donated] = result[self.out] if self.out >= 0 else result
+        return result
+
+
+def _per_rank_pieces(rank_programs, step_args) -> list:
+    """The F, I and W of this process's stage as the per-rank lowering compiled them, as rows.
+
+    Their arguments are those of a real step's first call of each (copied
+    before the call, which may donate them).
+    """
+    import jax
+
+    from bench import measure
+
+    captured, originals = {}, {}
+    for s, table in enumerate(rank_programs.compiled):
+        for kind, exe in (table or {}).items():
+            originals[(s, kind)] = exe
+
+            def wrap(*a, exe=exe, key=(s, kind)):
+                if key not in captured:
+                    captured[key] = jax.tree.map(
+                        lambda x: x.copy() if isinstance(x, jax.Array) else x, list(a)
+                    )
+                return exe(*a)
+
+            table[kind] = wrap
+    try:
+        jax.block_until_ready(rank_programs.run(*step_args))
+    finally:
+        for (s, kind), exe in originals.items():
+            rank_programs.compiled[s][kind] = exe
+    last = rank_programs.num_stages - 1
+    rows = []
+    for (s, kind), a in sorted(captured.items()):
+        if kind not in ("F", "I", "W"):
+            continue
+        donated, out = {"W": (5, -1), "F": (4, 2) if s == last else (None, 0)}.get(kind, (None, 0))
+        piece = _Piece(originals[(s, kind)], a, donated, out)
+        rows.append(
+            measure.Compiled(f"per-rank {kind}", lambda p=piece: p(), (), 0.0, None, None, None)
+        )
+    return rows
+
+
 def _measure(args) -> dict:
     """Every row, timed together in the same rounds, on 2 processes of one device each."""
     import jax
+    import numpy as np
 
     import jpipe
     from bench import measure, profile
@@ -183,9 +242,14 @@ def _measure(args) -> dict:
     transfer = measure.compile_program("transfer", fn, targs)
     ping_pong, pargs = _transfer_api_program(mpmd, batch, block, loops)
     api = measure.Compiled("transfer api", ping_pong, pargs, 0.0, None, None, None)
+    own = _per_rank_pieces(*per_rank["1f1b"])  # one stage per process: the same rows in each
     times = measure.time_together(
-        local_rows + pieces + programs + [transfer, api], args.reps, warmup=1
+        local_rows + pieces + own + programs + [transfer, api], args.reps, warmup=1
     )
+    from jax.experimental import multihost_utils
+
+    mine = np.array([[np.median(times[f"per-rank {k}"]) for k in "FIW"]])
+    every = multihost_utils.process_allgather(mine, tiled=True)  # [stage, (F, I, W)]
     for name, (rank_programs, step_args) in per_rank.items():  # the host's side of a step
         host_seconds = []
         for _ in range(args.reps):
@@ -210,6 +274,7 @@ def _measure(args) -> dict:
         "transfer": {"times": [t / loops for t in times["transfer"]], "block": block},
         "transfer_api": {"times": [t / (2 * loops) for t in times["transfer api"]]},
         "costs": profile.costs_from_times(times, "stage", RANKS),
+        "per_rank_costs": {k: [float(v) for v in every[:, i]] for i, k in enumerate("FIW")},
         "processes": jax.process_count(),
     }
 
@@ -261,9 +326,11 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     transfer = med(multi["transfer"]["times"])
     api = med(multi["transfer_api"]["times"])
     c = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=costs["B"], comm=transfer)
-    # The per-rank lowering issues a B as its I and then its W, and sends with the transfer API.
-    i_then_w = [i + w for i, w in zip(costs["I"], costs["W"])]
-    c_per_rank = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=i_then_w, comm=api)
+    # The per-rank lowering runs its own pieces (F, I and W as it compiled them, timed in the
+    # same rounds), issues a B as its I and then its W, and sends with the transfer API.
+    own = multi["per_rank_costs"]
+    i_then_w = [i + w for i, w in zip(own["I"], own["W"])]
+    c_per_rank = jpipe.Costs(F=own["F"], I=own["I"], W=own["W"], B=i_then_w, comm=api)
     base = multi["rows"]["one"]
     base_med, base_best = med(base["times"]), min(base["times"])
     dp = multi["rows"]["data parallel"]
@@ -307,7 +374,7 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
         key = f"jpipe {name} per-rank"
         row = multi["rows"][key]
         ideal = jpipe.simulate(sched, c_per_rank).makespan
-        work = total["F"] + total["I"] + total["W"]
+        work = M * sum(own["F"] + own["I"] + own["W"])
         add(key, 2, row, _ms(ideal), "-", _ms(work))
         table[key].update(
             sim_ideal=ideal, vs_ideal=[med(row["times"]) / ideal, min(row["times"]) / ideal]
@@ -334,6 +401,12 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
             *lines,
             "",
             f"Pieces (ms, one microbatch, one thread): {pieces}.",
+            "The per-rank lowering's own pieces (its compiled F, I and W, same rounds): "
+            + ", ".join(
+                f"stage {s}: F {_ms(own['F'][s])}, I {_ms(own['I'][s])}, W {_ms(own['W'][s])}"
+                for s in range(RANKS)
+            )
+            + ".",
             f"Transfer: one stage output ({block} float32) between the two processes: "
             f"{_ms(transfer)} ms (median of {len(multi['transfer']['times'])} rounds of a "
             f"loop of ppermutes); through JAX's transfer API {_ms(api)} ms (median of a "
