@@ -113,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="T1,T2",
         help="tensor-parallel degrees to try (default 1,2,4,8 where they fit)",
     )
+    p.add_argument(
+        "--tensor-per-stage",
+        action="store_true",
+        help="give each device type its own tensor-parallel degree (from --tensor-parallel), "
+        "so stages may differ in degree; needs --memory-layout per_rank (lowering='mpmd', "
+        "one mesh per rank)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one type per node")
     p.add_argument("--speeds", metavar="S1,S2,...", help="relative device speed of each stage")
     p.add_argument("--profiles", metavar="DIR|FILE", help="Sailor data folder or jpipe profile")
@@ -264,6 +271,7 @@ def _plan(args) -> tuple[dict, str]:
         tensor_parallel=_numbers(args.tensor_parallel, "--tensor-parallel", int)
         if args.tensor_parallel
         else None,
+        tensor_per_stage=args.tensor_per_stage,
     )
     best = result.best[0].evaluation
     if args.save:
@@ -283,13 +291,15 @@ def _plan(args) -> tuple[dict, str]:
         "candidates": result.considered,
         "simulated": result.simulated,
         "skipped": len(result.skipped),
+        "unsplit": result.unsplit,
         "seconds": result.seconds,
         "derived_profile_entries": sorted(map(list, profile.derived)),
     }
+    unsplit = f", {result.unsplit} shapes left unsplit (bound)" if result.unsplit else ""
     text = [
         f"{profile.model} on {args.devices}, global batch {args.global_batch}: "
         f"{result.considered} candidates, {result.simulated} simulated, "
-        f"{len(result.skipped)} skipped, {result.seconds:.2f} s",
+        f"{len(result.skipped)} skipped{unsplit}, {result.seconds:.2f} s",
         "",
     ]
     for i, c in enumerate(result.best):
