@@ -5,6 +5,7 @@ Usage::
     python -m jpipe.plan --model OPT-350 --devices A100-40:4,V100-16:4 --global-batch 256
         [--schedules 1f1b,zb_h1,my.py:fn] [--microbatch-sizes 1,2,4] [--top 3]
         [--profiles DIR_OR_FILE] [--raw-profiles] [--save plan.json] [--svg FILE] [--json]
+        [--memory-layout spmd|per_rank] [--tensor-per-stage]
     python -m jpipe.plan --layer-costs 3,1,4,1,5 --speeds 1,1,0.5 [--json]
     python -m jpipe.plan --validate PLAN_CONFIG.json [--profiles DIR] [--model M] [--json]
     python -m jpipe.plan --validate-all DIR [--profiles DIR] [--markdown | --json]
@@ -15,7 +16,10 @@ split by the exact partitioner and its schedule simulated with the profile's
 per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`).
 ``--schedules search`` has `jpipe.search_schedule` choose, for each shape,
 the fastest built-in (with its options, V shapes, and memory actions where
-the layout's lowering runs them) whose footprint fits the tightest device. It
+the layout's lowering runs them) whose footprint fits the tightest device.
+``--tensor-per-stage`` (with ``--memory-layout per_rank``) gives each device
+type its own tensor degree, so stages may differ in it (`plan`'s
+``tensor_per_stage``; the plan file's ``mesh.tensor_per_rank``). It
 prints the best plans with their predicted step time, per-device peak memory
 and why each was chosen, and a chart of the winner; ``--save`` writes the
 winner as a plan file that the trainer reads (`read_plan_file`).
