@@ -1089,66 +1089,45 @@ def plan(
             after = _busy_bound(profile, candidate, schedule, receiver_busy)
         heapq.heappush(queue, (max(bound, after), next(pushed), ("ready", candidate, schedule)))
 
-    for tp_of in assignments:
-        units = {k: n // tp_of[k] for k, n in devices}
-        for d in _divisors(math.gcd(*units.values())):
-            per_replica = {k: u // d for k, u in units.items()}
-            p = sum(per_replica.values())
-            if p > profile.num_layers:
+    for ranks, degrees_text, order in _placements(
+        devices, assignments, node_size, profile.num_layers
+    ):
+        p, d = len(ranks), len(ranks[0])
+        if lazy:
+            why_not = _parameters_fit(profile, ranks, usable)
+            if why_not:
+                skipped.append(f"{degrees_text} {order}: {why_not}")
                 continue
-            for order in itertools.permutations(kinds):
-                # Replica j's ranks take the next TP groups of each type, filling nodes in order.
-                used = {k: 0 for k in kinds}
-                ranks = [[None] * d for _ in range(p)]
-                for j in range(d):
-                    r = 0
-                    for k in order:
-                        for _ in range(per_replica[k]):
-                            g = used[k]
-                            used[k] += 1
-                            node = kinds.index(k) * 1000 + (g * tp_of[k]) // node_size[k]
-                            ranks[r][j] = DeviceGroup(k, tp_of[k], node_size[k], node)
-                            r += 1
-                ranks = tuple(tuple(x) for x in ranks)
-                tp_text = "/".join(str(tp_of[k]) for k in order)
-                if len(set(tp_of.values())) == 1:
-                    tp_text = str(tp_of[kinds[0]])
-                where_shape = f"tp={tp_text} dp={d} pp={p}"
+        for mbs in microbatch_sizes:
+            if global_batch % (mbs * d):
+                continue
+            M = global_batch // (mbs * d)
+            for spec in schedules:
+                shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
+                owner = None
+                if spec == SEARCH:
+                    item = ("search", shape)
+                else:
+                    schedule, error, runs = schedule_of(spec, p, M)
+                    if error is not None:
+                        skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
+                        continue
+                    if not runs:
+                        skipped.append(
+                            f"{spec}: the SPMD lowering does not run its memory actions "
+                            "(plan with --memory-layout per_rank for lowering='mpmd')"
+                        )
+                        continue
+                    if schedule.num_stages > profile.num_layers:
+                        continue
+                    where = f"{degrees_text} B={mbs} {order}"
+                    item = ("split", shape, (spec, p, M), where)
+                    owner = schedule.stage_to_rank
                 if lazy:
-                    why_not = _parameters_fit(profile, ranks, usable)
-                    if why_not:
-                        skipped.append(f"{where_shape} {'/'.join(order)}: {why_not}")
-                        continue
-                for mbs in microbatch_sizes:
-                    if global_batch % (mbs * d):
-                        continue
-                    M = global_batch // (mbs * d)
-                    for spec in schedules:
-                        shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
-                        owner = None
-                        if spec == SEARCH:
-                            item = ("search", shape)
-                        else:
-                            schedule, error, runs = schedule_of(spec, p, M)
-                            if error is not None:
-                                skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
-                                continue
-                            if not runs:
-                                skipped.append(
-                                    f"{spec}: the SPMD lowering does not run its memory actions "
-                                    "(plan with --memory-layout per_rank for lowering='mpmd')"
-                                )
-                                continue
-                            if schedule.num_stages > profile.num_layers:
-                                continue
-                            where = f"{where_shape} B={mbs} {'/'.join(order)}"
-                            item = ("split", shape, (spec, p, M), where)
-                            owner = schedule.stage_to_rank
-                        if lazy:
-                            bound = _shape_bound(profile, ranks, mbs, M, owner, receiver_busy)
-                            heapq.heappush(queue, (bound, next(pushed), item))
-                        else:
-                            split(-math.inf, item)
+                    bound = _shape_bound(profile, ranks, mbs, M, owner, receiver_busy)
+                    heapq.heappush(queue, (bound, next(pushed), item))
+                else:
+                    split(-math.inf, item)
     found: list[Evaluation] = []
     simulated = 0
     while queue:
@@ -1190,6 +1169,38 @@ def plan(
         memory_margin,
         unsplit,
     )
+
+
+def _placements(devices, assignments, node_size, num_layers):
+    """Every placement of `devices`: for each tensor degree per type (`assignments`),
+    data-parallel degree and order of the types, ``(ranks, text)`` with ``ranks[r][j]``
+    the `DeviceGroup` of rank ``r`` in replica ``j`` (replica j's ranks take the next
+    groups of each type, filling nodes in order), and for reports ``"tp=T dp=D pp=P"``
+    and the order, ``"TYPE/TYPE"``."""
+    kinds = [k for k, _ in devices]
+    for tp_of in assignments:
+        units = {k: n // tp_of[k] for k, n in devices}
+        for d in _divisors(math.gcd(*units.values())):
+            per_replica = {k: u // d for k, u in units.items()}
+            p = sum(per_replica.values())
+            if p > num_layers:
+                continue
+            for order in itertools.permutations(kinds):
+                used = {k: 0 for k in kinds}
+                ranks = [[None] * d for _ in range(p)]
+                for j in range(d):
+                    r = 0
+                    for k in order:
+                        for _ in range(per_replica[k]):
+                            g = used[k]
+                            used[k] += 1
+                            node = kinds.index(k) * 1000 + (g * tp_of[k]) // node_size[k]
+                            ranks[r][j] = DeviceGroup(k, tp_of[k], node_size[k], node)
+                            r += 1
+                tp = "/".join(str(tp_of[k]) for k in order)
+                if len(set(tp_of.values())) == 1:
+                    tp = str(tp_of[kinds[0]])
+                yield tuple(tuple(x) for x in ranks), f"tp={tp} dp={d} pp={p}", "/".join(order)
 
 
 def _shape_bound(profile: Profile, ranks, mbs: int, M: int, owner, receiver_busy) -> float:
