@@ -462,17 +462,18 @@ def test_one_spmd_program_refuses_per_stage_degrees():
         plan(prof, [("a", 3)], 4, tensor_per_stage=True)
 
 
-def _memory_bound_type():
-    """Three equal layers; "a" gains nothing from a second device, "b" runs twice as fast
-    on two but cannot hold a layer's 100 parameters (400 bytes) on one of its 300 bytes."""
-    one = LayerTimes(forward=(1.0,) * 3, backward=(2.0,) * 3, update=(0.0,) * 3)
-    twice = LayerTimes(forward=(0.5,) * 3, backward=(1.0,) * 3, update=(0.0,) * 3)
-    prof = _toy(F=[1.0] * 3, B=[2.0] * 3, kinds=("a", "b"))
+def _memory_bound_type(layers=3):
+    """Equal layers; "a" gains nothing from a second device, "b" runs twice as fast on
+    two but cannot hold a layer's 100 parameters (400 bytes) on one of its 300 bytes."""
+    n = layers
+    one = LayerTimes(forward=(1.0,) * n, backward=(2.0,) * n, update=(0.0,) * n)
+    twice = LayerTimes(forward=(0.5,) * n, backward=(1.0,) * n, update=(0.0,) * n)
+    prof = _toy(F=[1.0] * n, B=[2.0] * n, kinds=("a", "b"))
     return dataclasses.replace(
         prof,
         times={"a": {(1, 1): one, (1, 2): one}, "b": {(1, 1): one, (1, 2): twice}},
-        params={1: (100.0,) * 3, 2: (50.0,) * 3},
-        activation_bytes={1: (0.0,) * 3},
+        params={1: (100.0,) * n, 2: (50.0,) * n},
+        activation_bytes={1: (0.0,) * n},
         memory={"a": 1e6, "b": 300.0},
     )
 
@@ -511,6 +512,25 @@ def test_the_search_gives_each_device_type_the_degree_that_serves_it():
     assert "tp=1/1/2" in result.best[0].reasons[0]
     # every uniform plan is among the per-stage search's, so it never does worse
     assert result.best[-1].evaluation.step_seconds <= uniform.step_seconds
+
+
+def test_no_eviction_between_ranks_of_different_degrees():
+    """The per-rank lowering evicts residuals only to a rank of its own mesh shape: BPipe's
+    rank 0 -> rank 3 is skipped where their degrees differ, and no plan file is written."""
+    prof = _memory_bound_type(layers=4)
+    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    devices = [("a", 3), ("b", 2)]
+    # "a" cannot run at 2 (3 devices), "b" at 1 (memory): every shape evicts across degrees
+    with pytest.raises(ValueError, match="no plan fits: rank 0's .* same mesh shape"):
+        plan(prof, devices, 8, schedules=("1f1b_bpipe",), tensor_per_stage=True, **kw)
+    # 1F1B evicts nothing, so the same shapes plan
+    assert plan(prof, devices, 8, tensor_per_stage=True, **kw).best[0].evaluation.plan.pipe == 4
+    kinds = [("a", 1), ("a", 1), ("a", 1), ("b", 2)]
+    ranks = tuple((DeviceGroup(k, t, 2, node),) for node, (k, t) in enumerate(kinds))
+    layers = ((0,), (1,), (2,), (3,))
+    ev = evaluate(ClusterPlan(ranks, layers, 1, 8, "1f1b_bpipe", memory_layout="per_rank"), prof)
+    with pytest.raises(ValueError, match=r"cannot run this plan: rank 0's .*EVICT.* to rank 3"):
+        plan_file(ev, prof)
 
 
 def test_per_stage_degrees_on_a_mixed_cluster():

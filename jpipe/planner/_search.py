@@ -377,7 +377,9 @@ def memory_footprint(
     """Every device's memory under `plan`, in both layouts (module docstring, item 5).
 
     Needs no times: a rank's peak of live values depends only on its own
-    actions' order, so this works where a profile has bytes but no times.
+    actions' order, so this works where a profile has bytes but no times. For a
+    ``per_rank`` plan whose ranks differ in tensor degree the ``spmd`` figures are
+    what one program would hold if it could run it (it cannot: `ClusterPlan.check`).
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
@@ -1066,6 +1068,10 @@ def plan(
             except ValueError as e:
                 skipped.append(f"{_describe(shape)}: {e}")
                 return
+            why_not = _evicts_across_degrees(schedule, shape.ranks)
+            if why_not:  # the search was told so; kept as a check
+                skipped.append(f"{_describe(shape)}: {why_not}")
+                return
             chosen[candidate] = why
         else:
             _, shape, key, where = item
@@ -1121,6 +1127,10 @@ def plan(
                     if schedule.num_stages > profile.num_layers:
                         continue
                     where = f"{degrees_text} B={mbs} {order}"
+                    why_not = _evicts_across_degrees(schedule, ranks)
+                    if why_not:
+                        skipped.append(f"{spec} on {where}: {why_not}")
+                        continue
                     item = ("split", shape, (spec, p, M), where)
                     owner = schedule.stage_to_rank
                 if lazy:
@@ -1169,6 +1179,23 @@ def plan(
         memory_margin,
         unsplit,
     )
+
+
+def _evicts_across_degrees(schedule: Schedule, ranks) -> str | None:
+    """Why the per-rank lowering cannot run `schedule` on `ranks`, or `None`: it moves a
+    rank's residuals (EVICT) only to a rank of the same mesh shape, since each device's
+    residuals are its own block of its tensor group."""
+    degrees = [max(g.tensor_parallel for g in row) for row in ranks]
+    if len(set(degrees)) == 1 or not schedule.has_memory_actions:
+        return None
+    for r, _, a in schedule.all_actions():
+        if a.kind == "EVICT" and degrees[a.partner] != degrees[r]:
+            return (
+                f"rank {r}'s {a} sends residuals to rank {a.partner}, of tensor degree "
+                f"{degrees[a.partner]} against {degrees[r]}; the per-rank lowering evicts only "
+                "to a rank of the same mesh shape"
+            )
+    return None
 
 
 def _placements(devices, assignments, node_size, num_layers):
@@ -1357,6 +1384,9 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
     if budget <= 0:
         raise ValueError("search: the fixed overhead alone fills the smallest device")
     figures = _PlanFigures(profile, shape, usable, margin, receiver_busy)
+    # the built-ins evict to rank R - 1 - r, which must have the same mesh shape
+    degrees = shape.tensor_per_rank
+    same = all(degrees[r] == degrees[shape.pipe - 1 - r] for r in range(shape.pipe))
     result = search_schedule(
         figures,
         shape.pipe,
@@ -1365,7 +1395,7 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
         layout=shape.memory_layout,
         local=False,
         margin=0.0,
-        memory_actions=("recompute", "evict"),
+        memory_actions=("recompute", "evict") if same else ("recompute",),
     )
     w = result.winner
     if w is None:
@@ -1448,6 +1478,12 @@ def _reasons(
         f"({(ev.closed_form_seconds / ev.step_seconds - 1) * 100:+.1f}% vs simulated)",
         ev.memory.why(p.memory_layout, memory_margin),
     ]
+    if not p.uniform_tensor:
+        out.append(
+            f"tensor degree per rank {list(p.tensor_per_rank)}: one mesh per rank, "
+            "lowering='mpmd'; ranks of different degrees next to each other must share a "
+            "process (the lowering regroups values between shapes only within one)"
+        )
     if found and ev is not found[0]:
         out.append(f"{(ev.step_seconds / found[0].step_seconds - 1) * 100:+.1f}% vs the best plan")
     elif len(found) > 1:
@@ -1521,6 +1557,9 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
     Its ``mesh`` gives ``tensor`` as the largest degree and, where ranks differ,
     ``tensor_per_rank`` (`ClusterPlan.mesh`)."""
     p = ev.plan
+    why_not = _evicts_across_degrees(ev.simulation.schedule, p.ranks)
+    if why_not:
+        raise ValueError(f"the trainer cannot run this plan: {why_not}")
     for r, row in enumerate(p.ranks):
         if len({g.tensor_parallel for g in row}) > 1:
             raise ValueError(
