@@ -392,6 +392,240 @@ def test_plan_errors_name_the_problem(opt350):
         evaluate(ClusterPlan(((DeviceGroup("H100"),),), (tuple(range(26)),), 1, 4), opt350)
 
 
+# --- per-stage tensor degrees --------------------------------------------------------------
+
+
+def _two_degrees():
+    """One device type "a" measured at T = 1 (F 1, B 2 a layer) and T = 2 (half of it),
+    holding 100 / 60 parameters and 10 / 6 residual bytes a layer, links of 1 byte/s."""
+    prof = _toy(F=[1.0, 1.0], B=[2.0, 2.0], U=[0.25, 0.25], kinds=("a",), bandwidth=1.0)
+    half = LayerTimes(forward=(0.5, 0.5), backward=(1.0, 1.0), update=(0.125, 0.125))
+    link = Link(1.0)
+    return dataclasses.replace(
+        prof,
+        times={"a": {(1, 1): prof.times["a"][(1, 1)], (1, 2): half}},
+        params={1: (100.0, 100.0), 2: (60.0, 60.0)},
+        activation_bytes={1: (10.0, 10.0), 2: (6.0, 6.0)},
+        output_bytes=(0.5, 0.5),
+        intra={"a": {1: link, 2: link}},
+        inter={("a", 1, "a", 1): link, ("a", 2, "a", 2): link},
+    )
+
+
+def test_evaluate_with_a_tensor_degree_per_stage_matches_hand_computation():
+    """Stage 0 on one device, stage 1 on a tensor-parallel pair: each stage's times,
+    bytes and all-reduce at its own T, and the transfer between the two shapes."""
+    prof = _two_degrees()
+    one, pair = (DeviceGroup("a", 1, 1, 0),), (DeviceGroup("a", 2, 2, 1),)
+    p = ClusterPlan((one, pair), ((0,), (1,)), 1, 4, memory_layout="per_rank")
+    assert p.tensor_per_rank == (1, 2) and not p.uniform_tensor and p.tensor_parallel == 2
+    ev = evaluate(p, prof)
+    # The 0.5-byte output takes 0.5 s; the pair's two devices each take their copy from
+    # the one device (2 x 0.5 s forward), the gradient comes back once (0.5 s). Both ends
+    # are busy: F0 = 1 + 1, B0 = 2 + 0.5, F1 = 0.5 + 1, B1 = 1 + 0.5.
+    assert ev.transfer_seconds == (1.0,)
+    assert ev.stage_seconds == (4.5, 3.0)
+    # 1F1B, M = 4. Rank 0: F0 [0, 2], F1 [2, 4]; rank 1: F0 [2, 3.5], B0 [3.5, 5]; rank 0:
+    # B0 [5, 7.5], F2 [7.5, 9.5]; rank 1: F1 [5, 6.5], B1 [6.5, 8]; rank 0: B1 [9.5, 12],
+    # F3 [12, 14]; rank 1: F2, B2 [9.5, 12.5]; rank 0: B2 [14, 16.5]; rank 1: F3, B3
+    # [14, 17]; rank 0: B3 [17, 19.5]; then its update, 0.25 s at T = 1.
+    assert ev.pipeline_seconds == pytest.approx(19.5)
+    assert ev.update_seconds == (0.25, 0.125)
+    assert ev.step_seconds == pytest.approx(19.75)
+    # 4 bytes a parameter; 1F1B keeps 2 microbatches on rank 0, 1 on rank 1
+    parts = [m.parts for m in ev.memory.devices("per_rank")]
+    assert parts == [
+        {"overhead": 0, "parameters": 400.0, "values": 20.0, "working": 0.0},
+        {"overhead": 0, "parameters": 240.0, "values": 6.0, "working": 0.0},
+    ]
+    # the other way round: one copy forward, two back
+    back = evaluate(dataclasses.replace(p, ranks=(pair, one)), prof)
+    assert back.transfer_seconds == (1.0,)
+    assert back.stage_seconds == (1.5 + 0.5 + 1.0, 3.0 + 0.5 + 1.0)
+    # two replicas of each rank on nodes of their own: each rank all-reduces its own
+    # shard, 2 (d - 1) / d x its gradient bytes x T rings over the 1 byte/s link
+    ranks = (
+        (DeviceGroup("a", 1, 1, 0), DeviceGroup("a", 1, 1, 1)),
+        (DeviceGroup("a", 2, 2, 2), DeviceGroup("a", 2, 2, 3)),
+    )
+    dp = evaluate(ClusterPlan(ranks, ((0,), (1,)), 1, 8, memory_layout="per_rank"), prof)
+    assert dp.allreduce_seconds == pytest.approx((100.0, 2 * 60.0))
+    assert dp.step_seconds == pytest.approx(max(19.5 + 100 + 0.25, 17.0 + 120 + 0.125))
+
+
+def test_one_spmd_program_refuses_per_stage_degrees():
+    prof = _two_degrees()
+    ranks = ((DeviceGroup("a", 1, 1, 0),), (DeviceGroup("a", 2, 2, 1),))
+    with pytest.raises(ValueError, match=r"tensor degrees \[1, 2\].*one mesh.*per_rank"):
+        evaluate(ClusterPlan(ranks, ((0,), (1,)), 1, 4), prof)
+    with pytest.raises(ValueError, match="--tensor-per-stage.*--memory-layout per_rank"):
+        plan(prof, [("a", 3)], 4, tensor_per_stage=True)
+
+
+def _memory_bound_type(layers=3):
+    """Equal layers; "a" gains nothing from a second device, "b" runs twice as fast on
+    two but cannot hold a layer's 100 parameters (400 bytes) on one of its 300 bytes."""
+    n = layers
+    one = LayerTimes(forward=(1.0,) * n, backward=(2.0,) * n, update=(0.0,) * n)
+    twice = LayerTimes(forward=(0.5,) * n, backward=(1.0,) * n, update=(0.0,) * n)
+    prof = _toy(F=[1.0] * n, B=[2.0] * n, kinds=("a", "b"))
+    return dataclasses.replace(
+        prof,
+        times={"a": {(1, 1): one, (1, 2): one}, "b": {(1, 1): one, (1, 2): twice}},
+        params={1: (100.0,) * n, 2: (50.0,) * n},
+        activation_bytes={1: (0.0,) * n},
+        memory={"a": 1e6, "b": 300.0},
+    )
+
+
+def test_the_search_gives_each_device_type_the_degree_that_serves_it():
+    """One degree for all: "b" needs T = 2 to hold a layer, so "a" runs at T = 2 too, as
+    one slow rank. A degree per type: "a" as two ranks at T = 1, "b" at T = 2."""
+    prof = _memory_bound_type()
+    devices = [("a", 2), ("b", 2)]
+    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    uniform = plan(prof, devices, 8, **kw).best[0].evaluation
+    assert uniform.plan.tensor_per_rank == (2, 2)
+    result = plan(prof, devices, 8, tensor_per_stage=True, **kw)
+    best = result.best[0].evaluation
+    assert [(row[0].kind, row[0].tensor_parallel) for row in best.plan.ranks] == [
+        ("a", 1),
+        ("a", 1),
+        ("b", 2),
+    ]
+    assert best.plan.stage_layers == ((0,), (1,), (2,))
+    assert best.memory.fits("per_rank")
+    # its figure is evaluate's on the same plan, and well under the one-degree plan's
+    hand = ClusterPlan(
+        (
+            (DeviceGroup("a", 1, 2, 1000),),
+            (DeviceGroup("a", 1, 2, 1000),),
+            (DeviceGroup("b", 2, 2, 2000),),
+        ),
+        ((0,), (1,), (2,)),
+        1,
+        8,
+        memory_layout="per_rank",
+    )
+    assert best.step_seconds == pytest.approx(evaluate(hand, prof).step_seconds)
+    assert best.step_seconds < 0.6 * uniform.step_seconds
+    assert "tp=1/1/2" in result.best[0].reasons[0]
+    # every uniform plan is among the per-stage search's, so it never does worse
+    assert result.best[-1].evaluation.step_seconds <= uniform.step_seconds
+
+
+def test_no_eviction_between_ranks_of_different_degrees():
+    """The per-rank lowering evicts residuals only to a rank of its own mesh shape: BPipe's
+    rank 0 -> rank 3 is skipped where their degrees differ, and no plan file is written."""
+    prof = _memory_bound_type(layers=4)
+    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    devices = [("a", 3), ("b", 2)]
+    # "a" cannot run at 2 (3 devices), "b" at 1 (memory): every shape evicts across degrees
+    with pytest.raises(ValueError, match="no plan fits: rank 0's .* same mesh shape"):
+        plan(prof, devices, 8, schedules=("1f1b_bpipe",), tensor_per_stage=True, **kw)
+    # 1F1B evicts nothing, so the same shapes plan
+    assert plan(prof, devices, 8, tensor_per_stage=True, **kw).best[0].evaluation.plan.pipe == 4
+    kinds = [("a", 1), ("a", 1), ("a", 1), ("b", 2)]
+    ranks = tuple((DeviceGroup(k, t, 2, node),) for node, (k, t) in enumerate(kinds))
+    layers = ((0,), (1,), (2,), (3,))
+    ev = evaluate(ClusterPlan(ranks, layers, 1, 8, "1f1b_bpipe", memory_layout="per_rank"), prof)
+    with pytest.raises(ValueError, match=r"cannot run this plan: rank 0's .*EVICT.* to rank 3"):
+        plan_file(ev, prof)
+
+
+def test_per_stage_degrees_on_a_mixed_cluster():
+    """The figures of docs/planner-validation.md's table for GPT-Neo-2.7 on 4 A100-40 and
+    8 V100-16 (rerun its command if this moves): the V100s at T = 2, the A100s at T = 1."""
+    neo = monotone_in_batch(load_sailor_profile("GPT-Neo-2.7"))
+    devices = [("A100-40", 4), ("V100-16", 8)]
+    kw = dict(schedules=("1f1b", "zb_h1"), top=1)
+    spmd = plan(neo, devices, 128, **kw).best[0].evaluation
+    own = plan(neo, devices, 128, memory_layout="per_rank", **kw).best[0].evaluation
+    start = time.perf_counter()
+    mixed = plan(neo, devices, 128, memory_layout="per_rank", tensor_per_stage=True, **kw)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, f"planning took {elapsed:.1f} s"
+    best = mixed.best[0].evaluation
+    assert best.plan.tensor_per_rank == (2, 2, 1, 1)
+    assert [row[0].kind for row in best.plan.ranks] == ["V100-16"] * 2 + ["A100-40"] * 2
+    assert best.step_seconds == pytest.approx(14.54, abs=0.01)
+    assert own.step_seconds == pytest.approx(15.80, abs=0.01)
+    assert spmd.step_seconds == pytest.approx(37.72, abs=0.01)
+    for m in best.memory.devices("per_rank"):
+        assert m.footprint_bytes <= 0.9 * m.usable_bytes
+
+
+def test_plan_file_with_a_tensor_degree_per_rank(tmp_path):
+    prof = _memory_bound_type()
+    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    ev = plan(prof, [("a", 2), ("b", 2)], 8, tensor_per_stage=True, **kw).best[0].evaluation
+    written = plan_file(ev, prof)
+    assert written["mesh"] == {"pipe": 3, "data": 1, "tensor": 2, "tensor_per_rank": [1, 1, 2]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(written))
+    s = read_plan_file(str(path))
+    assert (s.pipe, s.data, s.tensor, s.tensor_per_rank) == (3, 1, 2, (1, 1, 2))
+    assert s.lowering == "mpmd" and s.layers_per_stage == (1, 1, 1)
+    # one degree: no tensor_per_rank in the file, None when read
+    uniform = plan(prof, [("a", 2), ("b", 2)], 8, **kw).best[0].evaluation
+    assert "tensor_per_rank" not in plan_file(uniform, prof)["mesh"]
+    assert read_plan_file(plan_file(uniform, prof)).tensor_per_rank is None
+    # a rank's replicas share one mesh, so one degree
+    row = (DeviceGroup("a", 1, 1, 0), DeviceGroup("a", 2, 2, 1))
+    two = dataclasses.replace(
+        ev,
+        plan=ClusterPlan((row, row), ((0,), (1, 2)), 1, 8, memory_layout="per_rank"),
+    )
+    with pytest.raises(
+        ValueError, match=r"pipeline rank 0's replicas have tensor degrees \[1, 2\]"
+    ):
+        plan_file(two, prof)
+
+
+def test_read_plan_file_refuses_tensor_per_rank_it_cannot_run():
+    good = {
+        "format": "jpipe-plan/1",
+        "mesh": {"pipe": 2, "data": 1, "tensor": 2, "tensor_per_rank": [1, 2]},
+        "blocks_per_stage": [3, 3],
+        "schedule": "1f1b",
+        "num_microbatches": 4,
+        "global_batch": 8,
+        "microbatch_size": 2,
+        "memory_layout": "per_rank",
+    }
+    assert read_plan_file(good).tensor_per_rank == (1, 2)
+    mesh = good["mesh"]
+    with pytest.raises(
+        ValueError, match="only the per-rank lowering runs.*'spmd'.*--tensor-per-stage"
+    ):
+        read_plan_file({**good, "memory_layout": "spmd"})
+    with pytest.raises(ValueError, match="only the per-rank lowering runs"):
+        read_plan_file({k: v for k, v in good.items() if k != "memory_layout"})
+    with pytest.raises(ValueError, match="3 degrees for mesh.pipe=2 ranks"):
+        read_plan_file({**good, "mesh": {**mesh, "tensor_per_rank": [1, 2, 2]}})
+    with pytest.raises(ValueError, match="mesh.tensor is 4 but the largest .* is 2"):
+        read_plan_file({**good, "mesh": {**mesh, "tensor": 4}})
+    with pytest.raises(ValueError, match="one whole number of at least 1 per pipeline rank"):
+        read_plan_file({**good, "mesh": {**mesh, "tensor_per_rank": [0, 2]}})
+    with pytest.raises(ValueError, match="one whole number of at least 1 per pipeline rank"):
+        read_plan_file({**good, "mesh": {**mesh, "tensor_per_rank": "12"}})
+    # the same degree everywhere is one degree, whatever the layout
+    same = {**good, "mesh": {**mesh, "tensor_per_rank": [2, 2]}, "memory_layout": "spmd"}
+    assert read_plan_file(same).tensor_per_rank is None
+
+
+def test_cli_tensor_per_stage(capsys, tmp_path):
+    argv = ["--model", "GPT-Neo-2.7", "--devices", "A100-40:4,V100-16:8", "--global-batch", "128"]
+    assert main([*argv, "--tensor-per-stage"]) == 2
+    assert "--tensor-per-stage) need the per_rank layout" in capsys.readouterr().err
+    saved = tmp_path / "plan.json"
+    extra = ["--memory-layout", "per_rank", "--tensor-per-stage", "--save", str(saved), "--json"]
+    assert main([*argv, *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plans"][0]["mesh"]["tensor_per_rank"] == [2, 2, 1, 1]
+    assert read_plan_file(str(saved)).tensor_per_rank == (2, 2, 1, 1)
+
+
 # --- Sailor plans --------------------------------------------------------------------------
 
 

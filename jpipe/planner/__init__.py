@@ -11,8 +11,9 @@ docs/planner-validation.md). Its passes, one module each:
   speeds that minimises the slowest stage, exactly (with a brute-force
   reference and the uniform and speed-proportional baselines);
 - `jpipe.planner._search`: a plan's step time and memory by simulating the schedule
-  that will run, the search over device orders, degrees, microbatches and
-  schedules, and plan files the trainer reads (``config.plan``);
+  that will run, the search over device orders, degrees (one for all, or one per
+  device type for the per-rank lowering), microbatches and schedules, and plan
+  files the trainer reads (``config.plan``);
 - `jpipe.planner._validation`: the measured Sailor plans against jpipe's prediction
   and the closed form.
 """

@@ -5,6 +5,7 @@ Usage::
     python -m jpipe.plan --model OPT-350 --devices A100-40:4,V100-16:4 --global-batch 256
         [--schedules 1f1b,zb_h1,my.py:fn] [--microbatch-sizes 1,2,4] [--top 3]
         [--profiles DIR_OR_FILE] [--raw-profiles] [--save plan.json] [--svg FILE] [--json]
+        [--memory-layout spmd|per_rank] [--tensor-per-stage]
     python -m jpipe.plan --layer-costs 3,1,4,1,5 --speeds 1,1,0.5 [--json]
     python -m jpipe.plan --validate PLAN_CONFIG.json [--profiles DIR] [--model M] [--json]
     python -m jpipe.plan --validate-all DIR [--profiles DIR] [--markdown | --json]
@@ -15,7 +16,10 @@ split by the exact partitioner and its schedule simulated with the profile's
 per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`).
 ``--schedules search`` has `jpipe.search_schedule` choose, for each shape,
 the fastest built-in (with its options, V shapes, and memory actions where
-the layout's lowering runs them) whose footprint fits the tightest device. It
+the layout's lowering runs them) whose footprint fits the tightest device.
+``--tensor-per-stage`` (with ``--memory-layout per_rank``) gives each device
+type its own tensor degree, so stages may differ in it (`plan`'s
+``tensor_per_stage``; the plan file's ``mesh.tensor_per_rank``). It
 prints the best plans with their predicted step time, per-device peak memory
 and why each was chosen, and a chart of the winner; ``--save`` writes the
 winner as a plan file that the trainer reads (`read_plan_file`).
@@ -112,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
         "--tensor-parallel",
         metavar="T1,T2",
         help="tensor-parallel degrees to try (default 1,2,4,8 where they fit)",
+    )
+    p.add_argument(
+        "--tensor-per-stage",
+        action="store_true",
+        help="give each device type its own tensor-parallel degree (from --tensor-parallel), "
+        "so stages may differ in degree; needs --memory-layout per_rank (lowering='mpmd', "
+        "one mesh per rank)",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one type per node")
     p.add_argument("--speeds", metavar="S1,S2,...", help="relative device speed of each stage")
@@ -264,6 +275,7 @@ def _plan(args) -> tuple[dict, str]:
         tensor_parallel=_numbers(args.tensor_parallel, "--tensor-parallel", int)
         if args.tensor_parallel
         else None,
+        tensor_per_stage=args.tensor_per_stage,
     )
     best = result.best[0].evaluation
     if args.save:
@@ -283,13 +295,15 @@ def _plan(args) -> tuple[dict, str]:
         "candidates": result.considered,
         "simulated": result.simulated,
         "skipped": len(result.skipped),
+        "unsplit": result.unsplit,
         "seconds": result.seconds,
         "derived_profile_entries": sorted(map(list, profile.derived)),
     }
+    unsplit = f", {result.unsplit} shapes left unsplit (bound)" if result.unsplit else ""
     text = [
         f"{profile.model} on {args.devices}, global batch {args.global_batch}: "
         f"{result.considered} candidates, {result.simulated} simulated, "
-        f"{len(result.skipped)} skipped, {result.seconds:.2f} s",
+        f"{len(result.skipped)} skipped{unsplit}, {result.seconds:.2f} s",
         "",
     ]
     for i, c in enumerate(result.best):

@@ -19,6 +19,12 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    ``receiver_busy=False`` charges the sender only. Re-decided with the
    transfer bytes read right, on the published plans whose stages send
    (docs/planner-validation.md): both GPUs busy has the lower error there.
+   Between stages of one tensor degree T the T devices of a group send their
+   copies to their counterparts at once; between stages of different degrees
+   (plans for the per-rank lowering) one device of the sending group sends a
+   copy to each device of the receiving group, one after another, as that
+   lowering regroups a value between ranks of different shapes: T_receiver
+   transfers' time forward, T_sender's for the gradient back (`_cut_seconds`).
 3. The schedule is built for the plan's ranks and microbatches
    (`get_schedule`, built-ins or the user's ``file.py:function``) and
    simulated once per data-parallel replica (replicas may hold different
@@ -42,6 +48,10 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    ``"spmd"``, what jpipe's one SPMD program allocates on *every* device: the
    largest rank's parameters, the largest rank's live values and the largest
    piece's working memory (docs/design.md), so the smallest device binds.
+   Each device group has its own tensor degree, so the stages of a
+   ``per_rank`` plan may differ in it (one mesh per rank); a ``spmd`` plan,
+   one program on one mesh, keeps one degree (`ClusterPlan.check` refuses
+   others).
 
 `Evaluation.closed_form_seconds` is the formula the published heterogeneous planners (AMP,
 Metis, Sailor, FlashFlex) use on the same inputs:
@@ -56,11 +66,26 @@ usable memory less a margin (``memory_margin``, default 10%). Candidates are
 visited in order of a lower bound (the busiest rank's work, which no schedule
 beats), so the search stops simulating once no remaining candidate can enter
 the best ``top``.
+
+With ``tensor_per_stage`` (``per_rank`` only) each device type takes its own
+tensor degree, from the divisors of its count that fit in its node: a product
+of choices per type instead of one choice, some 16 times the shapes for three
+types. That search stays tractable by bounding before it splits: each shape
+(device order, degrees, data-parallel degree, B, schedule) is queued at a bound
+that needs no split (`_shape_bound`: every layer on the rank where it is
+cheapest, every stage boundary moving the smallest output), split only when it
+reaches the front of the queue while it could still enter the top, then
+queued again at the busiest rank's work with its transfers, all-reduce and
+update (`_busy_bound`), and simulated when it reaches the front again. Shapes
+whose parameters cannot fit whatever the split (`_parameters_fit`) are
+skipped before it. Both bounds never exceed the simulated step, so the best
+plans are the ones an exhaustive search would keep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import json
 import math
@@ -116,6 +141,11 @@ class ClusterPlan:
       num_chunks: stages per rank for the schedule; `None` for its default.
       memory_layout: ``"spmd"`` (jpipe's one program: every device holds the
         largest rank's memory) or ``"per_rank"`` (each its own); see `LAYOUTS`.
+
+    Each `DeviceGroup` carries its own tensor degree, so stages may have different
+    ones (`tensor_per_rank`); only the per-rank lowering runs that (one mesh per
+    rank), so `check` refuses it under the ``spmd`` layout, whose one program has
+    one mesh.
     """
 
     ranks: tuple[tuple[DeviceGroup, ...], ...]
@@ -145,6 +175,13 @@ class ClusterPlan:
         if self.memory_layout not in LAYOUTS:
             raise ValueError(
                 f"memory layout {self.memory_layout!r} is not one of {', '.join(LAYOUTS)}"
+            )
+        if self.memory_layout == "spmd" and not self.uniform_tensor:
+            raise ValueError(
+                f"the ranks have tensor degrees {list(self.tensor_per_rank)}, but the spmd "
+                "layout's one program has one mesh, one tensor degree for every stage; plan "
+                "per-stage degrees with the per_rank layout (--memory-layout per_rank), which "
+                "lowering='mpmd' runs with one mesh per rank"
             )
         if self.microbatch_size < 1 or self.global_batch < 1:
             raise ValueError("the microbatch size and the global batch must be positive")
@@ -176,12 +213,31 @@ class ClusterPlan:
             "schedule": self.schedule,
             "num_chunks": self.num_chunks,
             "memory_layout": self.memory_layout,
-            "mesh": {"pipe": self.pipe, "data": self.data, "tensor": self.tensor_parallel},
+            "mesh": self.mesh(),
         }
+
+    def mesh(self) -> dict:
+        """The plan file's ``mesh``: ``tensor`` is the largest degree (every rank's where
+        they agree); where ranks differ, ``tensor_per_rank`` gives each its own."""
+        mesh = {"pipe": self.pipe, "data": self.data, "tensor": self.tensor_parallel}
+        if not self.uniform_tensor:
+            mesh["tensor_per_rank"] = list(self.tensor_per_rank)
+        return mesh
 
     @property
     def tensor_parallel(self) -> int:
+        """The largest tensor degree of any device group (the one degree of a uniform plan)."""
         return max(d.tensor_parallel for r in self.ranks for d in r)
+
+    @property
+    def tensor_per_rank(self) -> tuple[int, ...]:
+        """Each pipeline rank's tensor degree (the largest among its replicas)."""
+        return tuple(max(d.tensor_parallel for d in row) for row in self.ranks)
+
+    @property
+    def uniform_tensor(self) -> bool:
+        """Whether every device group has the same tensor degree."""
+        return len({d.tensor_parallel for r in self.ranks for d in r}) == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +377,9 @@ def memory_footprint(
     """Every device's memory under `plan`, in both layouts (module docstring, item 5).
 
     Needs no times: a rank's peak of live values depends only on its own
-    actions' order, so this works where a profile has bytes but no times.
+    actions' order, so this works where a profile has bytes but no times. For a
+    ``per_rank`` plan whose ranks differ in tensor degree the ``spmd`` figures are
+    what one program would hold if it could run it (it cannot: `ClusterPlan.check`).
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
@@ -386,7 +444,8 @@ class Evaluation:
       allreduce_seconds, update_seconds: per rank (slowest replica).
       memory: every device's footprint under both layouts.
       stage_seconds: per stage, F + B of one microbatch (slowest replica, with sends).
-      transfer_seconds: per stage boundary, one send (slowest replica).
+      transfer_seconds: per stage boundary, one send (slowest replica; between stages of
+        different tensor degrees the longer of the activation and its gradient).
       closed_form_seconds: the closed-form formula on the same inputs.
       simulation: the slowest replica's simulation (for charts).
     """
@@ -437,6 +496,25 @@ def _link_seconds(profile: Profile, a: DeviceGroup, b: DeviceGroup, nbytes: floa
     return link.seconds(nbytes)
 
 
+def _cut_seconds(
+    profile: Profile, a: DeviceGroup, b: DeviceGroup, nbytes: float
+) -> tuple[float, float]:
+    """Seconds to move a stage's output of `nbytes` from its group `a` to the next
+    stage's group `b`, and its gradient (as large) back: ``(forward, backward)``.
+
+    Within a stage the value is the same on every device of the tensor group. Between
+    groups of one degree each device sends its copy to its counterpart, all at once
+    (one transfer's time). Between degrees the per-rank lowering gives each device of
+    the receiving group the copy of one device of the sender (`Pipeline`'s regrouping
+    between ranks of different shapes), so that device sends as many copies as the
+    receiver has devices, one after another over its link.
+    """
+    c = _link_seconds(profile, a, b, nbytes)
+    if a.tensor_parallel == b.tensor_parallel:
+        return c, c
+    return b.tensor_parallel * c, a.tensor_parallel * c
+
+
 def _sharing(ranks, owner) -> list[list[int]]:
     """``[boundary][replica]``: transfers that cross the same pair of nodes at once.
 
@@ -478,6 +556,74 @@ def _schedule_for(plan: ClusterPlan) -> Schedule:
     return schedule
 
 
+def _replica_costs(profile: Profile, plan: ClusterPlan, owner, d: int, sharing, receiver_busy):
+    """Replica `d`'s per-stage F, I, W, B (blocking transfers folded in) and update
+    seconds, and per stage boundary the longer of its two transfers."""
+    S, mbs = len(owner), plan.microbatch_size
+    outputs = profile.outputs(mbs)
+    dev = [plan.ranks[owner[s]][d] for s in range(S)]
+    F, I, W, B, U = [], [], [], [], []
+    moved = [0.0] * max(S - 1, 0)
+    for s, layers in enumerate(plan.stage_layers):
+        t = profile.layer_times(dev[s].kind, mbs, dev[s].tensor_parallel)
+        i_half, w_half = t.split()
+        F.append(sum(t.forward[l] for l in layers))
+        B.append(sum(t.backward[l] for l in layers))
+        I.append(sum(i_half[l] for l in layers))
+        W.append(sum(w_half[l] for l in layers))
+        U.append(sum(t.update[l] for l in layers))
+    for s in range(S - 1):
+        if owner[s] == owner[s + 1]:
+            continue
+        out, back = _cut_seconds(profile, dev[s], dev[s + 1], outputs[plan.stage_layers[s][-1]])
+        out, back = out * sharing[s][d], back * sharing[s][d]
+        moved[s] = max(out, back)
+        F[s] += out  # blocking send of the activation forward
+        I[s + 1] += back  # and of the gradient back
+        B[s + 1] += back
+        if receiver_busy:
+            F[s + 1] += out  # the receiver's side of the same transfers
+            I[s] += back
+            B[s] += back
+    return F, I, W, B, U, moved
+
+
+def _allreduce_per_rank(profile: Profile, plan: ClusterPlan, owner) -> list[float]:
+    """Each rank's data-parallel all-reduce of its stages' gradients (module docstring)."""
+    allreduce = []
+    for r in range(plan.pipe):
+        tp = max(g.tensor_parallel for g in plan.ranks[r])
+        params = sum(
+            _stage_params(profile, plan.stage_layers[s], tp)
+            for s in range(len(owner))
+            if owner[s] == r
+        )
+        grads = params * profile.memory_terms.gradient_bytes  # one GPU's shard
+        allreduce.append(_allreduce_seconds(profile, plan.ranks[r], grads))
+    return allreduce
+
+
+def _busy_bound(profile: Profile, plan: ClusterPlan, schedule: Schedule, receiver_busy) -> float:
+    """A bound on `plan`'s step before simulating it: in every replica each rank runs
+    each of its stages' forward and backward (with their blocking transfers) once a
+    microbatch, one action at a time, then all-reduces and updates."""
+    owner = list(schedule.stage_to_rank)
+    sharing = _sharing(plan.ranks, owner)
+    busy = [0.0] * plan.pipe
+    updates = [0.0] * plan.pipe
+    for d in range(plan.data):
+        F, I, W, B, U, _ = _replica_costs(profile, plan, owner, d, sharing, receiver_busy)
+        work, update = [0.0] * plan.pipe, [0.0] * plan.pipe
+        for s, r in enumerate(owner):
+            work[r] += F[s] + min(B[s], I[s] + W[s])  # what the schedule may run instead
+            update[r] += U[s]
+        busy = [max(x, y) for x, y in zip(busy, work, strict=True)]
+        updates = [max(x, y) for x, y in zip(updates, update, strict=True)]
+    allreduce = _allreduce_per_rank(profile, plan, owner)
+    M = plan.num_microbatches
+    return max(M * busy[r] + allreduce[r] + updates[r] for r in range(plan.pipe))
+
+
 def evaluate(
     plan: ClusterPlan,
     profile: Profile,
@@ -504,8 +650,6 @@ def evaluate(
             f"{len(plan.stage_layers)}"
         )
     owner = list(schedule.stage_to_rank)
-    mbs = plan.microbatch_size
-    outputs = profile.outputs(mbs)
     finish = [[0.0] * plan.data for _ in range(plan.pipe)]
     updates = [[0.0] * plan.data for _ in range(plan.pipe)]
     stage_seconds = [0.0] * S
@@ -513,29 +657,8 @@ def evaluate(
     worst = None
     sharing = _sharing(plan.ranks, owner)
     for d in range(plan.data):
-        dev = [plan.ranks[owner[s]][d] for s in range(S)]
-        F, I, W, B, U = [], [], [], [], []
-        for s, layers in enumerate(plan.stage_layers):
-            t = profile.layer_times(dev[s].kind, mbs, dev[s].tensor_parallel)
-            i_half, w_half = t.split()
-            F.append(sum(t.forward[l] for l in layers))
-            B.append(sum(t.backward[l] for l in layers))
-            I.append(sum(i_half[l] for l in layers))
-            W.append(sum(w_half[l] for l in layers))
-            U.append(sum(t.update[l] for l in layers))
-        for s in range(S - 1):
-            if owner[s] == owner[s + 1]:
-                continue
-            c = _link_seconds(profile, dev[s], dev[s + 1], outputs[plan.stage_layers[s][-1]])
-            c *= sharing[s][d]
-            transfer[s] = max(transfer[s], c)
-            F[s] += c  # blocking send of the activation forward
-            I[s + 1] += c  # and of the gradient back
-            B[s + 1] += c
-            if receiver_busy:
-                F[s + 1] += c  # the receiver's side of the same transfers
-                I[s] += c
-                B[s] += c
+        F, I, W, B, U, moved = _replica_costs(profile, plan, owner, d, sharing, receiver_busy)
+        transfer = [max(x, y) for x, y in zip(transfer, moved, strict=True)]
         for s in range(S):
             stage_seconds[s] = max(stage_seconds[s], F[s] + B[s])
         sim = simulate(schedule, Costs(F=F, I=I, W=W, B=B))
@@ -544,14 +667,7 @@ def evaluate(
             updates[r][d] = sum(U[s] for s in range(S) if owner[s] == r)
         if worst is None or sim.makespan > worst.makespan:
             worst = sim
-    allreduce = []
-    for r in range(plan.pipe):
-        tp = max(g.tensor_parallel for g in plan.ranks[r])
-        params = sum(
-            _stage_params(profile, plan.stage_layers[s], tp) for s in range(S) if owner[s] == r
-        )
-        grads = params * profile.memory_terms.gradient_bytes  # one GPU's shard
-        allreduce.append(_allreduce_seconds(profile, plan.ranks[r], grads))
+    allreduce = _allreduce_per_rank(profile, plan, owner)
     update = [max(u) for u in updates]
     step = max(max(finish[r]) + allreduce[r] + update[r] for r in range(plan.pipe))
     M = plan.num_microbatches
@@ -643,6 +759,7 @@ class SearchResult:
     skipped: tuple[str, ...]
     seconds: float
     memory_margin: float = MEMORY_MARGIN
+    unsplit: int = 0  # shapes whose bound before the split kept them out of the top
 
 
 def parse_devices(text: str) -> list[tuple[str, int]]:
@@ -711,6 +828,7 @@ def _fitting_split(
     margin: float,
     receiver_busy: bool,
     attempts: int = 8,
+    live: Sequence[float] | None = None,
 ) -> ClusterPlan:
     """`shape` with the fastest layer split whose footprint fits its layout, or the
     last split tried (which the caller's check after simulation then refuses).
@@ -733,7 +851,7 @@ def _fitting_split(
     else:
         capacity = [min(room_of(g) for g in ranks[owner[s]]) for s in range(S)]
     share = [x[0] for x in _sharing(ranks, owner)]
-    live = _live_units(schedule)
+    live = _live_units(schedule) if live is None else live
     split = lambda budgets=None: _split_layers(  # noqa: E731
         profile, devs, shape.microbatch_size, live, capacity, receiver_busy, share, budgets
     )
@@ -798,19 +916,24 @@ def _split_layers(
         for d in devs
     ]
 
-    # send[s][l]: seconds to move layer l's output across the cut after stage s
-    send = [
-        [share[s] * _link_seconds(profile, devs[s], devs[s + 1], x) for x in outputs]
-        for s in range(S - 1)
-    ]
+    # fwd[s][l], bwd[s][l]: seconds to move layer l's output across the cut after stage
+    # s, and its gradient back (`_cut_seconds`)
+    cuts = []
+    for s in range(S - 1):
+        each = {x: _cut_seconds(profile, devs[s], devs[s + 1], x) for x in set(outputs)}
+        cuts.append([each[x] for x in outputs])
+    fwd = [[share[s] * out for out, _ in cuts[s]] for s in range(S - 1)]
+    bwd = [[share[s] * back for _, back in cuts[s]] for s in range(S - 1)]
+
     # as in `evaluate`: a stage sends its output and its input gradient, and also
     # receives their counterparts when transfers occupy the receiver
-    both = 2 if receiver_busy else 1
-
     def extra(s, a, b):
-        out = send[s][b - 1] if s < S - 1 else 0.0
-        back = send[s - 1][a - 1] if s > 0 else 0.0
-        return both * (out + back)
+        out = back = 0.0
+        if s < S - 1:
+            out = fwd[s][b - 1] + bwd[s][b - 1] if receiver_busy else fwd[s][b - 1]
+        if s > 0:
+            back = bwd[s - 1][a - 1] + fwd[s - 1][a - 1] if receiver_busy else bwd[s - 1][a - 1]
+        return out + back
 
     def fits(s, a, b):
         params = terms.bytes_per_param * (pcount[s][b] - pcount[s][a])
@@ -835,6 +958,7 @@ def plan(
     memory_layout: str = "spmd",
     memory_margin: float = MEMORY_MARGIN,
     tensor_parallel: Sequence[int] | None = None,
+    tensor_per_stage: bool = False,
 ) -> SearchResult:
     """Searches placements of `devices` and returns the `top` plans by predicted step time.
 
@@ -853,6 +977,16 @@ def plan(
       memory_margin: the share of every device's usable memory kept free.
       tensor_parallel: tensor-parallel degrees to try; default 1, 2, 4 and 8
         where they divide every type's count and fit in a node.
+      tensor_per_stage: give each device type its own degree from `tensor_parallel`
+        (one that divides that type's count and fits in its node), so the stages
+        on different types may differ in tensor degree; the same degree for every
+        type is among the choices. Only the per-rank lowering runs such plans
+        (one mesh per rank), so this needs ``memory_layout="per_rank"``. The
+        search then splits a shape's layers only when a bound computed before the
+        split (`_shape_bound`) could still enter the top, and skips unsplit the
+        shapes whose parameters cannot fit at all (`_parameters_fit`); the
+        uniform search splits every shape, so it reports every reason a shape
+        was skipped.
     """
     start = time.perf_counter()
     if memory_layout not in LAYOUTS:
@@ -860,6 +994,12 @@ def plan(
     if not 0 <= memory_margin < 1:
         raise ValueError(
             f"the memory margin (--memory-margin) must be in [0, 1), got {memory_margin!r}"
+        )
+    if tensor_per_stage and memory_layout != "per_rank":
+        raise ValueError(
+            "per-stage tensor degrees (--tensor-per-stage) need the per_rank layout "
+            f"(--memory-layout per_rank): the {memory_layout} layout's one program has one "
+            "mesh, one tensor degree for every stage"
         )
     usable = lambda kind: (  # noqa: E731
         profile.memory_of(kind) * profile.memory_terms.usable_fraction * (1 - memory_margin)
@@ -875,100 +1015,139 @@ def plan(
         common = set.intersection(*({b for b, _ in profile.times[k]} for k, _ in devices))
         microbatch_sizes = sorted(common)
     node_size = {k: min(n, gpus_per_node) for k, n in devices}
-    tps = [
-        t
-        for t in (tensor_parallel or (1, 2, 4, 8))
-        if all(n % t == 0 and t <= node_size[k] for k, n in devices)
-    ]
-    if not tps:
-        raise ValueError(
-            f"no tensor-parallel degree in {list(tensor_parallel or (1, 2, 4, 8))} divides every "
-            f"device type's count and fits in a node of {gpus_per_node}"
-        )
-    shapes = []  # (lower bound, plan) for every candidate
+    kinds = [k for k, _ in devices]
+    degrees = list(tensor_parallel or (1, 2, 4, 8))
+    fits_node = lambda k, n, t: n % t == 0 and t <= node_size[k]  # noqa: E731
+    if tensor_per_stage:
+        per_kind = [[t for t in degrees if fits_node(k, n, t)] for k, n in devices]
+        for (k, n), ts in zip(devices, per_kind, strict=True):
+            if not ts:
+                raise ValueError(
+                    f"no tensor-parallel degree in {degrees} divides the {n} {k} devices and "
+                    f"fits in a node of {node_size[k]}"
+                )
+        assignments = [dict(zip(kinds, c, strict=True)) for c in itertools.product(*per_kind)]
+    else:
+        tps = [t for t in degrees if all(fits_node(k, n, t) for k, n in devices)]
+        if not tps:
+            raise ValueError(
+                f"no tensor-parallel degree in {degrees} divides every "
+                f"device type's count and fits in a node of {gpus_per_node}"
+            )
+        assignments = [dict.fromkeys(kinds, t) for t in tps]
+    lazy = tensor_per_stage
+    queue: list = []  # (bound, order pushed, item): items to split, and candidates to simulate
+    pushed = itertools.count()
     skipped = []
     chosen: dict[ClusterPlan, str] = {}  # plans whose schedule the search picked: why
-    kinds = [k for k, _ in devices]
-    for tp in tps:
-        units = {k: n // tp for k, n in devices}
-        for d in _divisors(math.gcd(*units.values())):
-            per_replica = {k: u // d for k, u in units.items()}
-            p = sum(per_replica.values())
-            if p > profile.num_layers:
+    built: dict = {}  # (spec, ranks, microbatches) -> (schedule or None, error or None, runs)
+    live_of: dict = {}  # the same key -> `_live_units` of the schedule
+    considered = 0
+
+    def schedule_of(spec, p, M):
+        key = (spec, p, M)
+        if key not in built:
+            try:
+                schedule = get_schedule(spec, p, M)
+            except ValueError as e:
+                built[key] = (None, e, False)
+            else:
+                built[key] = (schedule, None, runs_schedule(memory_layout, schedule))
+                live_of[key] = _live_units(schedule)
+        return built[key]
+
+    def split(bound, item):
+        """Splits the layers of a shape (`item`); queues the candidate at its bound."""
+        nonlocal considered
+        if item[0] == "search":
+            _, shape = item
+            try:
+                candidate, schedule, why = _searched(
+                    profile, shape, usable, memory_margin, receiver_busy
+                )
+            except ValueError as e:
+                skipped.append(f"{_describe(shape)}: {e}")
+                return
+            why_not = _evicts_across_degrees(schedule, shape.ranks)
+            if why_not:  # the search was told so; kept as a check
+                skipped.append(f"{_describe(shape)}: {why_not}")
+                return
+            chosen[candidate] = why
+        else:
+            _, shape, key, where = item
+            schedule = built[key][0]
+            try:
+                candidate = _fitting_split(
+                    profile,
+                    shape,
+                    schedule,
+                    usable,
+                    memory_margin,
+                    receiver_busy,
+                    live=live_of[key],
+                )
+            except ValueError as e:
+                skipped.append(f"{where}: {e}")
+                return
+        considered += 1
+        after = _lower_bound(profile, candidate, schedule.stage_to_rank)
+        if lazy:  # tighter, and worth its cost where most shapes are never simulated
+            after = _busy_bound(profile, candidate, schedule, receiver_busy)
+        heapq.heappush(queue, (max(bound, after), next(pushed), ("ready", candidate, schedule)))
+
+    for ranks, degrees_text, order in _placements(
+        devices, assignments, node_size, profile.num_layers
+    ):
+        p, d = len(ranks), len(ranks[0])
+        if lazy:
+            why_not = _parameters_fit(profile, ranks, usable)
+            if why_not:
+                skipped.append(f"{degrees_text} {order}: {why_not}")
                 continue
-            for order in itertools.permutations(kinds):
-                # Replica j's ranks take the next TP groups of each type, filling nodes in order.
-                used = {k: 0 for k in kinds}
-                ranks = [[None] * d for _ in range(p)]
-                for j in range(d):
-                    r = 0
-                    for k in order:
-                        for _ in range(per_replica[k]):
-                            g = used[k]
-                            used[k] += 1
-                            node = kinds.index(k) * 1000 + (g * tp) // node_size[k]
-                            ranks[r][j] = DeviceGroup(k, tp, node_size[k], node)
-                            r += 1
-                ranks = tuple(tuple(x) for x in ranks)
-                for mbs in microbatch_sizes:
-                    if global_batch % (mbs * d):
+        for mbs in microbatch_sizes:
+            if global_batch % (mbs * d):
+                continue
+            M = global_batch // (mbs * d)
+            for spec in schedules:
+                shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
+                owner = None
+                if spec == SEARCH:
+                    item = ("search", shape)
+                else:
+                    schedule, error, runs = schedule_of(spec, p, M)
+                    if error is not None:
+                        skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
                         continue
-                    M = global_batch // (mbs * d)
-                    for spec in schedules:
-                        shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
-                        if spec == SEARCH:
-                            try:
-                                candidate, schedule, why = _searched(
-                                    profile, shape, usable, memory_margin, receiver_busy
-                                )
-                            except ValueError as e:
-                                skipped.append(f"{_describe(shape)}: {e}")
-                                continue
-                            chosen[candidate] = why
-                            shapes.append(
-                                (
-                                    _lower_bound(profile, candidate, schedule.stage_to_rank),
-                                    candidate,
-                                    schedule,
-                                )
-                            )
-                            continue
-                        try:
-                            schedule = get_schedule(spec, p, M)
-                        except ValueError as e:
-                            skipped.append(f"{spec} on {p} ranks x {M} microbatches: {e}")
-                            continue
-                        if not runs_schedule(memory_layout, schedule):
-                            skipped.append(
-                                f"{spec}: the SPMD lowering does not run its memory actions "
-                                "(plan with --memory-layout per_rank for lowering='mpmd')"
-                            )
-                            continue
-                        S = schedule.num_stages
-                        if S > profile.num_layers:
-                            continue
-                        owner = schedule.stage_to_rank
-                        try:
-                            candidate = _fitting_split(
-                                profile,
-                                shape,
-                                schedule,
-                                usable,
-                                memory_margin,
-                                receiver_busy,
-                            )
-                        except ValueError as e:
-                            skipped.append(f"tp={tp} dp={d} pp={p} B={mbs} {'/'.join(order)}: {e}")
-                            continue
-                        shapes.append(
-                            (_lower_bound(profile, candidate, owner), candidate, schedule)
+                    if not runs:
+                        skipped.append(
+                            f"{spec}: the SPMD lowering does not run its memory actions "
+                            "(plan with --memory-layout per_rank for lowering='mpmd')"
                         )
-    shapes.sort(key=lambda x: x[0])
+                        continue
+                    if schedule.num_stages > profile.num_layers:
+                        continue
+                    where = f"{degrees_text} B={mbs} {order}"
+                    why_not = _evicts_across_degrees(schedule, ranks)
+                    if why_not:
+                        skipped.append(f"{spec} on {where}: {why_not}")
+                        continue
+                    item = ("split", shape, (spec, p, M), where)
+                    owner = schedule.stage_to_rank
+                if lazy:
+                    bound = _shape_bound(profile, ranks, mbs, M, owner, receiver_busy)
+                    heapq.heappush(queue, (bound, next(pushed), item))
+                else:
+                    split(-math.inf, item)
     found: list[Evaluation] = []
     simulated = 0
-    for bound, candidate, schedule in shapes:
+    while queue:
+        bound, _, item = heapq.heappop(queue)
         if len(found) >= top and bound >= found[top - 1].step_seconds:
             break  # no candidate left can beat the top plans
+        if item[0] != "ready":
+            split(bound, item)
+            continue
+        _, candidate, schedule = item
         ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
         simulated += 1
         if not ev.memory.fits(memory_layout, memory_margin):
@@ -990,8 +1169,117 @@ def plan(
         )
         for ev in found
     )
+    unsplit = sum(item[0] != "ready" for _, _, item in queue)
     return SearchResult(
-        best, len(shapes), simulated, tuple(skipped), time.perf_counter() - start, memory_margin
+        best,
+        considered,
+        simulated,
+        tuple(skipped),
+        time.perf_counter() - start,
+        memory_margin,
+        unsplit,
+    )
+
+
+def _evicts_across_degrees(schedule: Schedule, ranks) -> str | None:
+    """Why the per-rank lowering cannot run `schedule` on `ranks`, or `None`: it moves a
+    rank's residuals (EVICT) only to a rank of the same mesh shape, since each device's
+    residuals are its own block of its tensor group."""
+    degrees = [max(g.tensor_parallel for g in row) for row in ranks]
+    if len(set(degrees)) == 1 or not schedule.has_memory_actions:
+        return None
+    for r, _, a in schedule.all_actions():
+        if a.kind == "EVICT" and degrees[a.partner] != degrees[r]:
+            return (
+                f"rank {r}'s {a} sends residuals to rank {a.partner}, of tensor degree "
+                f"{degrees[a.partner]} against {degrees[r]}; the per-rank lowering evicts only "
+                "to a rank of the same mesh shape"
+            )
+    return None
+
+
+def _placements(devices, assignments, node_size, num_layers):
+    """Every placement of `devices`: for each tensor degree per type (`assignments`),
+    data-parallel degree and order of the types, ``(ranks, text)`` with ``ranks[r][j]``
+    the `DeviceGroup` of rank ``r`` in replica ``j`` (replica j's ranks take the next
+    groups of each type, filling nodes in order), and for reports ``"tp=T dp=D pp=P"``
+    and the order, ``"TYPE/TYPE"``."""
+    kinds = [k for k, _ in devices]
+    for tp_of in assignments:
+        units = {k: n // tp_of[k] for k, n in devices}
+        for d in _divisors(math.gcd(*units.values())):
+            per_replica = {k: u // d for k, u in units.items()}
+            p = sum(per_replica.values())
+            if p > num_layers:
+                continue
+            for order in itertools.permutations(kinds):
+                used = {k: 0 for k in kinds}
+                ranks = [[None] * d for _ in range(p)]
+                for j in range(d):
+                    r = 0
+                    for k in order:
+                        for _ in range(per_replica[k]):
+                            g = used[k]
+                            used[k] += 1
+                            node = kinds.index(k) * 1000 + (g * tp_of[k]) // node_size[k]
+                            ranks[r][j] = DeviceGroup(k, tp_of[k], node_size[k], node)
+                            r += 1
+                tp = "/".join(str(tp_of[k]) for k in order)
+                if len(set(tp_of.values())) == 1:
+                    tp = str(tp_of[kinds[0]])
+                yield tuple(tuple(x) for x in ranks), f"tp={tp} dp={d} pp={p}", "/".join(order)
+
+
+def _shape_bound(profile: Profile, ranks, mbs: int, M: int, owner, receiver_busy) -> float:
+    """A bound on any plan of `ranks` before its layers are split.
+
+    Every layer runs on some rank, at best on the one where it is cheapest, and every
+    stage boundary between ranks (`owner`, the schedule's stage-to-rank map; `None`
+    when the schedule is not yet chosen) moves at least the smallest output any cut
+    could send: so the busiest rank of the first replica does at least the average of
+    that work and those transfers, and at least the costliest layer, M times over.
+    """
+    dev = [row[0] for row in ranks]
+    rows = [profile.layer_times(g.kind, mbs, g.tensor_parallel) for g in dev]
+    cheapest = [min(t.forward[l] + t.backward[l] for t in rows) for l in range(profile.num_layers)]
+    moving = 0.0
+    if owner is not None:
+        outputs = profile.outputs(mbs)[:-1]  # a cut follows any layer but the last
+        share = [x[0] for x in _sharing(ranks, owner)]
+        for s in range(len(owner) - 1):
+            a, b = owner[s], owner[s + 1]
+            if a == b:
+                continue
+            cuts = [_cut_seconds(profile, dev[a], dev[b], x) for x in set(outputs)]
+            out = share[s] * min(c[0] for c in cuts)
+            back = share[s] * min(c[1] for c in cuts)
+            moving += (out + back) * (2 if receiver_busy else 1)
+    return M * max((sum(cheapest) + moving) / len(ranks), max(cheapest))
+
+
+def _parameters_fit(profile: Profile, ranks, usable) -> str | None:
+    """Why no split of layers over `ranks` can hold the model's parameters, or `None`.
+
+    A rank holds at most its room (its devices' usable memory less the fixed overhead),
+    and each layer's parameter state takes, on the rank where it takes the least, some
+    share of that rank's room: those shares cannot sum to more than the ranks there are.
+    Necessary, not sufficient (residuals and the split's contiguity come later), and
+    cheap enough to run before any split."""
+    terms = profile.memory_terms
+    shares = [math.inf] * profile.num_layers
+    for row in ranks:
+        tp = max(g.tensor_parallel for g in row)
+        room = min(usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel) for g in row)
+        for l, n in enumerate(profile.params_per_gpu(tp)):
+            need = terms.bytes_per_param * n
+            share = need / room if room > 0 else (0.0 if need <= 0 else math.inf)
+            shares[l] = min(shares[l], share)
+    total = sum(shares)
+    if total <= len(ranks):
+        return None
+    return (
+        f"the parameters need {total:.3g} ranks' room at the least (each layer where it takes "
+        f"the smallest share), more than the {len(ranks)} ranks have"
     )
 
 
@@ -1058,14 +1346,14 @@ def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, rec
     for s in range(S - 1):
         if owner[s] == owner[s + 1]:
             continue
-        c = _link_seconds(profile, dev[s], dev[s + 1], outputs[plan_.stage_layers[s][-1]])
-        F[s] += c
-        I[s + 1] += c
-        B[s + 1] += c
+        out, back = _cut_seconds(profile, dev[s], dev[s + 1], outputs[plan_.stage_layers[s][-1]])
+        F[s] += out
+        I[s + 1] += back
+        B[s + 1] += back
         if receiver_busy:
-            F[s + 1] += c
-            I[s] += c
-            B[s] += c
+            F[s + 1] += out
+            I[s] += back
+            B[s] += back
     sizes = _values_sizes(schedule, act, _stage_inputs(profile, plan_.stage_layers, mbs))
     return StageFigures(
         Costs(F=F, I=I, W=W, B=B, recompute=forward, evict=evict),
@@ -1096,6 +1384,9 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
     if budget <= 0:
         raise ValueError("search: the fixed overhead alone fills the smallest device")
     figures = _PlanFigures(profile, shape, usable, margin, receiver_busy)
+    # the built-ins evict to rank R - 1 - r, which must have the same mesh shape
+    degrees = shape.tensor_per_rank
+    same = all(degrees[r] == degrees[shape.pipe - 1 - r] for r in range(shape.pipe))
     result = search_schedule(
         figures,
         shape.pipe,
@@ -1104,7 +1395,7 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
         layout=shape.memory_layout,
         local=False,
         margin=0.0,
-        memory_actions=("recompute", "evict"),
+        memory_actions=("recompute", "evict") if same else ("recompute",),
     )
     w = result.winner
     if w is None:
@@ -1158,8 +1449,9 @@ def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> f
 
 def _describe(p: ClusterPlan) -> str:
     kinds = [p.ranks[r][0].kind for r in range(p.pipe)]
+    tp = p.tensor_parallel if p.uniform_tensor else "/".join(map(str, p.tensor_per_rank))
     return (
-        f"pp={p.pipe} dp={p.data} tp={p.tensor_parallel} B={p.microbatch_size} "
+        f"pp={p.pipe} dp={p.data} tp={tp} B={p.microbatch_size} "
         f"M={p.num_microbatches} {p.schedule} ranks={','.join(kinds)}"
     )
 
@@ -1186,6 +1478,12 @@ def _reasons(
         f"({(ev.closed_form_seconds / ev.step_seconds - 1) * 100:+.1f}% vs simulated)",
         ev.memory.why(p.memory_layout, memory_margin),
     ]
+    if not p.uniform_tensor:
+        out.append(
+            f"tensor degree per rank {list(p.tensor_per_rank)}: one mesh per rank, "
+            "lowering='mpmd'; ranks of different degrees next to each other must share a "
+            "process (the lowering regroups values between shapes only within one)"
+        )
     if found and ev is not found[0]:
         out.append(f"{(ev.step_seconds / found[0].step_seconds - 1) * 100:+.1f}% vs the best plan")
     elif len(found) > 1:
@@ -1236,6 +1534,9 @@ class TrainerSettings:
         (layout ``spmd``: every device holds the largest rank's) or
         ``"mpmd"`` (layout ``per_rank``: each device its own rank's, as the
         per-rank lowering gives).
+      tensor_per_rank: each pipeline rank's tensor degree where they differ (the
+        file's ``mesh.tensor_per_rank``; only with lowering ``"mpmd"``, one mesh per
+        rank), `None` where every rank has ``tensor``.
     """
 
     pipe: int
@@ -1251,8 +1552,21 @@ class TrainerSettings:
 
 
 def plan_file(ev: Evaluation, profile: Profile) -> dict:
-    """The JSON plan file for `ev` (``"jpipe-plan/1"``): read back by `read_plan_file`."""
+    """The JSON plan file for `ev` (``"jpipe-plan/1"``): read back by `read_plan_file`.
+
+    Its ``mesh`` gives ``tensor`` as the largest degree and, where ranks differ,
+    ``tensor_per_rank`` (`ClusterPlan.mesh`)."""
     p = ev.plan
+    why_not = _evicts_across_degrees(ev.simulation.schedule, p.ranks)
+    if why_not:
+        raise ValueError(f"the trainer cannot run this plan: {why_not}")
+    for r, row in enumerate(p.ranks):
+        if len({g.tensor_parallel for g in row}) > 1:
+            raise ValueError(
+                f"pipeline rank {r}'s replicas have tensor degrees "
+                f"{[g.tensor_parallel for g in row]}; the trainer gives each rank one mesh of "
+                "data x tensor devices, so its replicas need one degree"
+            )
     return {
         "format": PLAN_FORMAT,
         "model": profile.model,
@@ -1311,6 +1625,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     ):
         if v < 1:
             raise ValueError(f"{where}: {name} must be at least 1, got {v}")
+    tensor_per_rank = _tensor_per_rank(mesh, pipe, tensor, layout, where)
     stages = len(blocks)
     if stages % pipe:
         raise ValueError(f"{where}: {stages} stages do not divide over mesh.pipe={pipe} ranks")
@@ -1325,8 +1640,44 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             f"!= global_batch {batch}"
         )
     return TrainerSettings(
-        pipe, data, tensor, blocks, schedule, chunks, M, batch, lowerings[layout]
+        pipe, data, tensor, blocks, schedule, chunks, M, batch, lowerings[layout], tensor_per_rank
     )
+
+
+def _tensor_per_rank(mesh: dict, pipe: int, tensor: int, layout: str, where: str):
+    """``mesh.tensor_per_rank`` read and checked: a tuple where the degrees differ, `None`
+    where the field is absent or gives every rank the same degree."""
+    if "tensor_per_rank" not in mesh:
+        return None
+    given = mesh["tensor_per_rank"]
+    whole = lambda t: isinstance(t, int) and not isinstance(t, bool) and t >= 1  # noqa: E731
+    degrees = tuple(given) if isinstance(given, list | tuple) else ()
+    if not degrees or not all(whole(t) for t in degrees):
+        raise ValueError(
+            f"{where}: mesh.tensor_per_rank must list one whole number of at least 1 per "
+            f"pipeline rank, got {given!r}"
+        )
+    if len(degrees) != pipe:
+        raise ValueError(
+            f"{where}: mesh.tensor_per_rank gives {len(degrees)} degrees for mesh.pipe={pipe} "
+            "ranks; it needs one per pipeline rank"
+        )
+    if max(degrees) != tensor:
+        raise ValueError(
+            f"{where}: mesh.tensor is {tensor} but the largest of mesh.tensor_per_rank "
+            f"{list(degrees)} is {max(degrees)}; jpipe writes the largest degree as mesh.tensor"
+        )
+    if len(set(degrees)) == 1:
+        return None
+    if layout != "per_rank":
+        raise ValueError(
+            f"{where}: mesh.tensor_per_rank {list(degrees)} gives the pipeline ranks different "
+            "tensor degrees, which only the per-rank lowering runs (lowering='mpmd', one mesh "
+            f"per rank), but the plan's memory_layout is {layout!r}, one SPMD program with one "
+            "mesh; plan again with python -m jpipe.plan --memory-layout per_rank "
+            "--tensor-per-stage"
+        )
+    return degrees
 
 
 def median_abs_error(pairs: Sequence[tuple[float, float]]) -> float:
