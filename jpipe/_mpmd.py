@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jpipe._lower import axis_env
@@ -239,7 +239,7 @@ class RankPrograms:
         self.courier = Courier([process_of(m) for m in self.meshes])
         self.local = self.courier.local  # per rank: are its devices this process's?
         if self.shaped:
-            _refuse_regrouping_across_processes(schedule, self.meshes, self.courier, pipe_axis)
+            _refuse_evictions_across_shapes(schedule, self.meshes)
         names = self.meshes[0].axis_names
         self.fsdp = layout.fsdp_axis
         self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
@@ -592,23 +592,50 @@ class RankPrograms:
         """
         if r_from == r_to:
             return values
-        if self.meshes[r_from].devices.shape != self.meshes[r_to].devices.shape:
-            return [self._regrouped(v, r_from, r_to) for v in values]
-        return self.courier.move(values, r_from, r_to, key, self._stacked(r_to, avals))
-
-    def _regrouped(self, v, r_from, r_to):
-        """A value stacked per device of rank `r_from`, stacked per device of rank `r_to`."""
-        src, dst = self.meshes[r_from], self.meshes[r_to]
-        names = dst.axis_names
-        batch = {names.index(a) for a in self.batch_axes}
-        have = {shard.device: shard.data for shard in v.addressable_shards}
-        pieces = {}
-        for index in np.ndindex(dst.devices.shape):
-            source = tuple(i if axis in batch else 0 for axis, i in enumerate(index))
-            pieces[dst.devices[index]] = jax.device_put(
-                have[src.devices[source]], dst.devices[index]
+        if self.meshes[r_from].devices.shape == self.meshes[r_to].devices.shape:
+            return self.courier.move(values, r_from, r_to, key, self._stacked(r_to, avals))
+        # Per leaf, per device of r_to (in its mesh's order): the sender's piece.
+        pairs = self._regrouping(r_from, r_to)
+        pieces = None
+        if self.local[r_from]:
+            pieces = []
+            for v in values:
+                have = {shard.device: shard.data for shard in v.addressable_shards}
+                pieces += [have[source] for source, _ in pairs]
+        structs = [
+            jax.ShapeDtypeStruct((1,) + tuple(a.shape), a.dtype, sharding=SingleDeviceSharding(d))
+            for a in avals
+            for _, d in pairs
+        ]
+        moved = self.courier.move(pieces, r_from, r_to, key, structs)
+        if moved is None:
+            return None
+        n = len(pairs)
+        return [
+            _assemble(
+                (self.n_dev[r_to],) + tuple(a.shape),
+                self.rank_every[r_to],
+                {d: p for (_, d), p in zip(pairs, moved[i * n : (i + 1) * n], strict=True)},
             )
-        return _assemble((self.n_dev[r_to],) + v.shape[1:], self.rank_every[r_to], pieces)
+            for i, a in enumerate(avals)
+        ]
+
+    def _regrouping(self, r_from: int, r_to: int) -> list[tuple]:
+        """``(sender's device, receiver's device)`` for each device of rank `r_to`, in order.
+
+        The sender's device with the receiver's data and fsdp coordinates and
+        the first index of every other axis: the value is the same on each
+        device of the model axes, so any of them would do.
+        """
+        src, dst = self.meshes[r_from], self.meshes[r_to]
+        batch = {dst.axis_names.index(a) for a in self.batch_axes}
+        return [
+            (
+                src.devices[tuple(i if a in batch else 0 for a, i in enumerate(index))],
+                dst.devices[index],
+            )
+            for index in np.ndindex(dst.devices.shape)
+        ]
 
     def _loss_zero(self):
         r = self.stage_to_rank[-1]
@@ -919,31 +946,20 @@ class RankPrograms:
         ]
 
 
-def _refuse_regrouping_across_processes(schedule, meshes, courier, pipe_axis: str) -> None:
-    """Refuses what ranks of different mesh shapes cannot hand each other.
+def _refuse_evictions_across_shapes(schedule, meshes) -> None:
+    """Refuses an EVICT to a partner whose mesh has another shape.
 
     A stage's output and input gradient are the same on every device of the
-    model axes, so they move between meshes of different shapes (a copy per
-    device, within a process). Residuals are each device's own block: an
-    EVICT to a partner of another shape, and any regrouping between
-    processes, are refused by name.
+    model axes, so they move between meshes of different shapes (`_move`);
+    residuals are each device's own block, so they do not.
     """
     shape = [m.devices.shape for m in meshes]
-    rank_of = schedule.stage_to_rank
     for r, _, a in schedule.all_actions():
         if a.kind == "EVICT" and shape[r] != shape[a.partner]:
             raise ValueError(
                 f"rank {r}'s {a} sends residuals to rank {a.partner}, whose mesh has another "
                 f"shape ({dict(meshes[a.partner].shape)} against {dict(meshes[r].shape)}); "
                 "residuals are each device's own block, so evict to a rank of the same shape"
-            )
-    for s in range(schedule.num_stages - 1):
-        r, q = rank_of[s], rank_of[s + 1]
-        if shape[r] != shape[q] and courier.processes[r] != courier.processes[q]:
-            raise ValueError(
-                f"stages {s} and {s + 1} run on ranks {r} and {q}, whose meshes differ in shape "
-                f"and lie in different processes; moving values between such ranks runs within "
-                "a process only, for now: give ranks in different processes meshes of one shape"
             )
 
 

@@ -466,11 +466,19 @@ class Pipeline:
             return self._pack_per_rank(layout, params_list)
         return layout.pack(params_list, self.mesh, self.pipe_axis)
 
-    def _pack_per_rank(self, layout: ParamLayout, params_list) -> list[dict]:
-        """Each rank's own buckets, ``{bucket: Array [1, *row]}`` on its own mesh."""
+    def _pack_per_rank(self, layout: ParamLayout, params_list) -> list[dict | None]:
+        """Each rank's own buckets, ``{bucket: Array [1, *row]}`` on its own mesh.
+
+        None for the ranks of other processes (their stages are only read where
+        their devices are, so they may be shape structs here).
+        """
         shardings = self.param_sharding
+        here = jax.process_index()
         out = []
-        for r in range(len(self.rank_meshes)):
+        for r, mesh in enumerate(self.rank_meshes):
+            if not any(d.process_index == here for d in mesh.devices.flat):
+                out.append(None)
+                continue
             rows = {}
             for s, stage_params in enumerate(params_list):
                 if layout.stage_to_rank[s] != r:
@@ -586,10 +594,12 @@ class Pipeline:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
         if self.layout is None:
             raise ValueError("pack parameters first, so the pipeline knows their layout")
-        if self.rank_meshes is not None:
+        if self.rank_meshes is not None:  # None for stages whose rank is another process's
             layout = self.layout
             return [
-                jax.tree.unflatten(
+                None
+                if packed[layout.stage_to_rank[s]] is None
+                else jax.tree.unflatten(
                     layout.trees[s],
                     [
                         np.asarray(packed[layout.stage_to_rank[s]][name])[0].reshape(shape)

@@ -10,6 +10,10 @@ with `jpipe.initialize_distributed` and then, by MODE:
   `unpack` across processes (evaluation across processes, `Pipeline.loss`,
   is the trainer's, tested there); prints one
   ``RESULT {json}`` line.
+* ``rank_meshes``: the per-rank lowering with one mesh per rank across the
+  2 processes (ranks 0 and 1 of tensor 1 in process 0, rank 2 of tensor 2
+  in process 1: stage 1's output is regrouped between the processes);
+  prints the loss's and its ranks' gradients' error against the whole model.
 * ``raise``: process 1 raises; the others wait in a collective.
 """
 
@@ -58,6 +62,34 @@ def _pipeline() -> dict:
     return out
 
 
+def _rank_meshes() -> dict:
+    import jax
+
+    import jpipe
+    from jpipe import models, testing
+    from jpipe.models import gpt
+
+    config = models.GPTConfig(
+        vocab_size=32, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32
+    )
+    meshes = jpipe.make_rank_meshes([{"tensor": 1}, {"tensor": 1}, {"tensor": 2}])
+    model = models.make_stages(config, (1, 2, 1), tensor_axis="tensor")
+    params = model.init(0)
+    pipe = jpipe.Pipeline(model.stages, jpipe.get_schedule("1f1b", 3, 4), meshes, lowering="mpmd")
+    packed = pipe.pack(params, gpt.tensor_specs(config, params))
+    batch = models.example_batch(config, batch_size=8, seed=3)
+    out = {"process": jax.process_index(), "ranks": [p is not None for p in packed]}
+    for _ in range(2):  # the second step reuses every transfer's kind under new ids
+        loss, grads = pipe.value_and_grad(packed, batch)
+    whole = models.make_stages(config, (1, 2, 1))
+    want_loss, want = jpipe.reference_value_and_grad(whole.stages, params, batch, 4)
+    got = pipe.unpack(grads)
+    mine = [s for s, g in enumerate(got) if g is not None]
+    _, rel = testing.compare((loss, [got[s] for s in mine]), (want_loss, [want[s] for s in mine]))
+    out.update(stages=mine, rel=float(rel))
+    return out
+
+
 def main(mode: str) -> int:
     import jax
 
@@ -67,6 +99,9 @@ def main(mode: str) -> int:
 
     if mode == "pipeline":
         print("RESULT " + json.dumps(_pipeline()), flush=True)
+        return 0
+    if mode == "rank_meshes":
+        print("RESULT " + json.dumps(_rank_meshes()), flush=True)
         return 0
     if mode == "raise":
         jax.devices()

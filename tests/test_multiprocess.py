@@ -137,6 +137,22 @@ def test_checker_pack_and_unpack_across_two_processes():
     assert out.count("PASS") == 2
 
 
+def test_ranks_of_different_shapes_across_two_processes_are_exact():
+    # Ranks 0 and 1 (tensor 1) in process 0, rank 2 (tensor 2) in process 1: the
+    # activation and its gradient are regrouped between the shapes through the
+    # transfer API, one single-device piece per receiving device.
+    status, out, err, _ = _run([WORKER, "rank_meshes"])
+    assert status == 0, err[-3000:]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT" in line
+    ]
+    assert sorted(r["process"] for r in results) == [0, 1]
+    for r in results:
+        assert r["ranks"] == ([True, True, False] if r["process"] == 0 else [False, False, True])
+        assert r["stages"] == ([0, 1] if r["process"] == 0 else [2])
+        assert r["rel"] <= 1e-5, r  # float32, as the compiler tests
+
+
 def test_an_exception_in_one_process_ends_the_run_naming_it():
     status, _, err, seconds = _run([WORKER, "raise"])
     assert status == 1

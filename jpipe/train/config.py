@@ -124,8 +124,8 @@ class MeshConfig:
                 raise config_error(
                     "mesh.tensor_per_rank",
                     self.tensor_per_rank,
-                    "runs in one process for now (ranks of different shapes hand values within "
-                    "a process); accepted: mesh.pipe_hosts=0 and mesh.data_hosts=0",
+                    "takes each rank's devices in order, which mesh.pipe_hosts and "
+                    "mesh.data_hosts do not apply to; accepted: both 0",
                 )
 
     @property

@@ -224,6 +224,15 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
     elif c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
+        if jax.process_count() > 1:
+            raise config_error(
+                "mesh.tensor_per_rank",
+                c.mesh.tensor_per_rank,
+                "trains in one process for now: each rank's parameters then live on one "
+                "process's devices, and orbax refuses to checkpoint such host-local arrays in "
+                "a multi-process run (jpipe.Pipeline itself runs ranks of different shapes "
+                "across processes); accepted: '' (one mesh) in a multi-process run",
+            )
         mesh = jpipe.make_rank_meshes(
             [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
             devices,
