@@ -442,9 +442,15 @@ class RankPrograms:
         }
 
     def _finish_grads(self, r: int):
-        """Rank `r`'s gradients averaged over the batch axes (fsdp summed where no scatter did)."""
+        """Rank `r`'s gradients averaged over the batch axes (fsdp summed where no scatter did).
+
+        None where that is the identity (unweighted, no batch axis over
+        several devices): `run` then returns the accumulated sums as they are.
+        """
         fsdp, data_axis, layout = self.fsdp, self.data_axis, self.layouts[r]
         fsdp_size = self.meshes[r].shape[fsdp] if fsdp is not None else 1
+        if not self.weighted and fsdp is None and self.meshes[r].shape.get(data_axis, 1) == 1:
+            return None
 
         def finish(acc, weight):
             out = {}
@@ -682,7 +688,10 @@ class RankPrograms:
         S, R, layout, here = self.num_stages, self.num_ranks, self.layout, self.local
         exe, rank_of, k, y = self.compiled, self.stage_to_rank, self.kernels, self._y_avals
         rows, batches = self._rank_rows(packed), self._rank_batches(batch)
-        acc = [zeros() if here[r] else None for r, zeros in enumerate(self._zeros)]
+        # Each rank's accumulators are made just before its first weight
+        # gradient (`accumulators_made`), not at the start: the rank waits for
+        # its first output gradient then, so making them costs no time.
+        acc: list = [None] * R
         last = rank_of[-1]
         loss_acc = self._loss_zero() if here[last] else None
         ops = sum(here) + here[last]
@@ -744,11 +753,15 @@ class RankPrograms:
             elif a.kind == "RELOAD_END":
                 pass  # the reader waits for the copy as for any input
             elif a.kind == "W":
+                if acc[r] is None:
+                    acc[r], ops = self._zeros[r](), ops + 1
                 own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
                 acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), kept.pop((s, mb)), own_acc))
                 del own_acc
             else:
                 g = [] if s == S - 1 else g_in.pop((s, mb))
+                if a.kind == "B" and acc[r] is None:
+                    acc[r], ops = self._zeros[r](), ops + 1
                 if a.kind == "I":
                     dx, kept[(s, mb)] = exe[s]["I"](*head, res[(s, mb)], g)
                 elif not self.fused_backward:  # a B as its I, then its W
@@ -784,11 +797,15 @@ class RankPrograms:
                 per_rank.append(None)
                 continue
             w = self._ones[r] if not self.weighted else jax.device_put(weight, self._scalar[r])
+            if acc[r] is None:  # a rank without a stage
+                acc[r] = self._zeros[r]()
+            # Averaging over no batch axis, unweighted: the sums are the gradients.
+            finished = acc[r] if self._finish[r] is None else self._finish[r](acc[r], w)
+            ops += self._finish[r] is not None
             if self.shaped:
-                per_rank.append(self._finish[r](acc[r], w))
-                ops += 1
+                per_rank.append(finished)
                 continue
-            finished = {**self._finish[r](acc[r], w), **self._padding[r]()}
+            finished = {**finished, **self._padding[r]()}
             for b, g in finished.items():
                 by_device[b].update(_by_device([g]))
             ops += 2
@@ -902,6 +919,18 @@ class RankPrograms:
             out.append(list(held))
         return out
 
+    def accumulators_made(self) -> list[int]:
+        """Per rank, the position in `order` of its first weight gradient (W or B).
+
+        `run` makes the rank's gradient accumulators just before it (a rank
+        with none: after the op list).
+        """
+        made = [len(self.order)] * self.num_ranks
+        for i, (r, a) in reversed(list(enumerate(self.order))):
+            if a.kind in ("W", "B"):
+                made[r] = i
+        return made
+
     def account(self) -> list[RankMemory | None]:
         """Each rank's `RankMemory`, from the op list and the compiled pieces (`compile` first).
 
@@ -927,16 +956,18 @@ class RankPrograms:
         grads = [sum(bucket_bytes(b, r) for b in self.rank_buckets[r]) for r in range(R)]
         held = self.held_values()
         values = [max((h[r] for h in held), default=0) for r in range(R)]
-        peak = list(grads)
+        made = self.accumulators_made()
+        peak = list(grads)  # at the step's end every rank holds its gradients
         largest = [0] * R
         before = [0] * R
-        for (r, a), after in zip(self.order, held, strict=True):
+        for i, ((r, a), after) in enumerate(zip(self.order, held, strict=True)):
             work = self.piece_working_bytes(a.stage, a.kind) if self.local[r] else 0
             largest[r] = max(largest[r], work)
+            acc = [grads[q] if i >= made[q] else 0 for q in range(R)]
             # While a piece runs its inputs are still held and its outputs being made.
-            peak[r] = max(peak[r], grads[r] + before[r] + work)
+            peak[r] = max(peak[r], acc[r] + before[r] + work)
             for q in range(R):
-                peak[q] = max(peak[q], grads[q] + after[q])
+                peak[q] = max(peak[q], acc[q] + after[q])
             before = after
         return [
             RankMemory(params[r], grads[r], values[r], peak[r], largest[r])
