@@ -64,12 +64,15 @@ table names at the start of the next tick, before anything reads.
 - ``res``: residuals from each F kept for its backward, and ``carry``: what
   each I keeps for its W. These are sized in bytes, not slots: each rank's
   values are placed at row offsets by `jpipe._ticks.pack_lifetimes` at their
-  own stage's size, one buffer of rows of `ROW` elements per dtype, and every
-  device allocates the largest rank's extent (in SPMD every device runs the
-  same program), not the busiest rank's count times the widest stage;
+  own stage's size, in one buffer of rows of `ROW` raw 32-bit words whatever
+  their dtypes (`_Arena`), and every device allocates the largest rank's
+  extent (in SPMD every device runs the same program), not the busiest
+  rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
-Values in the buffers are flat, one vector per dtype (`jpipe._stage.FlatLayout`).
+Values in the io buffer are flat, one vector per dtype (`jpipe._stage.FlatLayout`);
+in the residual and carry buffers each leaf starts on a row of its own and
+is written and read by itself.
 Parameters arrive packed in buckets (`jpipe._pack`): a rank's row of a bucket
 is one of its own stages' arrays, which the stage's branch reshapes in place.
 """
@@ -77,6 +80,7 @@ is one of its own stages' arrays, which the stage's branch reshapes in place.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -92,9 +96,9 @@ from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merg
 from jpipe._ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
 
 ROW = 128
-"""Elements per row of the residual and carry buffers: values are placed at
-row offsets, so offsets stay small integers whatever the model's size, and a
-value wastes less than a row per dtype."""
+"""32-bit words per row of the value buffer: values are placed at row offsets,
+so offsets stay small integers whatever the model's size, and a leaf wastes
+less than a row."""
 
 
 class Program(NamedTuple):
@@ -106,8 +110,8 @@ class Program(NamedTuple):
       kernels: the stages' F, I and W pieces it runs.
       classes: the class of each stage: stages of one class share one branch.
       table: the integer table ``[ticks, ranks, columns]`` the program scans.
-      arena_rows: ``{"res": {dtype: rows}, "carry": {...}}``, the buffers'
-        sizes in rows of `ROW` elements.
+      arena_rows: the value buffer's size in rows of `ROW` 32-bit words (every
+        residual and carry a device keeps, whatever its dtype).
       control: ``"cond"`` or ``"switch"``, the shape of its conditionals
         (`CONTROLS`).
     """
@@ -116,10 +120,10 @@ class Program(NamedTuple):
     kernels: tuple[StageKernels, ...]
     classes: tuple[int, ...] = ()
     table: np.ndarray | None = None
-    arena_rows: dict | None = None
+    arena_rows: int = 0
     control: str = "cond"
 
-    ROW = ROW  # elements per row of the residual and carry buffers
+    ROW = ROW  # words per row of the value buffer
 
 
 CONTROLS = ("auto", "cond", "switch")
@@ -262,95 +266,181 @@ def _rows(n: int) -> int:
     return -(-n // ROW)
 
 
-class _Arena:
-    """A byte-sized buffer: one ``[rows, ROW]`` array per dtype, and each value's row offsets.
+WORD = np.dtype(np.uint32)
+"""What the value buffer holds: every kept value as raw 32-bit words, whatever its dtypes."""
 
-    A write is one `dynamic_update_slice` per dtype. Written inside a piece's
-    own branch (`write_value`), it is as wide as the value. Written after a
-    switch over the stage classes (`merge`, then `write`), it is as wide as
-    the widest stage's value (`width`): the branch returns its value followed
-    by what the buffer already holds after it, so a narrower value leaves its
-    neighbours as they were, and the buffer has room past the last value for
-    that widest write (`widest_writes`).
+
+def _words_per(dt) -> tuple[int, np.dtype]:
+    """How a dtype becomes words: ``(elements per word, the raw dtype bitcast on the way)``.
+
+    Negative counts mean words per element (64-bit types: ``-2``). Booleans go
+    through ``uint8``; floats and integers narrower than 32 bits are packed,
+    2 or 4 to a word, as raw bits. (A bfloat16 buffer was costly on XLA:CPU
+    in jaxlib 0.10: it computed a `dynamic_update_slice` into it in float32,
+    a loop that converted every element of the whole buffer there and back
+    for each write, where a write of raw words touches only its own rows.)
+    """
+    dt = np.dtype(dt)
+    if dt == np.bool_:
+        return 4, np.dtype(np.uint8)
+    size = dt.itemsize
+    if size >= 4:
+        return -(size // 4), dt
+    return 4 // size, np.dtype({1: np.uint8, 2: np.uint16}[size])
+
+
+def _leaf_rows(shape, dt) -> int:
+    n = math.prod(shape)
+    per, _ = _words_per(dt)
+    words = n * -per if per < 0 else -(-n // per)
+    return _rows(words)
+
+
+def _value_rows(layout: FlatLayout) -> tuple[int, list[int]]:
+    """A value's rows in the buffer: ``(rows, [row of each leaf])``.
+
+    Each leaf starts on a row of its own, so it is written and read by itself
+    (one `dynamic_update_slice` or `dynamic_slice` per leaf): no concatenation
+    of the leaves, and no copy of the whole value, exists on the way.
+    """
+    rows, at = 0, []
+    for shape, dt in zip(layout.shapes, layout.dtypes):
+        at.append(rows)
+        rows += _leaf_rows(shape, dt)
+    return rows, at
+
+
+def _as_rows(leaf):
+    """`leaf` as ``[rows, ROW]`` words, zero-padded to a row (`_words_per`)."""
+    per, raw = _words_per(leaf.dtype)
+    flat = jnp.ravel(leaf)
+    if flat.dtype == np.bool_:
+        flat = flat.astype(raw)
+    elif flat.dtype != raw:
+        flat = lax.bitcast_convert_type(flat, raw)
+    if per > 1:  # several elements to a word
+        pad = -flat.shape[0] % (per * ROW)
+        if pad:
+            flat = jnp.concatenate([flat, jnp.zeros((pad,), raw)])
+        flat = lax.bitcast_convert_type(flat.reshape(-1, per), WORD)
+    else:  # one word per element, or several words to one
+        flat = lax.bitcast_convert_type(flat, WORD).reshape(-1)
+        pad = -flat.shape[0] % ROW
+        if pad:
+            flat = jnp.concatenate([flat, jnp.zeros((pad,), WORD)])
+    return flat.reshape(-1, ROW)
+
+
+def _from_rows(rows, shape, dt):
+    """The inverse of `_as_rows`: a leaf of `shape` and `dt` from its ``[rows, ROW]`` words."""
+    n = math.prod(shape)
+    dt = np.dtype(dt)
+    per, raw = _words_per(dt)
+    flat = rows.reshape(-1)
+    if per > 1:
+        flat = lax.bitcast_convert_type(flat, raw).reshape(-1)[:n]
+    elif per < 0:
+        flat = lax.bitcast_convert_type(flat[: n * -per].reshape(n, -per), raw)
+    else:
+        flat = lax.bitcast_convert_type(flat[:n], raw)
+    if dt == np.bool_:
+        return (flat != 0).reshape(shape)
+    if raw != dt:
+        flat = lax.bitcast_convert_type(flat, dt)
+    return flat.reshape(shape)
+
+
+class _Arena:
+    """A value buffer: ``[rows, ROW]`` words per device, and where each value sits in it.
+
+    The residuals (one arena) and the I-to-W carries (another) live in
+    buffers of raw 32-bit words (`WORD`), so values of every dtype share its
+    rows: each rank's values are placed by `pack_lifetimes` at their own
+    sizes, and the buffer is the largest rank's extent of all its values
+    together. (A buffer per dtype made every device allocate the sum over
+    dtypes of the largest rank's extent of each: on GPT-2-small's ZB-H1 at 8
+    ranks the head's rank keeps the most float32 residuals, the middle ranks
+    the most bfloat16 ones, 2.1 GiB more than any one rank's values.) The
+    carries keep a buffer of their own because an I reads residuals and
+    writes its carry in one branch: in one buffer, XLA could not order every
+    read before the write and copied the whole buffer.
+
+    A value's leaves each start on a row (`_value_rows`) and are written and
+    read one by one, as raw bits. Written inside a piece's own branch
+    (`write_value`), a value is as wide as it is. Written after a switch over
+    the stage classes (`merge`, then `write`), it is as wide as the widest
+    stage's value of its kind (`width`): the branch returns the buffer's rows
+    from the value's offset on, its leaves written over them, so a narrower
+    value leaves its neighbours as they were, and the buffer has room past
+    such a value for that widest write (the kinds in `widest`).
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        name: str,
-        layouts: list[FlatLayout],
-        keep: bool = True,
-        widest_writes: bool = True,
-    ):
-        """Places `plan`'s values of arena `name`; with `keep` False the buffer is empty."""
-        used = {dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]} if keep else ()
-        self.dtypes = sorted(used)
-        self.width = {dt: max(_rows(lay.sizes.get(dt, 0)) for lay in layouts) for dt in self.dtypes}
-        self.rows: dict = {}
-        self.offset: dict = {}  # key -> {dtype: row}
-        for dt in self.dtypes:
-            write = self.width[dt] if widest_writes else 0
-            rows = write
-            for ivs in plan.lifetimes.get(name, ()):
-                extent, offsets = pack_lifetimes(
-                    ivs, lambda key, dt=dt: _rows(layouts[key[0]].sizes.get(dt, 0))
-                )
-                rows = max(rows, extent, *(off + write for off in offsets.values()))
-                for key, off in offsets.items():
-                    self.offset.setdefault(key, {})[dt] = off
-            self.rows[dt] = rows
+    def __init__(self, plan: Plan, layouts: dict, widest: tuple[str, ...] = ()):
+        """Places `plan`'s values: ``layouts[kind][stage]`` is each kind's `FlatLayout`."""
+        self.value_rows = {
+            kind: [_value_rows(lay)[0] for lay in lays] for kind, lays in layouts.items()
+        }
+        self.leaf_rows = {
+            kind: [_value_rows(lay)[1] for lay in lays] for kind, lays in layouts.items()
+        }
+        self.width = {kind: max(rows, default=0) for kind, rows in self.value_rows.items()}
+        self.offset: dict = {}  # (kind, stage, microbatch) -> row
+        self.rows = 0
+        for r in range(plan.num_ranks):
+            intervals = [
+                (start, end, (kind, *key))
+                for kind in layouts
+                for start, end, key in (plan.lifetimes.get(kind) or [()] * plan.num_ranks)[r]
+            ]
+            extent, offsets = pack_lifetimes(intervals, lambda key: self.value_rows[key[0]][key[1]])
+            ends = (off + self.width[key[0]] for key, off in offsets.items() if key[0] in widest)
+            self.rows = max(self.rows, extent, *ends)
+            self.offset.update(offsets)
 
-    def zeros(self) -> dict:
-        return {dt: jnp.zeros((n, ROW), dt) for dt, n in self.rows.items()}
+    def zeros(self):
+        return jnp.zeros((self.rows, ROW), WORD)
 
-    def merge(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
-        """The write of `leaves` at `offsets`: the value, then the buffer's own rows after it."""
-        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items()}
-        packed = layout.pack(leaves, widths)
-        out = {}
-        for dt, width in self.width.items():
-            own = packed[dt].reshape(-1, ROW) if widths.get(dt) else None
-            n = 0 if own is None else own.shape[0]
-            if n == width:
-                out[dt] = own
-                continue
-            rest = lax.dynamic_slice(buf[dt], (offsets[dt] + n, 0), (width - n, ROW))
-            out[dt] = rest if own is None else jnp.concatenate([own, rest])
+    def merge(self, buf, kind: str, stage: int, leaves, offset):
+        """The write of `leaves` at `offset`: the buffer's rows there, the leaves over them."""
+        out = lax.dynamic_slice(buf, (offset, 0), (self.width[kind], ROW))
+        for leaf, row in zip(leaves, self.leaf_rows[kind][stage]):
+            if leaf.size:
+                out = lax.dynamic_update_slice(out, _as_rows(leaf), (row, 0))
         return out
 
-    def write_value(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
-        """Writes `leaves` at `offsets`, as wide as they are (inside their own branch)."""
-        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items() if n}
-        packed = layout.pack(leaves, widths)
-        return {
-            dt: lax.dynamic_update_slice(b, packed[dt].reshape(-1, ROW), (offsets[dt], 0))
-            if dt in packed
-            else b
-            for dt, b in buf.items()
-        }
+    def write_value(self, buf, kind: str, stage: int, leaves, offset):
+        """Writes `leaves` at `offset`, each by itself, as wide as they are."""
+        if not self.rows:  # a forward-only program keeps nothing
+            return buf
+        for leaf, row in zip(leaves, self.leaf_rows[kind][stage]):
+            if leaf.size:
+                buf = lax.dynamic_update_slice(buf, _as_rows(leaf), (offset + row, 0))
+        return buf
 
-    def write(self, buf: dict, values: dict, offsets: dict) -> dict:
-        return {
-            dt: lax.dynamic_update_slice(b, values[dt], (offsets[dt], 0)) for dt, b in buf.items()
-        }
+    def write(self, buf, value, offset):
+        return lax.dynamic_update_slice(buf, value, (offset, 0))
 
-    def load(self, buf: dict, layout: FlatLayout, offsets: dict) -> list:
-        flat = {
-            dt: lax.dynamic_slice(buf[dt], (offsets[dt], 0), (_rows(n), ROW)).reshape(-1)
-            for dt, n in layout.sizes.items()
-            if n
-        }
-        return layout.unpack(flat)
+    def load(self, buf, kind: str, stage: int, layout: FlatLayout, offset) -> list:
+        """Reads a value's leaves back, each by its own `dynamic_slice`."""
+        out = []
+        for shape, dt, row in zip(layout.shapes, layout.dtypes, self.leaf_rows[kind][stage]):
+            if not math.prod(shape):
+                out.append(jnp.zeros(shape, dt))
+                continue
+            rows = lax.dynamic_slice(buf, (offset + row, 0), (_leaf_rows(shape, dt), ROW))
+            out.append(_from_rows(rows, shape, dt))
+        return out
 
 
 def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tuple[np.ndarray, dict]:
-    """The plan's table with each piece's branch and buffer row offsets added.
+    """The plan's table with each piece's branch and value buffer rows added.
 
     Returns the ``int32`` table and ``{column name: index}``. Beside
     `Plan.COLUMNS` and the channels' io slots, for each kind ``k`` in
     ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class) and, for each
-    buffer the piece reads or writes and each of its dtypes, the value's row
-    offset (``k_res:dtype``, ``k_carry:dtype``).
+    value the piece reads or writes, its row in that value's buffer
+    (``k_res_row``, ``k_carry_row``; `arenas` maps ``"res"`` and ``"carry"``
+    to their `_Arena`).
     """
     base = plan.table(idle=idle).astype(np.int32)
     T, R, _ = base.shape
@@ -365,16 +455,15 @@ def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tupl
     lookup = np.array((0,) + tuple(1 + c for c in classes), np.int32)
     for kind in STAGE_COLUMNS:
         add(kind.replace("stage", "branch"), lookup[base[:, :, col[kind]]])
-    for arena, kinds in (("res", "fiw"), ("carry", "iw")):
-        a = arenas[arena]
+    for value, kinds in (("res", "fiw"), ("carry", "iw")):
         for k in kinds:
             stage = base[:, :, col[f"{k}_stage"]] - 1
             mb = base[:, :, col[f"{k}_microbatch"]]
-            for dt in a.dtypes:
-                values = np.zeros((T, R), np.int32)
-                for t, r in zip(*np.nonzero(stage >= 0)):
-                    values[t, r] = a.offset.get((int(stage[t, r]), int(mb[t, r])), {}).get(dt, 0)
-                add(f"{k}_{arena}:{dt}", values)
+            values = np.zeros((T, R), np.int32)
+            for t, r in zip(*np.nonzero(stage >= 0)):
+                key = (value, int(stage[t, r]), int(mb[t, r]))
+                values[t, r] = arenas[value].offset.get(key, 0)
+            add(f"{k}_{value}_row", values)
     return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
 
 
@@ -454,19 +543,15 @@ def build_step(
     members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
-    # A forward-only program keeps nothing for a backward.
-    res = _Arena(
-        plan, "res", [k.res_layout for k in kernels], keep=not forward_only, widest_writes=False
-    )
     control = _resolve_control(control, mesh)
     # Under the switch every branch writes its carry in place, as wide as it
     # is; under the conds the switch returns it widened (`_Arena.merge`).
+    # (A forward-only plan has no lifetimes: its buffer is empty.)
+    res = _Arena(plan, {"res": [k.res_layout for k in kernels]})
     carry = _Arena(
         plan,
-        "carry",
-        [k.carry_layout for k in kernels],
-        keep=not forward_only,
-        widest_writes=control == "cond",
+        {"carry": [k.carry_layout for k in kernels]},
+        widest=("carry",) if control == "cond" else (),
     )
     buckets = layout.buckets
     table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
@@ -488,9 +573,6 @@ def build_step(
             new = jnp.where(used, values[dt], old)
             out[dt] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
         return out
-
-    def offsets(row, name, arena):
-        return {dt: row[col[f"{name}:{dt}"]] for dt in arena.dtypes}
 
     def inputs_of(batch_mb, mb):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
@@ -529,7 +611,7 @@ def build_step(
                 )
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
             y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
-            res_buf = res.write_value(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
+            res_buf = res.write_value(res_buf, "res", s, residuals, row[col["f_res_row"]])
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
                 return res_buf, zero_send(), loss_piece.astype(loss_dtype)
@@ -542,7 +624,7 @@ def build_step(
         k = kernels[s]
 
         def run(flat, batch_mb, io, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, k.res_layout, offsets(row, "i_res", res))
+            residuals = res.load(res_buf, "res", s, k.res_layout, row[col["i_res_row"]])
             if s == S - 1 and weighted:
                 # d(total) = 1 and d(weight) = 0: the step divides by the summed
                 # weights once, at the end (the weight must not depend on the
@@ -555,10 +637,10 @@ def build_step(
             inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
             dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
-            at = offsets(row, "i_carry", carry)
+            at = row[col["i_carry_row"]]
             if control == "switch":  # in place, inside this branch
-                return carry.write_value(carry_buf, k.carry_layout, kept, at), send
-            return carry.merge(carry_buf, k.carry_layout, kept, at), send
+                return carry.write_value(carry_buf, "carry", s, kept, at), send
+            return carry.merge(carry_buf, "carry", s, kept, at), send
 
         return run
 
@@ -568,8 +650,8 @@ def build_step(
         names = layout.stage_buckets(s)
 
         def run(flat, batch_mb, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, k.res_layout, offsets(row, "w_res", res))
-            kept = carry.load(carry_buf, k.carry_layout, offsets(row, "w_carry", carry))
+            residuals = res.load(res_buf, "res", s, k.res_layout, row[col["w_res_row"]])
+            kept = carry.load(carry_buf, "carry", s, k.carry_layout, row[col["w_carry_row"]])
             inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
             params = layout.stage_params(s, gathered(flat, s))
             dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
@@ -666,7 +748,7 @@ def build_step(
                 kept, send = lax.switch(
                     i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
                 )
-                return carry.write(carry_buf, kept, offsets(row, "i_carry", carry)), send
+                return carry.write(carry_buf, kept, row[col["i_carry_row"]]), send
 
             carry_buf, send_i = lax.cond(
                 i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
@@ -789,5 +871,5 @@ def build_step(
     def run(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(table))
 
-    arena_rows = {"res": dict(res.rows), "carry": dict(carry.rows)}
+    arena_rows = {"res": res.rows, "carry": carry.rows}
     return Program(run, tuple(kernels), classes, table, arena_rows, control)
