@@ -70,6 +70,15 @@ table names at the start of the next tick, before anything reads.
   rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
+**Memory actions** (`jpipe._ticks.Plan`'s `moves` and ``f_mode``): an FC
+runs a branch of its class that writes no residuals, a recompute the F's
+own branch reading the FC's kept io slot; evictions and loads ride *lanes*,
+one `ppermute` each every tick outside any branch (`move_lanes`), written
+on arrival in a two-way `cond`; offloads and reloads copy rows to and from
+a host buffer (`jax.memory.Space.Host`) in a `cond` per class. All copies
+run at the start of their tick, before its pieces (docs/design.md, "Memory
+actions in the SPMD program").
+
 Values in the io buffer are flat, one vector per dtype (`jpipe._stage.FlatLayout`);
 in the residual and carry buffers each leaf starts on a row of its own and
 is written and read by itself.
@@ -110,18 +119,21 @@ class Program(NamedTuple):
       kernels: the stages' F, I and W pieces it runs.
       classes: the class of each stage: stages of one class share one branch.
       table: the integer table ``[ticks, ranks, columns]`` the program scans.
-      arena_rows: the value buffer's size in rows of `ROW` 32-bit words (every
-        residual and carry a device keeps, whatever its dtype).
+      arena_rows: ``{"res", "carry", "host"}``: each buffer's size in rows of
+        `ROW` 32-bit words (every residual, I-to-W carry and offloaded
+        residual a device keeps, whatever its dtype).
       control: ``"cond"`` or ``"switch"``, the shape of its conditionals
         (`CONTROLS`).
+      lanes: the collectives that carry evicted and loaded residuals (`Lane`).
     """
 
     run: Callable
     kernels: tuple[StageKernels, ...]
     classes: tuple[int, ...] = ()
     table: np.ndarray | None = None
-    arena_rows: int = 0
+    arena_rows: dict | None = None
     control: str = "cond"
+    lanes: tuple = ()
 
     ROW = ROW  # words per row of the value buffer
 
@@ -432,15 +444,78 @@ class _Arena:
         return out
 
 
-def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tuple[np.ndarray, dict]:
+class Lane(NamedTuple):
+    """One collective that carries evicted and loaded residuals between ranks, every tick.
+
+    Attributes:
+      stage_class: the class of the stages whose residuals it carries (all
+        as wide: `rows`).
+      perm: its ``(sender, receiver)`` pairs, each rank at most once on each
+        side (a `lax.ppermute` permutation).
+      rows: the rows of the buffer it moves.
+    """
+
+    stage_class: int
+    perm: tuple[tuple[int, int], ...]
+    rows: int
+
+
+def move_lanes(plan: Plan, classes, value_rows) -> tuple[tuple[Lane, ...], dict]:
+    """Groups the plan's evictions and loads into lanes: ``(lanes, {move: lane index})``.
+
+    A lane carries residuals of one stage class, along a fixed permutation
+    of ranks, at most one value per sender a tick. Each move takes the first
+    lane of its class that has its pair, or can take it (neither rank
+    already in the permutation on that side), and is free in its tick; else
+    a new lane. BPipe's pairs (rank r and R - 1 - r, both ways) make one
+    lane per class.
+    """
+    lanes: list[dict] = []  # {"c": class, "perm": {src: dst}, "busy": set of ticks}
+    index = {}
+    for move in plan.moves:
+        if move.kind not in ("EVICT", "LOAD"):
+            continue
+        c = classes[move.stage]
+
+        def fits(lane, move=move, c=c):
+            perm = lane["perm"]
+            pair = perm.get(move.src) == move.dst or (
+                move.src not in perm and move.dst not in perm.values()
+            )
+            return lane["c"] == c and pair and move.tick not in lane["busy"]
+
+        i = next((i for i, lane in enumerate(lanes) if fits(lane)), len(lanes))
+        if i == len(lanes):
+            lanes.append({"c": c, "perm": {}, "busy": set()})
+        lanes[i]["perm"][move.src] = move.dst
+        lanes[i]["busy"].add(move.tick)
+        index[move] = i
+    out = tuple(
+        Lane(lane["c"], tuple(sorted(lane["perm"].items())), value_rows[classes.index(lane["c"])])
+        for lane in lanes
+    )
+    return out, index
+
+
+def program_table(
+    plan: Plan, classes, arenas: dict, idle: bool = False, fc_classes: tuple = (), lanes=((), {})
+) -> tuple[np.ndarray, dict]:
     """The plan's table with each piece's branch and value buffer rows added.
 
     Returns the ``int32`` table and ``{column name: index}``. Beside
     `Plan.COLUMNS` and the channels' io slots, for each kind ``k`` in
-    ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class) and, for each
-    value the piece reads or writes, its row in that value's buffer
-    (``k_res_row``, ``k_carry_row``; `arenas` maps ``"res"`` and ``"carry"``
-    to their `_Arena`).
+    ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class; for an FC,
+    1 + the number of classes + its class's place in `fc_classes`) and, for
+    each value the piece reads or writes, its row in that value's buffer
+    (``k_res_row``, ``k_carry_row``; `arenas` maps ``"res"``, ``"carry"``
+    and ``"host"`` to their `_Arena`).
+
+    The copies of memory actions (`Plan.moves`): for each of `lanes`
+    (``(lanes, {move: lane})``, `move_lanes`), ``lane{i}_send`` (the row the
+    sender reads), ``lane{i}_recv`` (the row the receiver writes) and
+    ``lane{i}_on`` (1 where the receiver writes); for the host copies,
+    ``host_class`` (0: none; 1 + the stage's class), ``host_reload`` (0: an
+    offload, 1: a reload), ``host_res_row`` and ``host_row``.
     """
     base = plan.table(idle=idle).astype(np.int32)
     T, R, _ = base.shape
@@ -452,18 +527,60 @@ def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tupl
         names[name] = base.shape[2] + len(extra)
         extra.append(values)
 
+    C = max(classes) + 1
     lookup = np.array((0,) + tuple(1 + c for c in classes), np.int32)
+    fc_lookup = np.array(
+        (0,) + tuple(1 + C + fc_classes.index(c) if c in fc_classes else 0 for c in classes),
+        np.int32,
+    )
     for kind in STAGE_COLUMNS:
-        add(kind.replace("stage", "branch"), lookup[base[:, :, col[kind]]])
+        branch = lookup[base[:, :, col[kind]]]
+        if kind == "f_stage":
+            fc = base[:, :, col["f_mode"]] == Plan.F_MODES["FC"]
+            branch = np.where(fc, fc_lookup[base[:, :, col[kind]]], branch)
+        add(kind.replace("stage", "branch"), branch)
+    modes = {v: k for k, v in Plan.F_MODES.items()}
     for value, kinds in (("res", "fiw"), ("carry", "iw")):
         for k in kinds:
             stage = base[:, :, col[f"{k}_stage"]] - 1
             mb = base[:, :, col[f"{k}_microbatch"]]
             values = np.zeros((T, R), np.int32)
             for t, r in zip(*np.nonzero(stage >= 0)):
-                key = (value, int(stage[t, r]), int(mb[t, r]))
-                values[t, r] = arenas[value].offset.get(key, 0)
+                s, m = int(stage[t, r]), int(mb[t, r])
+                piece = modes[int(base[t, r, col["f_mode"]])] if k == "f" else k.upper()
+                key = plan.res_key.get((piece, s, m), (s, m)) if value == "res" else (s, m)
+                values[t, r] = arenas[value].offset.get((value, *key), 0)
             add(f"{k}_{value}_row", values)
+    if not plan.moves:
+        return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
+    lane_list, lane_of = lanes
+    columns = {}
+    for i in range(len(lane_list)):
+        for what in ("send", "recv", "on"):
+            columns[f"lane{i}_{what}"] = np.zeros((T, R), np.int32)
+    for what in ("host_class", "host_reload", "host_res_row", "host_row"):
+        columns[what] = np.zeros((T, R), np.int32)
+    res, host = arenas["res"], arenas.get("host")
+    for move in plan.moves:
+        t, s, m = move.tick, move.stage, move.microbatch
+        if idle:
+            continue
+        if move.kind in ("EVICT", "LOAD"):
+            i = lane_of[move]
+            columns[f"lane{i}_send"][t, move.src] = res.offset[("res", *move.src_key)]
+            columns[f"lane{i}_recv"][t, move.dst] = res.offset[("res", *move.dst_key)]
+            columns[f"lane{i}_on"][t, move.dst] = 1
+            continue
+        reload = move.kind == "RELOAD"
+        device_key, host_key = (
+            (move.dst_key, move.src_key) if reload else (move.src_key, move.dst_key)
+        )
+        columns["host_class"][t, move.src] = 1 + classes[s]
+        columns["host_reload"][t, move.src] = int(reload)
+        columns["host_res_row"][t, move.src] = res.offset[("res", *device_key)]
+        columns["host_row"][t, move.src] = host.offset[("host", *host_key)]
+    for name, values in columns.items():
+        add(name, values)
     return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
 
 
@@ -553,8 +670,18 @@ def build_step(
         {"carry": [k.carry_layout for k in kernels]},
         widest=("carry",) if control == "cond" else (),
     )
+    # Memory actions: the classes with an FC (a branch that keeps nothing),
+    # the lanes evictions and loads ride, the host buffer offloads go to.
+    fc_classes = tuple(sorted({classes[s] for _, _, (k, s, _) in plan.pieces() if k == "FC"}))
+    lanes = move_lanes(plan, classes, res.value_rows["res"])
+    host = _Arena(plan, {"host": [k.res_layout for k in kernels]})
+    host_classes = tuple(
+        sorted({classes[m.stage] for m in plan.moves if m.kind in ("OFFLOAD", "RELOAD")})
+    )
     buckets = layout.buckets
-    table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
+    table, col = program_table(
+        plan, classes, {"res": res, "carry": carry, "host": host}, idle, fc_classes, lanes
+    )
 
     def zero_send():
         return {dt: jnp.zeros((n,), dt) for dt, n in io_widths.items()}
@@ -597,7 +724,12 @@ def build_step(
     # Branch c of each switch runs the pieces of class c (any member stands
     # for all: they trace to the same program and read the same buckets).
 
-    def make_f(c):
+    def make_f(c, keep=True):
+        """Class `c`'s F; without `keep`, its FC: the forward keeping nothing.
+
+        A recompute runs the F's branch: the table points its input at the
+        FC's kept io slot, sends its output nowhere and drops its loss.
+        """
         s = members[c][0]
         k = kernels[s]
 
@@ -611,7 +743,8 @@ def build_step(
                 )
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
             y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
-            res_buf = res.write_value(res_buf, "res", s, residuals, row[col["f_res_row"]])
+            if keep:
+                res_buf = res.write_value(res_buf, "res", s, residuals, row[col["f_res_row"]])
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
                 return res_buf, zero_send(), loss_piece.astype(loss_dtype)
@@ -665,7 +798,7 @@ def build_step(
     classes_range = range(len(members))
     own = [set(layout.stage_buckets(members[c][0])) for c in classes_range]
     several_stages_per_rank = len(set(plan.stage_to_rank)) < S
-    f_branches = [make_f(c) for c in classes_range]
+    f_branches = [make_f(c) for c in classes_range] + [make_f(c, False) for c in fc_classes]
     i_branches = [make_i(c) for c in classes_range]
     w_branches = [make_w(c) for c in classes_range]
 
@@ -681,6 +814,9 @@ def build_step(
             {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
             res.zeros(),
             carry.zeros(),
+            # Offloaded residuals, in the host's memory (pinned_host) where
+            # the platform has it (XLA:CPU keeps it with the rest).
+            jax.device_put(host.zeros(), jax.memory.Space.Host) if host_classes else None,
             # The io writes of the tick before: (slot, value) for the local
             # hand-overs of F and I outputs and for each channel's arrival.
             (
@@ -699,7 +835,7 @@ def build_step(
             res_buf, send_f, loss_piece = lax.switch(
                 f_class + 1,
                 [lambda rb: (rb, zero_send(), loss_zero)]
-                + [forward_case(c) for c in classes_range],
+                + [forward_case(c) for c in range(len(f_branches))],
                 res_buf,
             )
             if forward_only:
@@ -732,7 +868,7 @@ def build_step(
             # F: a cond per class, each writing its residuals in place, as
             # wide as they are.
             forward = (res_buf, zero_send(), loss_zero)
-            for c in classes_range:
+            for c in range(len(f_branches)):  # the classes' F, then their FC
 
                 def run_forward(state, c=c):
                     return f_branches[c](flat, batch_mb, io, state[0], row)
@@ -777,8 +913,43 @@ def build_step(
 
         run_pieces = pieces_by_switch if control == "switch" else pieces_by_cond
 
+        def move_residuals(res_buf, host_buf, row):
+            """The tick's evictions, loads, offloads and reloads, before its pieces.
+
+            Every lane's collective runs every tick, outside any branch; the
+            receiver writes what arrived, and a host copy runs, in a two-way
+            `cond` (in place). Each lane's send reads the buffer as the lanes
+            before left it, so every read comes before the write it races.
+            """
+            for i, lane in enumerate(lanes[0]):
+                send = lax.dynamic_slice(res_buf, (row[col[f"lane{i}_send"]], 0), (lane.rows, ROW))
+                arrived = lax.ppermute(send, pipe_axis, lane.perm)
+
+                def land(b, arrived=arrived, i=i):
+                    return lax.dynamic_update_slice(b, arrived, (row[col[f"lane{i}_recv"]], 0))
+
+                res_buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, res_buf)
+            for c in host_classes:
+                rows = res.value_rows["res"][members[c][0]]
+                here = row[col["host_class"]] == 1 + c
+                reload = row[col["host_reload"]] > 0
+
+                def offload(h, rows=rows, res_buf=res_buf):
+                    v = lax.dynamic_slice(res_buf, (row[col["host_res_row"]], 0), (rows, ROW))
+                    v = jax.device_put(v, jax.memory.Space.Host)
+                    return lax.dynamic_update_slice(h, v, (row[col["host_row"]], 0))
+
+                def bring_back(b, rows=rows, host_buf=host_buf):
+                    v = lax.dynamic_slice(host_buf, (row[col["host_row"]], 0), (rows, ROW))
+                    v = jax.device_put(v, jax.memory.Space.Device)
+                    return lax.dynamic_update_slice(b, v, (row[col["host_res_row"]], 0))
+
+                host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
+                res_buf = lax.cond(here & reload, bring_back, lambda b: b, res_buf)
+            return res_buf, host_buf
+
         def tick(state, row):
-            grads, loss, io, res_buf, carry_buf, (write_slots, write_values) = state
+            grads, loss, io, res_buf, carry_buf, host_buf, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
             # The previous tick's io writes land first, before this tick reads
             # anything. (Writing them at the end of their own tick, as the
@@ -787,6 +958,8 @@ def build_step(
             # whole io buffer three times a tick to be safe.)
             for k in range(num_writes):
                 io = write_io(io, write_slots[k], write_values[k])
+            if plan.moves:
+                res_buf, host_buf = move_residuals(res_buf, host_buf, row)
 
             # Column `{kind}_branch` is 0 when no piece of that kind runs here,
             # else 1 + the stage's class.
@@ -794,6 +967,10 @@ def build_step(
             grads, res_buf, carry_buf, send_f, send_i, loss_piece = run_pieces(
                 flat, batch_mb, io, grads, res_buf, carry_buf, row, classes
             )
+            if fc_classes:  # a recompute's loss was counted by its FC
+                loss_piece = jnp.where(
+                    row[col["f_mode"]] == Plan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
+                )
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
             values = [send_f, send_i]
@@ -811,7 +988,7 @@ def build_step(
                 slots.append(row[len(COLUMNS) + i])
                 values.append(arrived)
             pending = (jnp.stack(slots), values)
-            return (grads, loss, io, res_buf, carry_buf, pending), None
+            return (grads, loss, io, res_buf, carry_buf, host_buf, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, state0, tab)
         if fsdp is not None:
@@ -871,5 +1048,5 @@ def build_step(
     def run(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(table))
 
-    arena_rows = {"res": res.rows, "carry": carry.rows}
-    return Program(run, tuple(kernels), classes, table, arena_rows, control)
+    arena_rows = {"res": res.rows, "carry": carry.rows, "host": host.rows}
+    return Program(run, tuple(kernels), classes, table, arena_rows, control, lanes[0])

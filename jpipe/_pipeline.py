@@ -296,9 +296,9 @@ class Pipeline:
                 f"{len(self.stages)} stage functions"
             )
         self.num_microbatches = info.num_microbatches
-        # The per-rank lowering runs memory actions; the SPMD program's tick
-        # plan (which it keeps for stage_to_rank and figures) is of the
-        # compute without them. The SPMD lowering refuses them by name.
+        # The per-rank lowering runs memory actions itself; the SPMD program's
+        # tick plan (which it keeps for stage_to_rank and figures) is of the
+        # compute without them. The SPMD plan lays them out (jpipe._ticks).
         planned = schedule.without_memory_actions() if lowering == "mpmd" else schedule
         self.plan = make_plan(planned, tick_layout)
         self.forward_plan = make_forward_plan(planned)
