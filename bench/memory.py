@@ -194,6 +194,10 @@ def row(
         "remat_logits": config.remat_logits,
         "param_bytes": param_bytes,
         "own_param_bytes": max(own),
+        # each value buffer of the program (residuals, I-to-W carries, host copies)
+        "arena_bytes": {
+            k: rows * jpipe.Program.ROW * 4 for k, rows in pipe.program(batch).arena_rows.items()
+        },
     }
 
 

@@ -23,20 +23,18 @@ as wide as they are, W its weight gradients into its own stage's buckets.
 The default where XLA updates a buffer in place through a switch whose
 branches write it (jaxlib 0.12's XLA:CPU).
 
-``"cond"``, ``classes + 4`` conditionals a tick (``2 classes + 2`` with
-several stages per rank), for an XLA that copies the buffer through such a
-switch (jaxlib 0.10's XLA:CPU copies it in every writing branch, `python -m
-bench.xla_limits`) but not through a two-way `cond` whose other branch
-passes it through:
+``"cond"``, ``2 classes + 2`` conditionals a tick (``3 classes`` with
+several stages per rank; one more per class with an FC), for an XLA that
+copies the buffer through such a switch (jaxlib 0.10's XLA:CPU copies it in
+every writing branch, `python -m bench.xla_limits`) but not through a
+two-way `cond` whose other branch passes it through:
 
-- **F**: one two-way `lax.cond` per class (does this rank run that class's
-  F this tick?), whose branch runs the F and writes its residuals into the
-  buffer in place, as wide as they are.
-- **I**: one two-way `cond` (does this rank run an I?) around one
-  `lax.switch` over the classes; the switch returns the carry to write, as
-  wide as the widest class's, followed by what the buffer holds after it,
-  and the `cond` makes the one in-place write.
-- **W**: the same, the `cond` adding the switch's weight gradients to the
+- **F** and **I**: one two-way `lax.cond` per class (does this rank run
+  that class's piece this tick?), whose branch runs the piece and writes
+  its residuals, or its carry, into the buffer in place, as wide as they
+  are.
+- **W**: a two-way `cond` (does this rank run a W?) around a `lax.switch`
+  over the classes, the `cond` adding the switch's weight gradients to the
   accumulator; on ranks with several stages a `cond` per class instead, each
   adding to its own stage's buckets only, as a switch would add zeros to the
   rank's other stages' buckets (8 to 10% of interleaved 1F1B's step on the
@@ -46,11 +44,11 @@ A switch that returns the value instead of writing it makes it exist twice
 for a moment and makes every write as wide as the widest class's; for the
 residuals, the largest values a step keeps, that cost 4 to 10% of the
 per-device temp on GPT-2-small shapes (`docs/compiler-measurements.md`), so
-under ``"cond"`` F pays a conditional per class to write in place, while the
-smaller carries keep the switch. (A single switch per kind whose write
-follows it would have fewer conditionals, but an idle tick would then write
-back what the buffer holds, which made the benchmark GPT's all-idle step
-several times slower; ``"switch"`` writes inside the branches instead.)
+under ``"cond"`` F and I pay a conditional per class to write in place.
+(A single switch per kind whose write follows it would have fewer
+conditionals, but an idle tick would then write back what the buffer holds,
+which made the benchmark GPT's all-idle step several times slower;
+``"switch"`` writes inside the branches instead.)
 The io writes are selects, not branches, under both.
 After the conditionals every rank takes part in the same collectives, one
 `ppermute` per channel of the plan, outside any branch. What arrives, and
@@ -140,8 +138,8 @@ class Program(NamedTuple):
 
 CONTROLS = ("auto", "cond", "switch")
 """How a tick branches (`build_step`'s `control`): ``"cond"``, a two-way
-`lax.cond` per piece kind around a switch over the stage classes, F's a cond
-per class (``classes + 4`` conditionals a tick); ``"switch"``, one `lax.switch`
+`lax.cond` around a switch over the stage classes for W, F and I a cond per
+class (``2 classes + 2`` conditionals a tick); ``"switch"``, one `lax.switch`
 per piece kind with an idle branch, every branch writing its buffer in place
 (3 a tick); ``"auto"``, the switch where this XLA updates a buffer in place
 through one (`switch_writes_in_place`), else the conds."""
@@ -365,29 +363,28 @@ def _from_rows(rows, shape, dt):
 class _Arena:
     """A value buffer: ``[rows, ROW]`` words per device, and where each value sits in it.
 
-    The residuals (one arena) and the I-to-W carries (another) live in
-    buffers of raw 32-bit words (`WORD`), so values of every dtype share its
-    rows: each rank's values are placed by `pack_lifetimes` at their own
-    sizes, and the buffer is the largest rank's extent of all its values
-    together. (A buffer per dtype made every device allocate the sum over
-    dtypes of the largest rank's extent of each: on GPT-2-small's ZB-H1 at 8
-    ranks the head's rank keeps the most float32 residuals, the middle ranks
-    the most bfloat16 ones, 2.1 GiB more than any one rank's values.) The
-    carries keep a buffer of their own because an I reads residuals and
-    writes its carry in one branch: in one buffer, XLA could not order every
-    read before the write and copied the whole buffer.
+    The residuals live in one such buffer, the I-to-W carries in another,
+    the offloaded residuals in a third (in host memory where the platform
+    has it), each of raw 32-bit words (`WORD`) so that values of every dtype
+    share its rows: each rank's values are placed by `pack_lifetimes` at
+    their own sizes, and the buffer is the largest rank's extent of all its
+    values together. (A buffer per dtype made every device allocate the sum
+    over dtypes of the largest rank's extent of each: on GPT-2-small's ZB-H1
+    at 8 ranks the head's rank keeps the most float32 residuals, the middle
+    ranks the most bfloat16 ones, 2.1 GiB more than any one rank's values.)
+    Residuals and carries in one buffer would need less where the ranks
+    keeping the most of each differ (ZB-V: 0.6 GiB on GPT-2-small shapes),
+    but an I reads residuals and writes its carry in one branch, and with
+    both in one buffer XLA copied the whole buffer: in float32 models even
+    with the write ordered after every read, in bfloat16 ones where a read
+    fed nothing but the input gradient.
 
     A value's leaves each start on a row (`_value_rows`) and are written and
-    read one by one, as raw bits. Written inside a piece's own branch
-    (`write_value`), a value is as wide as it is. Written after a switch over
-    the stage classes (`merge`, then `write`), it is as wide as the widest
-    stage's value of its kind (`width`): the branch returns the buffer's rows
-    from the value's offset on, its leaves written over them, so a narrower
-    value leaves its neighbours as they were, and the buffer has room past
-    such a value for that widest write (the kinds in `widest`).
+    read one by one, as raw bits, inside the branch of the piece that makes
+    or reads them, as wide as they are.
     """
 
-    def __init__(self, plan: Plan, layouts: dict, widest: tuple[str, ...] = ()):
+    def __init__(self, plan: Plan, layouts: dict):
         """Places `plan`'s values: ``layouts[kind][stage]`` is each kind's `FlatLayout`."""
         self.value_rows = {
             kind: [_value_rows(lay)[0] for lay in lays] for kind, lays in layouts.items()
@@ -395,8 +392,7 @@ class _Arena:
         self.leaf_rows = {
             kind: [_value_rows(lay)[1] for lay in lays] for kind, lays in layouts.items()
         }
-        self.width = {kind: max(rows, default=0) for kind, rows in self.value_rows.items()}
-        self.offset: dict = {}  # (kind, stage, microbatch) -> row
+        self.offset: dict = {}  # (kind, stage, microbatch[, j]) -> row
         self.rows = 0
         for r in range(plan.num_ranks):
             intervals = [
@@ -405,20 +401,11 @@ class _Arena:
                 for start, end, key in (plan.lifetimes.get(kind) or [()] * plan.num_ranks)[r]
             ]
             extent, offsets = pack_lifetimes(intervals, lambda key: self.value_rows[key[0]][key[1]])
-            ends = (off + self.width[key[0]] for key, off in offsets.items() if key[0] in widest)
-            self.rows = max(self.rows, extent, *ends)
+            self.rows = max(self.rows, extent)
             self.offset.update(offsets)
 
     def zeros(self):
         return jnp.zeros((self.rows, ROW), WORD)
-
-    def merge(self, buf, kind: str, stage: int, leaves, offset):
-        """The write of `leaves` at `offset`: the buffer's rows there, the leaves over them."""
-        out = lax.dynamic_slice(buf, (offset, 0), (self.width[kind], ROW))
-        for leaf, row in zip(leaves, self.leaf_rows[kind][stage]):
-            if leaf.size:
-                out = lax.dynamic_update_slice(out, _as_rows(leaf), (row, 0))
-        return out
 
     def write_value(self, buf, kind: str, stage: int, leaves, offset):
         """Writes `leaves` at `offset`, each by itself, as wide as they are."""
@@ -428,9 +415,6 @@ class _Arena:
             if leaf.size:
                 buf = lax.dynamic_update_slice(buf, _as_rows(leaf), (offset + row, 0))
         return buf
-
-    def write(self, buf, value, offset):
-        return lax.dynamic_update_slice(buf, value, (offset, 0))
 
     def load(self, buf, kind: str, stage: int, layout: FlatLayout, offset) -> list:
         """Reads a value's leaves back, each by its own `dynamic_slice`."""
@@ -664,12 +648,11 @@ def build_step(
     # Under the switch every branch writes its carry in place, as wide as it
     # is; under the conds the switch returns it widened (`_Arena.merge`).
     # (A forward-only plan has no lifetimes: its buffer is empty.)
+    # A buffer for the residuals and one for the I-to-W carries, each of
+    # every dtype; every value written in place inside its own branch. The
+    # pieces pass both on as one pair, ``buf = (residuals, carries)``.
     res = _Arena(plan, {"res": [k.res_layout for k in kernels]})
-    carry = _Arena(
-        plan,
-        {"carry": [k.carry_layout for k in kernels]},
-        widest=("carry",) if control == "cond" else (),
-    )
+    carry = _Arena(plan, {"carry": [k.carry_layout for k in kernels]})
     # Memory actions: the classes with an FC (a branch that keeps nothing),
     # the lanes evictions and loads ride, the host buffer offloads go to.
     fc_classes = tuple(sorted({classes[s] for _, _, (k, s, _) in plan.pieces() if k == "FC"}))
@@ -733,8 +716,8 @@ def build_step(
         s = members[c][0]
         k = kernels[s]
 
-        def run(flat, batch_mb, io, res_buf, row):
-            """Runs the F and writes its residuals in place: ``(res_buf, send, loss_piece)``."""
+        def run(flat, batch_mb, io, buf, row):
+            """Runs the F and writes its residuals in place: ``(buf, send, loss_piece)``."""
             x = None
             if s > 0:
                 prev = kernels[s - 1]
@@ -744,11 +727,12 @@ def build_step(
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
             y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
             if keep:
-                res_buf = res.write_value(res_buf, "res", s, residuals, row[col["f_res_row"]])
+                res_buf = res.write_value(buf[0], "res", s, residuals, row[col["f_res_row"]])
+                buf = (res_buf, buf[1])
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return res_buf, zero_send(), loss_piece.astype(loss_dtype)
-            return res_buf, k.y_layout.pack(y, io_widths), loss_zero
+                return buf, zero_send(), loss_piece.astype(loss_dtype)
+            return buf, k.y_layout.pack(y, io_widths), loss_zero
 
         return run
 
@@ -756,8 +740,9 @@ def build_step(
         s = members[c][0]
         k = kernels[s]
 
-        def run(flat, batch_mb, io, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, "res", s, k.res_layout, row[col["i_res_row"]])
+        def run(flat, batch_mb, io, buf, row):
+            """Runs the I and writes its carry in place: ``(buf, send)``."""
+            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
             if s == S - 1 and weighted:
                 # d(total) = 1 and d(weight) = 0: the step divides by the summed
                 # weights once, at the end (the weight must not depend on the
@@ -771,9 +756,7 @@ def build_step(
             dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
             at = row[col["i_carry_row"]]
-            if control == "switch":  # in place, inside this branch
-                return carry.write_value(carry_buf, "carry", s, kept, at), send
-            return carry.merge(carry_buf, "carry", s, kept, at), send
+            return (buf[0], carry.write_value(buf[1], "carry", s, kept, at)), send
 
         return run
 
@@ -782,9 +765,9 @@ def build_step(
         k = kernels[s]
         names = layout.stage_buckets(s)
 
-        def run(flat, batch_mb, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, "res", s, k.res_layout, row[col["w_res_row"]])
-            kept = carry.load(carry_buf, "carry", s, k.carry_layout, row[col["w_carry_row"]])
+        def run(flat, batch_mb, buf, row):
+            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["w_res_row"]])
+            kept = carry.load(buf[1], "carry", s, k.carry_layout, row[col["w_carry_row"]])
             inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
             params = layout.stage_params(s, gathered(flat, s))
             dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
@@ -812,8 +795,7 @@ def build_step(
             {b: jnp.zeros(sh, dt) for b, (sh, dt) in local_zeros.items()},
             loss_zero,
             {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
-            res.zeros(),
-            carry.zeros(),
+            (res.zeros(), carry.zeros()),
             # Offloaded residuals, in the host's memory (pinned_host) where
             # the platform has it (XLA:CPU keeps it with the rest).
             jax.device_put(host.zeros(), jax.memory.Space.Host) if host_classes else None,
@@ -825,34 +807,34 @@ def build_step(
             ),
         )
 
-        def pieces_by_switch(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
-            """One switch per kind, branch 0 idle, every branch writing its buffer in place."""
+        def pieces_by_switch(flat, batch_mb, io, grads, buf, row, classes):
+            """One switch per kind, branch 0 idle, every branch writing the buffer in place."""
             f_class, i_class, w_class = classes
 
             def forward_case(c):
-                return lambda rb: f_branches[c](flat, batch_mb, io, rb, row)
+                return lambda b: f_branches[c](flat, batch_mb, io, b, row)
 
-            res_buf, send_f, loss_piece = lax.switch(
+            buf, send_f, loss_piece = lax.switch(
                 f_class + 1,
-                [lambda rb: (rb, zero_send(), loss_zero)]
+                [lambda b: (b, zero_send(), loss_zero)]
                 + [forward_case(c) for c in range(len(f_branches))],
-                res_buf,
+                buf,
             )
             if forward_only:
-                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+                return grads, buf, send_f, zero_send(), loss_piece
 
             def input_case(c):
-                return lambda cb: i_branches[c](flat, batch_mb, io, res_buf, cb, row)
+                return lambda b: i_branches[c](flat, batch_mb, io, b, row)
 
-            carry_buf, send_i = lax.switch(
+            buf, send_i = lax.switch(
                 i_class + 1,
-                [lambda cb: (cb, zero_send())] + [input_case(c) for c in classes_range],
-                carry_buf,
+                [lambda b: (b, zero_send())] + [input_case(c) for c in classes_range],
+                buf,
             )
 
             def weight_case(c):  # adds to its own stage's buckets only
                 def add(grads):
-                    dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                    dp = w_branches[c](flat, batch_mb, buf, row)
                     return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
                 return add
@@ -860,35 +842,33 @@ def build_step(
             grads = lax.switch(
                 w_class + 1, [lambda g: g] + [weight_case(c) for c in classes_range], grads
             )
-            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+            return grads, buf, send_f, send_i, loss_piece
 
-        def pieces_by_cond(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
-            """F: a cond per class; I and W: a cond around a switch (see the module docstring)."""
+        def pieces_by_cond(flat, batch_mb, io, grads, buf, row, classes):
+            """F and I: a cond per class; W: a cond around a switch (see the module docstring)."""
             f_class, i_class, w_class = classes
-            # F: a cond per class, each writing its residuals in place, as
-            # wide as they are.
-            forward = (res_buf, zero_send(), loss_zero)
-            for c in range(len(f_branches)):  # the classes' F, then their FC
+            # F: a cond per class (then per class with an FC), each writing its
+            # residuals in place, as wide as they are.
+            forward = (buf, zero_send(), loss_zero)
+            for c in range(len(f_branches)):
 
                 def run_forward(state, c=c):
                     return f_branches[c](flat, batch_mb, io, state[0], row)
 
                 forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
-            res_buf, send_f, loss_piece = forward
+            buf, send_f, loss_piece = forward
             if forward_only:
-                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+                return grads, buf, send_f, zero_send(), loss_piece
 
-            # I and W: the `cond` holds the one write to its buffer; the
-            # `switch` inside returns what to write.
-            def input_grad(carry_buf):
-                kept, send = lax.switch(
-                    i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
-                )
-                return carry.write(carry_buf, kept, row[col["i_carry_row"]]), send
+            # I: a cond per class, each writing its carry in place.
+            backward = (buf, zero_send())
+            for c in classes_range:
 
-            carry_buf, send_i = lax.cond(
-                i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
-            )
+                def run_input_grad(state, c=c):
+                    return i_branches[c](flat, batch_mb, io, state[0], row)
+
+                backward = lax.cond(i_class == c, run_input_grad, lambda state: state, backward)
+            buf, send_i = backward
 
             if several_stages_per_rank:
                 # One cond per class, each adding to its own stage's
@@ -898,22 +878,27 @@ def build_step(
                 for c in classes_range:
 
                     def add_weight_grad(grads, c=c):
-                        dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                        dp = w_branches[c](flat, batch_mb, buf, row)
                         return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
                     grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
             else:
 
                 def weight_grad(grads):
-                    dp = lax.switch(w_class, w_branches, flat, batch_mb, res_buf, carry_buf, row)
+                    dp = lax.switch(w_class, w_branches, flat, batch_mb, buf, row)
                     return {b: g + dp[b] for b, g in grads.items()}
 
                 grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
-            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+            return grads, buf, send_f, send_i, loss_piece
 
         run_pieces = pieces_by_switch if control == "switch" else pieces_by_cond
 
-        def move_residuals(res_buf, host_buf, row):
+        def move_residuals(buf, host_buf, row):
+            """`move_residuals_in` on the residuals of the pair ``buf``."""
+            res_buf, host_buf = move_residuals_in(buf[0], host_buf, row)
+            return (res_buf, buf[1]), host_buf
+
+        def move_residuals_in(buf, host_buf, row):
             """The tick's evictions, loads, offloads and reloads, before its pieces.
 
             Every lane's collective runs every tick, outside any branch; the
@@ -922,34 +907,38 @@ def build_step(
             before left it, so every read comes before the write it races.
             """
             for i, lane in enumerate(lanes[0]):
-                send = lax.dynamic_slice(res_buf, (row[col[f"lane{i}_send"]], 0), (lane.rows, ROW))
+                send = lax.dynamic_slice(buf, (row[col[f"lane{i}_send"]], 0), (lane.rows, ROW))
                 arrived = lax.ppermute(send, pipe_axis, lane.perm)
 
                 def land(b, arrived=arrived, i=i):
                     return lax.dynamic_update_slice(b, arrived, (row[col[f"lane{i}_recv"]], 0))
 
-                res_buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, res_buf)
+                buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, buf)
             for c in host_classes:
                 rows = res.value_rows["res"][members[c][0]]
                 here = row[col["host_class"]] == 1 + c
                 reload = row[col["host_reload"]] > 0
 
-                def offload(h, rows=rows, res_buf=res_buf):
-                    v = lax.dynamic_slice(res_buf, (row[col["host_res_row"]], 0), (rows, ROW))
+                # Each copy reads the other buffer as the copy before left it
+                # (bound when defined): a read of an older version would keep
+                # it alive beside the new one, and XLA would copy both buffers.
+                def offload(h, rows=rows, buf=buf):
+                    v = lax.dynamic_slice(buf, (row[col["host_res_row"]], 0), (rows, ROW))
                     v = jax.device_put(v, jax.memory.Space.Host)
                     return lax.dynamic_update_slice(h, v, (row[col["host_row"]], 0))
+
+                host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
 
                 def bring_back(b, rows=rows, host_buf=host_buf):
                     v = lax.dynamic_slice(host_buf, (row[col["host_row"]], 0), (rows, ROW))
                     v = jax.device_put(v, jax.memory.Space.Device)
                     return lax.dynamic_update_slice(b, v, (row[col["host_res_row"]], 0))
 
-                host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
-                res_buf = lax.cond(here & reload, bring_back, lambda b: b, res_buf)
-            return res_buf, host_buf
+                buf = lax.cond(here & reload, bring_back, lambda b: b, buf)
+            return buf, host_buf
 
         def tick(state, row):
-            grads, loss, io, res_buf, carry_buf, host_buf, (write_slots, write_values) = state
+            grads, loss, io, buf, host_buf, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
             # The previous tick's io writes land first, before this tick reads
             # anything. (Writing them at the end of their own tick, as the
@@ -959,13 +948,13 @@ def build_step(
             for k in range(num_writes):
                 io = write_io(io, write_slots[k], write_values[k])
             if plan.moves:
-                res_buf, host_buf = move_residuals(res_buf, host_buf, row)
+                buf, host_buf = move_residuals(buf, host_buf, row)
 
             # Column `{kind}_branch` is 0 when no piece of that kind runs here,
             # else 1 + the stage's class.
             classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
-            grads, res_buf, carry_buf, send_f, send_i, loss_piece = run_pieces(
-                flat, batch_mb, io, grads, res_buf, carry_buf, row, classes
+            grads, buf, send_f, send_i, loss_piece = run_pieces(
+                flat, batch_mb, io, grads, buf, row, classes
             )
             if fc_classes:  # a recompute's loss was counted by its FC
                 loss_piece = jnp.where(
@@ -988,7 +977,7 @@ def build_step(
                 slots.append(row[len(COLUMNS) + i])
                 values.append(arrived)
             pending = (jnp.stack(slots), values)
-            return (grads, loss, io, res_buf, carry_buf, host_buf, pending), None
+            return (grads, loss, io, buf, host_buf, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, state0, tab)
         if fsdp is not None:

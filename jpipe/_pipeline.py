@@ -227,8 +227,8 @@ class Pipeline:
         packed where that does not lengthen the critical path). See
         `jpipe.make_plan`.
       control: the shape of each tick's conditionals: ``"cond"`` (a
-        two-way cond per piece kind around a switch over the stage classes,
-        F a cond per class: ``classes + 4`` a tick), ``"switch"`` (one
+        two-way cond around a switch over the stage classes for W, F and I
+        a cond per class: ``2 classes + 2`` a tick), ``"switch"`` (one
         switch per piece kind, 3 a tick, for an XLA that updates buffers in
         place through a switch) or ``"auto"`` (the default: the switch where
         the devices' XLA keeps buffers in place through one, measured once

@@ -698,9 +698,26 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     value takes the lowest offset where it overlaps no value still live.
     Where all values have one size (a rank that holds one stage) this is the
     interval colouring of the slots, so the extent is the peak of live
-    values times their size, which no placement can beat; with several sizes
-    it is at least the peak of live bytes, and first fit stays close to it.
+    values times their size, which no placement can beat. With several sizes
+    (two stages a rank, residuals beside carries, a head's beside a block's)
+    first fit in order of start can leave holes that a large value does not
+    fit: then the largest values are also placed first (each at the lowest
+    offset free of every value placed before it that it meets in time), and
+    the smaller extent of the two is kept. Either is at least the peak of
+    live bytes.
     """
+    lifetimes = list(lifetimes)
+    extent, out = _first_fit_by_start(lifetimes, size_of)
+    if len({size_of(key) for _, _, key in lifetimes}) > 1:
+        largest = sorted(lifetimes, key=lambda iv: (-size_of(iv[2]), iv[0], iv[1]))
+        other = _first_fit(largest, size_of)
+        if other[0] < extent:
+            return other
+    return extent, out
+
+
+def _first_fit_by_start(lifetimes, size_of) -> tuple[int, dict]:
+    """`pack_lifetimes`' sweep: in order of start, the lowest offset free of the values live."""
     live: list[tuple[int, int, int]] = []  # (offset, size, end)
     extent, out = 0, {}
     for start, end, key in sorted(lifetimes, key=lambda iv: (iv[0], iv[1])):
@@ -714,6 +731,25 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
         out[key] = offset
         if size:
             live.append((offset, size, end))
+            extent = max(extent, offset + size)
+    return extent, out
+
+
+def _first_fit(order, size_of) -> tuple[int, dict]:
+    """Each value in `order` at the lowest offset free of those placed before it that it meets."""
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    extent, out = 0, {}
+    for start, end, key in order:
+        size = size_of(key)
+        taken = sorted((off, off + n) for a, b, off, n in placed if a <= end and start <= b)
+        offset = 0
+        for lo, hi in taken:
+            if lo - offset >= size:
+                break
+            offset = max(offset, hi)
+        out[key] = offset
+        if size:
+            placed.append((start, end, offset, size))
             extent = max(extent, offset + size)
     return extent, out
 
