@@ -111,6 +111,20 @@ def live_need(
     piece is `working` per stage (`piece_working_bytes`), or, without it,
     one activation in and one out.
     """
+    live, work = live_and_working(schedule, kernels, grad_bytes, working)
+    return [a + b for a, b in zip(live, work)]
+
+
+def live_and_working(
+    schedule: jpipe.Schedule, kernels, grad_bytes: list[int], working: list[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """The two terms of `live_need`, per rank: the simulator's peak bytes, and the
+    working set of the rank's largest piece.
+
+    Their maxima over the ranks, summed, are the *SPMD floor*: every device of
+    one SPMD program allocates the largest rank's buffers and room for the
+    largest piece, which may be on different ranks.
+    """
     sizes = jpipe.Sizes(
         activation=[_bytes(k.res_avals) for k in kernels],
         carry=[_bytes(k.carry_avals) for k in kernels],
@@ -121,10 +135,9 @@ def live_need(
     peaks = jpipe.simulate(schedule, sizes=sizes).peak_bytes
     if working is None:
         working = [2 * _bytes(jax.tree.leaves(k.y)) for k in kernels]
-    return [
-        int(peaks[r]) + max((working[s] for s in schedule.stages_of(r)), default=0)
-        for r in range(schedule.num_ranks)
-    ]
+    R = schedule.num_ranks
+    work = [max((working[s] for s in schedule.stages_of(r)), default=0) for r in range(R)]
+    return [int(p) for p in peaks], work
 
 
 def row(
@@ -159,7 +172,8 @@ def row(
     )
     kernels = pipe.stage_kernels(batch)
     working = piece_working_bytes(kernels, pipe.program(batch).classes)
-    need = live_need(schedule, kernels, stage_bytes, working)
+    live, work = live_and_working(schedule, kernels, stage_bytes, working)
+    need = [a + b for a, b in zip(live, work)]
     need_2act = live_need(schedule, kernels, stage_bytes)
     return {
         "schedule": name,
@@ -172,10 +186,18 @@ def row(
         "argument_bytes": int(memory.argument_size_in_bytes),
         "need_bytes": max(need),
         "need_per_rank": need,
+        # the SPMD floor: the largest rank's live values plus the largest piece
+        "floor_bytes": max(live) + max(work),
+        "live_per_rank": live,
+        "working_per_rank": work,
         "need_2act_bytes": max(need_2act),
         "remat_logits": config.remat_logits,
         "param_bytes": param_bytes,
         "own_param_bytes": max(own),
+        # each value buffer of the program (residuals, I-to-W carries, host copies)
+        "arena_bytes": {
+            k: rows * jpipe.Program.ROW * 4 for k, rows in pipe.program(batch).arena_rows.items()
+        },
     }
 
 

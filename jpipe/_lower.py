@@ -23,20 +23,18 @@ as wide as they are, W its weight gradients into its own stage's buckets.
 The default where XLA updates a buffer in place through a switch whose
 branches write it (jaxlib 0.12's XLA:CPU).
 
-``"cond"``, ``classes + 4`` conditionals a tick (``2 classes + 2`` with
-several stages per rank), for an XLA that copies the buffer through such a
-switch (jaxlib 0.10's XLA:CPU copies it in every writing branch, `python -m
-bench.xla_limits`) but not through a two-way `cond` whose other branch
-passes it through:
+``"cond"``, ``2 classes + 2`` conditionals a tick (``3 classes`` with
+several stages per rank; one more per class with an FC), for an XLA that
+copies the buffer through such a switch (jaxlib 0.10's XLA:CPU copies it in
+every writing branch, `python -m bench.xla_limits`) but not through a
+two-way `cond` whose other branch passes it through:
 
-- **F**: one two-way `lax.cond` per class (does this rank run that class's
-  F this tick?), whose branch runs the F and writes its residuals into the
-  buffer in place, as wide as they are.
-- **I**: one two-way `cond` (does this rank run an I?) around one
-  `lax.switch` over the classes; the switch returns the carry to write, as
-  wide as the widest class's, followed by what the buffer holds after it,
-  and the `cond` makes the one in-place write.
-- **W**: the same, the `cond` adding the switch's weight gradients to the
+- **F** and **I**: one two-way `lax.cond` per class (does this rank run
+  that class's piece this tick?), whose branch runs the piece and writes
+  its residuals, or its carry, into the buffer in place, as wide as they
+  are.
+- **W**: a two-way `cond` (does this rank run a W?) around a `lax.switch`
+  over the classes, the `cond` adding the switch's weight gradients to the
   accumulator; on ranks with several stages a `cond` per class instead, each
   adding to its own stage's buckets only, as a switch would add zeros to the
   rank's other stages' buckets (8 to 10% of interleaved 1F1B's step on the
@@ -46,11 +44,11 @@ A switch that returns the value instead of writing it makes it exist twice
 for a moment and makes every write as wide as the widest class's; for the
 residuals, the largest values a step keeps, that cost 4 to 10% of the
 per-device temp on GPT-2-small shapes (`docs/compiler-measurements.md`), so
-under ``"cond"`` F pays a conditional per class to write in place, while the
-smaller carries keep the switch. (A single switch per kind whose write
-follows it would have fewer conditionals, but an idle tick would then write
-back what the buffer holds, which made the benchmark GPT's all-idle step
-several times slower; ``"switch"`` writes inside the branches instead.)
+under ``"cond"`` F and I pay a conditional per class to write in place.
+(A single switch per kind whose write follows it would have fewer
+conditionals, but an idle tick would then write back what the buffer holds,
+which made the benchmark GPT's all-idle step several times slower;
+``"switch"`` writes inside the branches instead.)
 The io writes are selects, not branches, under both.
 After the conditionals every rank takes part in the same collectives, one
 `ppermute` per channel of the plan, outside any branch. What arrives, and
@@ -64,12 +62,24 @@ table names at the start of the next tick, before anything reads.
 - ``res``: residuals from each F kept for its backward, and ``carry``: what
   each I keeps for its W. These are sized in bytes, not slots: each rank's
   values are placed at row offsets by `jpipe._ticks.pack_lifetimes` at their
-  own stage's size, one buffer of rows of `ROW` elements per dtype, and every
-  device allocates the largest rank's extent (in SPMD every device runs the
-  same program), not the busiest rank's count times the widest stage;
+  own stage's size, in one buffer of rows of `ROW` raw 32-bit words whatever
+  their dtypes (`_Arena`), and every device allocates the largest rank's
+  extent (in SPMD every device runs the same program), not the busiest
+  rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
-Values in the buffers are flat, one vector per dtype (`jpipe._stage.FlatLayout`).
+**Memory actions** (`jpipe._ticks.Plan`'s `moves` and ``f_mode``): an FC
+runs a branch of its class that writes no residuals, a recompute the F's
+own branch reading the FC's kept io slot; evictions and loads ride *lanes*,
+one `ppermute` each every tick outside any branch (`move_lanes`), written
+on arrival in a two-way `cond`; offloads and reloads copy rows to and from
+a host buffer (`jax.memory.Space.Host`) in a `cond` per class. All copies
+run at the start of their tick, before its pieces (docs/design.md, "Memory
+actions in the SPMD program").
+
+Values in the io buffer are flat, one vector per dtype (`jpipe._stage.FlatLayout`);
+in the residual and carry buffers each leaf starts on a row of its own and
+is written and read by itself.
 Parameters arrive packed in buckets (`jpipe._pack`): a rank's row of a bucket
 is one of its own stages' arrays, which the stage's branch reshapes in place.
 """
@@ -77,6 +87,7 @@ is one of its own stages' arrays, which the stage's branch reshapes in place.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -92,9 +103,9 @@ from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merg
 from jpipe._ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
 
 ROW = 128
-"""Elements per row of the residual and carry buffers: values are placed at
-row offsets, so offsets stay small integers whatever the model's size, and a
-value wastes less than a row per dtype."""
+"""32-bit words per row of the value buffer: values are placed at row offsets,
+so offsets stay small integers whatever the model's size, and a leaf wastes
+less than a row."""
 
 
 class Program(NamedTuple):
@@ -106,10 +117,12 @@ class Program(NamedTuple):
       kernels: the stages' F, I and W pieces it runs.
       classes: the class of each stage: stages of one class share one branch.
       table: the integer table ``[ticks, ranks, columns]`` the program scans.
-      arena_rows: ``{"res": {dtype: rows}, "carry": {...}}``, the buffers'
-        sizes in rows of `ROW` elements.
+      arena_rows: ``{"res", "carry", "host"}``: each buffer's size in rows of
+        `ROW` 32-bit words (every residual, I-to-W carry and offloaded
+        residual a device keeps, whatever its dtype).
       control: ``"cond"`` or ``"switch"``, the shape of its conditionals
         (`CONTROLS`).
+      lanes: the collectives that carry evicted and loaded residuals (`Lane`).
     """
 
     run: Callable
@@ -118,14 +131,15 @@ class Program(NamedTuple):
     table: np.ndarray | None = None
     arena_rows: dict | None = None
     control: str = "cond"
+    lanes: tuple = ()
 
-    ROW = ROW  # elements per row of the residual and carry buffers
+    ROW = ROW  # words per row of the value buffer
 
 
 CONTROLS = ("auto", "cond", "switch")
 """How a tick branches (`build_step`'s `control`): ``"cond"``, a two-way
-`lax.cond` per piece kind around a switch over the stage classes, F's a cond
-per class (``classes + 4`` conditionals a tick); ``"switch"``, one `lax.switch`
+`lax.cond` around a switch over the stage classes for W, F and I a cond per
+class (``2 classes + 2`` conditionals a tick); ``"switch"``, one `lax.switch`
 per piece kind with an idle branch, every branch writing its buffer in place
 (3 a tick); ``"auto"``, the switch where this XLA updates a buffer in place
 through one (`switch_writes_in_place`), else the conds."""
@@ -266,95 +280,230 @@ def _rows(n: int) -> int:
     return -(-n // ROW)
 
 
-class _Arena:
-    """A byte-sized buffer: one ``[rows, ROW]`` array per dtype, and each value's row offsets.
+WORD = np.dtype(np.uint32)
+"""What the value buffer holds: every kept value as raw 32-bit words, whatever its dtypes."""
 
-    A write is one `dynamic_update_slice` per dtype. Written inside a piece's
-    own branch (`write_value`), it is as wide as the value. Written after a
-    switch over the stage classes (`merge`, then `write`), it is as wide as
-    the widest stage's value (`width`): the branch returns its value followed
-    by what the buffer already holds after it, so a narrower value leaves its
-    neighbours as they were, and the buffer has room past the last value for
-    that widest write (`widest_writes`).
+
+def _words_per(dt) -> tuple[int, np.dtype]:
+    """How a dtype becomes words: ``(elements per word, the raw dtype bitcast on the way)``.
+
+    Negative counts mean words per element (64-bit types: ``-2``). Booleans go
+    through ``uint8``; floats and integers narrower than 32 bits are packed,
+    2 or 4 to a word, as raw bits. (A bfloat16 buffer was costly on XLA:CPU
+    in jaxlib 0.10: it computed a `dynamic_update_slice` into it in float32,
+    a loop that converted every element of the whole buffer there and back
+    for each write, where a write of raw words touches only its own rows.)
+    """
+    dt = np.dtype(dt)
+    if dt == np.bool_:
+        return 4, np.dtype(np.uint8)
+    size = dt.itemsize
+    if size >= 4:
+        return -(size // 4), dt
+    return 4 // size, np.dtype({1: np.uint8, 2: np.uint16}[size])
+
+
+def _leaf_rows(shape, dt) -> int:
+    n = math.prod(shape)
+    per, _ = _words_per(dt)
+    words = n * -per if per < 0 else -(-n // per)
+    return _rows(words)
+
+
+def _value_rows(layout: FlatLayout) -> tuple[int, list[int]]:
+    """A value's rows in the buffer: ``(rows, [row of each leaf])``.
+
+    Each leaf starts on a row of its own, so it is written and read by itself
+    (one `dynamic_update_slice` or `dynamic_slice` per leaf): no concatenation
+    of the leaves, and no copy of the whole value, exists on the way.
+    """
+    rows, at = 0, []
+    for shape, dt in zip(layout.shapes, layout.dtypes):
+        at.append(rows)
+        rows += _leaf_rows(shape, dt)
+    return rows, at
+
+
+def _as_rows(leaf):
+    """`leaf` as ``[rows, ROW]`` words, zero-padded to a row (`_words_per`)."""
+    per, raw = _words_per(leaf.dtype)
+    flat = jnp.ravel(leaf)
+    if flat.dtype == np.bool_:
+        flat = flat.astype(raw)
+    elif flat.dtype != raw:
+        flat = lax.bitcast_convert_type(flat, raw)
+    if per > 1:  # several elements to a word
+        pad = -flat.shape[0] % (per * ROW)
+        if pad:
+            flat = jnp.concatenate([flat, jnp.zeros((pad,), raw)])
+        flat = lax.bitcast_convert_type(flat.reshape(-1, per), WORD)
+    else:  # one word per element, or several words to one
+        flat = lax.bitcast_convert_type(flat, WORD).reshape(-1)
+        pad = -flat.shape[0] % ROW
+        if pad:
+            flat = jnp.concatenate([flat, jnp.zeros((pad,), WORD)])
+    return flat.reshape(-1, ROW)
+
+
+def _from_rows(rows, shape, dt):
+    """The inverse of `_as_rows`: a leaf of `shape` and `dt` from its ``[rows, ROW]`` words."""
+    n = math.prod(shape)
+    dt = np.dtype(dt)
+    per, raw = _words_per(dt)
+    flat = rows.reshape(-1)
+    if per > 1:
+        flat = lax.bitcast_convert_type(flat, raw).reshape(-1)[:n]
+    elif per < 0:
+        flat = lax.bitcast_convert_type(flat[: n * -per].reshape(n, -per), raw)
+    else:
+        flat = lax.bitcast_convert_type(flat[:n], raw)
+    if dt == np.bool_:
+        return (flat != 0).reshape(shape)
+    if raw != dt:
+        flat = lax.bitcast_convert_type(flat, dt)
+    return flat.reshape(shape)
+
+
+class _Arena:
+    """A value buffer: ``[rows, ROW]`` words per device, and where each value sits in it.
+
+    The residuals live in one such buffer, the I-to-W carries in another,
+    the offloaded residuals in a third (in host memory where the platform
+    has it), each of raw 32-bit words (`WORD`) so that values of every dtype
+    share its rows: each rank's values are placed by `pack_lifetimes` at
+    their own sizes, and the buffer is the largest rank's extent of all its
+    values together. (A buffer per dtype made every device allocate the sum
+    over dtypes of the largest rank's extent of each: on GPT-2-small's ZB-H1
+    at 8 ranks the head's rank keeps the most float32 residuals, the middle
+    ranks the most bfloat16 ones, 2.1 GiB more than any one rank's values.)
+    Residuals and carries in one buffer would need less where the ranks
+    keeping the most of each differ (ZB-V: 0.6 GiB on GPT-2-small shapes),
+    but an I reads residuals and writes its carry in one branch, and with
+    both in one buffer XLA copied the whole buffer: in float32 models even
+    with the write ordered after every read, in bfloat16 ones where a read
+    fed nothing but the input gradient.
+
+    A value's leaves each start on a row (`_value_rows`) and are written and
+    read one by one, as raw bits, inside the branch of the piece that makes
+    or reads them, as wide as they are.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        name: str,
-        layouts: list[FlatLayout],
-        keep: bool = True,
-        widest_writes: bool = True,
-    ):
-        """Places `plan`'s values of arena `name`; with `keep` False the buffer is empty."""
-        used = {dt for lay in layouts for dt in lay.sizes if lay.sizes[dt]} if keep else ()
-        self.dtypes = sorted(used)
-        self.width = {dt: max(_rows(lay.sizes.get(dt, 0)) for lay in layouts) for dt in self.dtypes}
-        self.rows: dict = {}
-        self.offset: dict = {}  # key -> {dtype: row}
-        for dt in self.dtypes:
-            write = self.width[dt] if widest_writes else 0
-            rows = write
-            for ivs in plan.lifetimes.get(name, ()):
-                extent, offsets = pack_lifetimes(
-                    ivs, lambda key, dt=dt: _rows(layouts[key[0]].sizes.get(dt, 0))
-                )
-                rows = max(rows, extent, *(off + write for off in offsets.values()))
-                for key, off in offsets.items():
-                    self.offset.setdefault(key, {})[dt] = off
-            self.rows[dt] = rows
+    def __init__(self, plan: Plan, layouts: dict):
+        """Places `plan`'s values: ``layouts[kind][stage]`` is each kind's `FlatLayout`."""
+        self.value_rows = {
+            kind: [_value_rows(lay)[0] for lay in lays] for kind, lays in layouts.items()
+        }
+        self.leaf_rows = {
+            kind: [_value_rows(lay)[1] for lay in lays] for kind, lays in layouts.items()
+        }
+        self.offset: dict = {}  # (kind, stage, microbatch[, j]) -> row
+        self.rows = 0
+        for r in range(plan.num_ranks):
+            intervals = [
+                (start, end, (kind, *key))
+                for kind in layouts
+                for start, end, key in (plan.lifetimes.get(kind) or [()] * plan.num_ranks)[r]
+            ]
+            extent, offsets = pack_lifetimes(intervals, lambda key: self.value_rows[key[0]][key[1]])
+            self.rows = max(self.rows, extent)
+            self.offset.update(offsets)
 
-    def zeros(self) -> dict:
-        return {dt: jnp.zeros((n, ROW), dt) for dt, n in self.rows.items()}
+    def zeros(self):
+        return jnp.zeros((self.rows, ROW), WORD)
 
-    def merge(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
-        """The write of `leaves` at `offsets`: the value, then the buffer's own rows after it."""
-        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items()}
-        packed = layout.pack(leaves, widths)
-        out = {}
-        for dt, width in self.width.items():
-            own = packed[dt].reshape(-1, ROW) if widths.get(dt) else None
-            n = 0 if own is None else own.shape[0]
-            if n == width:
-                out[dt] = own
+    def write_value(self, buf, kind: str, stage: int, leaves, offset):
+        """Writes `leaves` at `offset`, each by itself, as wide as they are."""
+        if not self.rows:  # a forward-only program keeps nothing
+            return buf
+        for leaf, row in zip(leaves, self.leaf_rows[kind][stage]):
+            if leaf.size:
+                buf = lax.dynamic_update_slice(buf, _as_rows(leaf), (offset + row, 0))
+        return buf
+
+    def load(self, buf, kind: str, stage: int, layout: FlatLayout, offset) -> list:
+        """Reads a value's leaves back, each by its own `dynamic_slice`."""
+        out = []
+        for shape, dt, row in zip(layout.shapes, layout.dtypes, self.leaf_rows[kind][stage]):
+            if not math.prod(shape):
+                out.append(jnp.zeros(shape, dt))
                 continue
-            rest = lax.dynamic_slice(buf[dt], (offsets[dt] + n, 0), (width - n, ROW))
-            out[dt] = rest if own is None else jnp.concatenate([own, rest])
+            rows = lax.dynamic_slice(buf, (offset + row, 0), (_leaf_rows(shape, dt), ROW))
+            out.append(_from_rows(rows, shape, dt))
         return out
 
-    def write_value(self, buf: dict, layout: FlatLayout, leaves, offsets: dict) -> dict:
-        """Writes `leaves` at `offsets`, as wide as they are (inside their own branch)."""
-        widths = {dt: _rows(n) * ROW for dt, n in layout.sizes.items() if n}
-        packed = layout.pack(leaves, widths)
-        return {
-            dt: lax.dynamic_update_slice(b, packed[dt].reshape(-1, ROW), (offsets[dt], 0))
-            if dt in packed
-            else b
-            for dt, b in buf.items()
-        }
 
-    def write(self, buf: dict, values: dict, offsets: dict) -> dict:
-        return {
-            dt: lax.dynamic_update_slice(b, values[dt], (offsets[dt], 0)) for dt, b in buf.items()
-        }
+class Lane(NamedTuple):
+    """One collective that carries evicted and loaded residuals between ranks, every tick.
 
-    def load(self, buf: dict, layout: FlatLayout, offsets: dict) -> list:
-        flat = {
-            dt: lax.dynamic_slice(buf[dt], (offsets[dt], 0), (_rows(n), ROW)).reshape(-1)
-            for dt, n in layout.sizes.items()
-            if n
-        }
-        return layout.unpack(flat)
+    Attributes:
+      stage_class: the class of the stages whose residuals it carries (all
+        as wide: `rows`).
+      perm: its ``(sender, receiver)`` pairs, each rank at most once on each
+        side (a `lax.ppermute` permutation).
+      rows: the rows of the buffer it moves.
+    """
+
+    stage_class: int
+    perm: tuple[tuple[int, int], ...]
+    rows: int
 
 
-def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tuple[np.ndarray, dict]:
-    """The plan's table with each piece's branch and buffer row offsets added.
+def move_lanes(plan: Plan, classes, value_rows) -> tuple[tuple[Lane, ...], dict]:
+    """Groups the plan's evictions and loads into lanes: ``(lanes, {move: lane index})``.
+
+    A lane carries residuals of one stage class, along a fixed permutation
+    of ranks, at most one value per sender a tick. Each move takes the first
+    lane of its class that has its pair, or can take it (neither rank
+    already in the permutation on that side), and is free in its tick; else
+    a new lane. BPipe's pairs (rank r and R - 1 - r, both ways) make one
+    lane per class.
+    """
+    lanes: list[dict] = []  # {"c": class, "perm": {src: dst}, "busy": set of ticks}
+    index = {}
+    for move in plan.moves:
+        if move.kind not in ("EVICT", "LOAD"):
+            continue
+        c = classes[move.stage]
+
+        def fits(lane, move=move, c=c):
+            perm = lane["perm"]
+            pair = perm.get(move.src) == move.dst or (
+                move.src not in perm and move.dst not in perm.values()
+            )
+            return lane["c"] == c and pair and move.tick not in lane["busy"]
+
+        i = next((i for i, lane in enumerate(lanes) if fits(lane)), len(lanes))
+        if i == len(lanes):
+            lanes.append({"c": c, "perm": {}, "busy": set()})
+        lanes[i]["perm"][move.src] = move.dst
+        lanes[i]["busy"].add(move.tick)
+        index[move] = i
+    out = tuple(
+        Lane(lane["c"], tuple(sorted(lane["perm"].items())), value_rows[classes.index(lane["c"])])
+        for lane in lanes
+    )
+    return out, index
+
+
+def program_table(
+    plan: Plan, classes, arenas: dict, idle: bool = False, fc_classes: tuple = (), lanes=((), {})
+) -> tuple[np.ndarray, dict]:
+    """The plan's table with each piece's branch and value buffer rows added.
 
     Returns the ``int32`` table and ``{column name: index}``. Beside
     `Plan.COLUMNS` and the channels' io slots, for each kind ``k`` in
-    ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class) and, for each
-    buffer the piece reads or writes and each of its dtypes, the value's row
-    offset (``k_res:dtype``, ``k_carry:dtype``).
+    ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class; for an FC,
+    1 + the number of classes + its class's place in `fc_classes`) and, for
+    each value the piece reads or writes, its row in that value's buffer
+    (``k_res_row``, ``k_carry_row``; `arenas` maps ``"res"``, ``"carry"``
+    and ``"host"`` to their `_Arena`).
+
+    The copies of memory actions (`Plan.moves`): for each of `lanes`
+    (``(lanes, {move: lane})``, `move_lanes`), ``lane{i}_send`` (the row the
+    sender reads), ``lane{i}_recv`` (the row the receiver writes) and
+    ``lane{i}_on`` (1 where the receiver writes); for the host copies,
+    ``host_class`` (0: none; 1 + the stage's class), ``host_reload`` (0: an
+    offload, 1: a reload), ``host_res_row`` and ``host_row``.
     """
     base = plan.table(idle=idle).astype(np.int32)
     T, R, _ = base.shape
@@ -366,19 +515,60 @@ def program_table(plan: Plan, classes, arenas: dict, idle: bool = False) -> tupl
         names[name] = base.shape[2] + len(extra)
         extra.append(values)
 
+    C = max(classes) + 1
     lookup = np.array((0,) + tuple(1 + c for c in classes), np.int32)
+    fc_lookup = np.array(
+        (0,) + tuple(1 + C + fc_classes.index(c) if c in fc_classes else 0 for c in classes),
+        np.int32,
+    )
     for kind in STAGE_COLUMNS:
-        add(kind.replace("stage", "branch"), lookup[base[:, :, col[kind]]])
-    for arena, kinds in (("res", "fiw"), ("carry", "iw")):
-        a = arenas[arena]
+        branch = lookup[base[:, :, col[kind]]]
+        if kind == "f_stage":
+            fc = base[:, :, col["f_mode"]] == Plan.F_MODES["FC"]
+            branch = np.where(fc, fc_lookup[base[:, :, col[kind]]], branch)
+        add(kind.replace("stage", "branch"), branch)
+    modes = {v: k for k, v in Plan.F_MODES.items()}
+    for value, kinds in (("res", "fiw"), ("carry", "iw")):
         for k in kinds:
             stage = base[:, :, col[f"{k}_stage"]] - 1
             mb = base[:, :, col[f"{k}_microbatch"]]
-            for dt in a.dtypes:
-                values = np.zeros((T, R), np.int32)
-                for t, r in zip(*np.nonzero(stage >= 0)):
-                    values[t, r] = a.offset.get((int(stage[t, r]), int(mb[t, r])), {}).get(dt, 0)
-                add(f"{k}_{arena}:{dt}", values)
+            values = np.zeros((T, R), np.int32)
+            for t, r in zip(*np.nonzero(stage >= 0)):
+                s, m = int(stage[t, r]), int(mb[t, r])
+                piece = modes[int(base[t, r, col["f_mode"]])] if k == "f" else k.upper()
+                key = plan.res_key.get((piece, s, m), (s, m)) if value == "res" else (s, m)
+                values[t, r] = arenas[value].offset.get((value, *key), 0)
+            add(f"{k}_{value}_row", values)
+    if not plan.moves:
+        return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
+    lane_list, lane_of = lanes
+    columns = {}
+    for i in range(len(lane_list)):
+        for what in ("send", "recv", "on"):
+            columns[f"lane{i}_{what}"] = np.zeros((T, R), np.int32)
+    for what in ("host_class", "host_reload", "host_res_row", "host_row"):
+        columns[what] = np.zeros((T, R), np.int32)
+    res, host = arenas["res"], arenas.get("host")
+    for move in plan.moves:
+        t, s, m = move.tick, move.stage, move.microbatch
+        if idle:
+            continue
+        if move.kind in ("EVICT", "LOAD"):
+            i = lane_of[move]
+            columns[f"lane{i}_send"][t, move.src] = res.offset[("res", *move.src_key)]
+            columns[f"lane{i}_recv"][t, move.dst] = res.offset[("res", *move.dst_key)]
+            columns[f"lane{i}_on"][t, move.dst] = 1
+            continue
+        reload = move.kind == "RELOAD"
+        device_key, host_key = (
+            (move.dst_key, move.src_key) if reload else (move.src_key, move.dst_key)
+        )
+        columns["host_class"][t, move.src] = 1 + classes[s]
+        columns["host_reload"][t, move.src] = int(reload)
+        columns["host_res_row"][t, move.src] = res.offset[("res", *device_key)]
+        columns["host_row"][t, move.src] = host.offset[("host", *host_key)]
+    for name, values in columns.items():
+        add(name, values)
     return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
 
 
@@ -458,22 +648,27 @@ def build_step(
     members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
-    # A forward-only program keeps nothing for a backward.
-    res = _Arena(
-        plan, "res", [k.res_layout for k in kernels], keep=not forward_only, widest_writes=False
-    )
     control = _resolve_control(control, mesh)
     # Under the switch every branch writes its carry in place, as wide as it
     # is; under the conds the switch returns it widened (`_Arena.merge`).
-    carry = _Arena(
-        plan,
-        "carry",
-        [k.carry_layout for k in kernels],
-        keep=not forward_only,
-        widest_writes=control == "cond",
+    # (A forward-only plan has no lifetimes: its buffer is empty.)
+    # A buffer for the residuals and one for the I-to-W carries, each of
+    # every dtype; every value written in place inside its own branch. The
+    # pieces pass both on as one pair, ``buf = (residuals, carries)``.
+    res = _Arena(plan, {"res": [k.res_layout for k in kernels]})
+    carry = _Arena(plan, {"carry": [k.carry_layout for k in kernels]})
+    # Memory actions: the classes with an FC (a branch that keeps nothing),
+    # the lanes evictions and loads ride, the host buffer offloads go to.
+    fc_classes = tuple(sorted({classes[s] for _, _, (k, s, _) in plan.pieces() if k == "FC"}))
+    lanes = move_lanes(plan, classes, res.value_rows["res"])
+    host = _Arena(plan, {"host": [k.res_layout for k in kernels]})
+    host_classes = tuple(
+        sorted({classes[m.stage] for m in plan.moves if m.kind in ("OFFLOAD", "RELOAD")})
     )
     buckets = layout.buckets
-    table, col = program_table(plan, classes, {"res": res, "carry": carry}, idle=idle)
+    table, col = program_table(
+        plan, classes, {"res": res, "carry": carry, "host": host}, idle, fc_classes, lanes
+    )
 
     def zero_send():
         return {dt: jnp.zeros((n,), dt) for dt, n in io_widths.items()}
@@ -492,9 +687,6 @@ def build_step(
             new = jnp.where(used, values[dt], old)
             out[dt] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
         return out
-
-    def offsets(row, name, arena):
-        return {dt: row[col[f"{name}:{dt}"]] for dt in arena.dtypes}
 
     def inputs_of(batch_mb, mb):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
@@ -519,12 +711,17 @@ def build_step(
     # Branch c of each switch runs the pieces of class c (any member stands
     # for all: they trace to the same program and read the same buckets).
 
-    def make_f(c):
+    def make_f(c, keep=True):
+        """Class `c`'s F; without `keep`, its FC: the forward keeping nothing.
+
+        A recompute runs the F's branch: the table points its input at the
+        FC's kept io slot, sends its output nowhere and drops its loss.
+        """
         s = members[c][0]
         k = kernels[s]
 
-        def run(flat, batch_mb, io, res_buf, row):
-            """Runs the F and writes its residuals in place: ``(res_buf, send, loss_piece)``."""
+        def run(flat, batch_mb, io, buf, row):
+            """Runs the F and writes its residuals in place: ``(buf, send, loss_piece)``."""
             x = None
             if s > 0:
                 prev = kernels[s - 1]
@@ -533,11 +730,13 @@ def build_step(
                 )
             inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
             y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
-            res_buf = res.write_value(res_buf, k.res_layout, residuals, offsets(row, "f_res", res))
+            if keep:
+                res_buf = res.write_value(buf[0], "res", s, residuals, row[col["f_res_row"]])
+                buf = (res_buf, buf[1])
             if s == S - 1:
                 loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return res_buf, zero_send(), loss_piece.astype(loss_dtype)
-            return res_buf, k.y_layout.pack(y, io_widths), loss_zero
+                return buf, zero_send(), loss_piece.astype(loss_dtype)
+            return buf, k.y_layout.pack(y, io_widths), loss_zero
 
         return run
 
@@ -545,8 +744,9 @@ def build_step(
         s = members[c][0]
         k = kernels[s]
 
-        def run(flat, batch_mb, io, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, k.res_layout, offsets(row, "i_res", res))
+        def run(flat, batch_mb, io, buf, row):
+            """Runs the I and writes its carry in place: ``(buf, send)``."""
+            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
             if s == S - 1 and weighted:
                 # d(total) = 1 and d(weight) = 0: the step divides by the summed
                 # weights once, at the end (the weight must not depend on the
@@ -559,10 +759,8 @@ def build_step(
             inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
             dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
             send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
-            at = offsets(row, "i_carry", carry)
-            if control == "switch":  # in place, inside this branch
-                return carry.write_value(carry_buf, k.carry_layout, kept, at), send
-            return carry.merge(carry_buf, k.carry_layout, kept, at), send
+            at = row[col["i_carry_row"]]
+            return (buf[0], carry.write_value(buf[1], "carry", s, kept, at)), send
 
         return run
 
@@ -571,9 +769,9 @@ def build_step(
         k = kernels[s]
         names = layout.stage_buckets(s)
 
-        def run(flat, batch_mb, res_buf, carry_buf, row):
-            residuals = res.load(res_buf, k.res_layout, offsets(row, "w_res", res))
-            kept = carry.load(carry_buf, k.carry_layout, offsets(row, "w_carry", carry))
+        def run(flat, batch_mb, buf, row):
+            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["w_res_row"]])
+            kept = carry.load(buf[1], "carry", s, k.carry_layout, row[col["w_carry_row"]])
             inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
             params = layout.stage_params(s, gathered(flat, s))
             dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
@@ -587,7 +785,7 @@ def build_step(
     classes_range = range(len(members))
     own = [set(layout.stage_buckets(members[c][0])) for c in classes_range]
     several_stages_per_rank = len(set(plan.stage_to_rank)) < S
-    f_branches = [make_f(c) for c in classes_range]
+    f_branches = [make_f(c) for c in classes_range] + [make_f(c, False) for c in fc_classes]
     i_branches = [make_i(c) for c in classes_range]
     w_branches = [make_w(c) for c in classes_range]
 
@@ -601,8 +799,10 @@ def build_step(
             {b: jnp.zeros(sh, dt) for b, (sh, dt) in local_zeros.items()},
             loss_zero,
             {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
-            res.zeros(),
-            carry.zeros(),
+            (res.zeros(), carry.zeros()),
+            # Offloaded residuals, in the host's memory (pinned_host) where
+            # the platform has it (XLA:CPU keeps it with the rest).
+            jax.device_put(host.zeros(), jax.memory.Space.Host) if host_classes else None,
             # The io writes of the tick before: (slot, value) for the local
             # hand-overs of F and I outputs and for each channel's arrival.
             (
@@ -611,34 +811,34 @@ def build_step(
             ),
         )
 
-        def pieces_by_switch(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
-            """One switch per kind, branch 0 idle, every branch writing its buffer in place."""
+        def pieces_by_switch(flat, batch_mb, io, grads, buf, row, classes):
+            """One switch per kind, branch 0 idle, every branch writing the buffer in place."""
             f_class, i_class, w_class = classes
 
             def forward_case(c):
-                return lambda rb: f_branches[c](flat, batch_mb, io, rb, row)
+                return lambda b: f_branches[c](flat, batch_mb, io, b, row)
 
-            res_buf, send_f, loss_piece = lax.switch(
+            buf, send_f, loss_piece = lax.switch(
                 f_class + 1,
-                [lambda rb: (rb, zero_send(), loss_zero)]
-                + [forward_case(c) for c in classes_range],
-                res_buf,
+                [lambda b: (b, zero_send(), loss_zero)]
+                + [forward_case(c) for c in range(len(f_branches))],
+                buf,
             )
             if forward_only:
-                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+                return grads, buf, send_f, zero_send(), loss_piece
 
             def input_case(c):
-                return lambda cb: i_branches[c](flat, batch_mb, io, res_buf, cb, row)
+                return lambda b: i_branches[c](flat, batch_mb, io, b, row)
 
-            carry_buf, send_i = lax.switch(
+            buf, send_i = lax.switch(
                 i_class + 1,
-                [lambda cb: (cb, zero_send())] + [input_case(c) for c in classes_range],
-                carry_buf,
+                [lambda b: (b, zero_send())] + [input_case(c) for c in classes_range],
+                buf,
             )
 
             def weight_case(c):  # adds to its own stage's buckets only
                 def add(grads):
-                    dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                    dp = w_branches[c](flat, batch_mb, buf, row)
                     return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
                 return add
@@ -646,35 +846,33 @@ def build_step(
             grads = lax.switch(
                 w_class + 1, [lambda g: g] + [weight_case(c) for c in classes_range], grads
             )
-            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+            return grads, buf, send_f, send_i, loss_piece
 
-        def pieces_by_cond(flat, batch_mb, io, grads, res_buf, carry_buf, row, classes):
-            """F: a cond per class; I and W: a cond around a switch (see the module docstring)."""
+        def pieces_by_cond(flat, batch_mb, io, grads, buf, row, classes):
+            """F and I: a cond per class; W: a cond around a switch (see the module docstring)."""
             f_class, i_class, w_class = classes
-            # F: a cond per class, each writing its residuals in place, as
-            # wide as they are.
-            forward = (res_buf, zero_send(), loss_zero)
-            for c in classes_range:
+            # F: a cond per class (then per class with an FC), each writing its
+            # residuals in place, as wide as they are.
+            forward = (buf, zero_send(), loss_zero)
+            for c in range(len(f_branches)):
 
                 def run_forward(state, c=c):
                     return f_branches[c](flat, batch_mb, io, state[0], row)
 
                 forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
-            res_buf, send_f, loss_piece = forward
+            buf, send_f, loss_piece = forward
             if forward_only:
-                return grads, res_buf, carry_buf, send_f, zero_send(), loss_piece
+                return grads, buf, send_f, zero_send(), loss_piece
 
-            # I and W: the `cond` holds the one write to its buffer; the
-            # `switch` inside returns what to write.
-            def input_grad(carry_buf):
-                kept, send = lax.switch(
-                    i_class, i_branches, flat, batch_mb, io, res_buf, carry_buf, row
-                )
-                return carry.write(carry_buf, kept, offsets(row, "i_carry", carry)), send
+            # I: a cond per class, each writing its carry in place.
+            backward = (buf, zero_send())
+            for c in classes_range:
 
-            carry_buf, send_i = lax.cond(
-                i_class >= 0, input_grad, lambda c: (c, zero_send()), carry_buf
-            )
+                def run_input_grad(state, c=c):
+                    return i_branches[c](flat, batch_mb, io, state[0], row)
+
+                backward = lax.cond(i_class == c, run_input_grad, lambda state: state, backward)
+            buf, send_i = backward
 
             if several_stages_per_rank:
                 # One cond per class, each adding to its own stage's
@@ -684,23 +882,67 @@ def build_step(
                 for c in classes_range:
 
                     def add_weight_grad(grads, c=c):
-                        dp = w_branches[c](flat, batch_mb, res_buf, carry_buf, row)
+                        dp = w_branches[c](flat, batch_mb, buf, row)
                         return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
                     grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
             else:
 
                 def weight_grad(grads):
-                    dp = lax.switch(w_class, w_branches, flat, batch_mb, res_buf, carry_buf, row)
+                    dp = lax.switch(w_class, w_branches, flat, batch_mb, buf, row)
                     return {b: g + dp[b] for b, g in grads.items()}
 
                 grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
-            return grads, res_buf, carry_buf, send_f, send_i, loss_piece
+            return grads, buf, send_f, send_i, loss_piece
 
         run_pieces = pieces_by_switch if control == "switch" else pieces_by_cond
 
+        def move_residuals(buf, host_buf, row):
+            """`move_residuals_in` on the residuals of the pair ``buf``."""
+            res_buf, host_buf = move_residuals_in(buf[0], host_buf, row)
+            return (res_buf, buf[1]), host_buf
+
+        def move_residuals_in(buf, host_buf, row):
+            """The tick's evictions, loads, offloads and reloads, before its pieces.
+
+            Every lane's collective runs every tick, outside any branch; the
+            receiver writes what arrived, and a host copy runs, in a two-way
+            `cond` (in place). Each lane's send reads the buffer as the lanes
+            before left it, so every read comes before the write it races.
+            """
+            for i, lane in enumerate(lanes[0]):
+                send = lax.dynamic_slice(buf, (row[col[f"lane{i}_send"]], 0), (lane.rows, ROW))
+                arrived = lax.ppermute(send, pipe_axis, lane.perm)
+
+                def land(b, arrived=arrived, i=i):
+                    return lax.dynamic_update_slice(b, arrived, (row[col[f"lane{i}_recv"]], 0))
+
+                buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, buf)
+            for c in host_classes:
+                rows = res.value_rows["res"][members[c][0]]
+                here = row[col["host_class"]] == 1 + c
+                reload = row[col["host_reload"]] > 0
+
+                # Each copy reads the other buffer as the copy before left it
+                # (bound when defined): a read of an older version would keep
+                # it alive beside the new one, and XLA would copy both buffers.
+                def offload(h, rows=rows, buf=buf):
+                    v = lax.dynamic_slice(buf, (row[col["host_res_row"]], 0), (rows, ROW))
+                    v = jax.device_put(v, jax.memory.Space.Host)
+                    return lax.dynamic_update_slice(h, v, (row[col["host_row"]], 0))
+
+                host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
+
+                def bring_back(b, rows=rows, host_buf=host_buf):
+                    v = lax.dynamic_slice(host_buf, (row[col["host_row"]], 0), (rows, ROW))
+                    v = jax.device_put(v, jax.memory.Space.Device)
+                    return lax.dynamic_update_slice(b, v, (row[col["host_res_row"]], 0))
+
+                buf = lax.cond(here & reload, bring_back, lambda b: b, buf)
+            return buf, host_buf
+
         def tick(state, row):
-            grads, loss, io, res_buf, carry_buf, (write_slots, write_values) = state
+            grads, loss, io, buf, host_buf, (write_slots, write_values) = state
             row = row.astype(jnp.int32)
             # The previous tick's io writes land first, before this tick reads
             # anything. (Writing them at the end of their own tick, as the
@@ -709,13 +951,19 @@ def build_step(
             # whole io buffer three times a tick to be safe.)
             for k in range(num_writes):
                 io = write_io(io, write_slots[k], write_values[k])
+            if plan.moves:
+                buf, host_buf = move_residuals(buf, host_buf, row)
 
             # Column `{kind}_branch` is 0 when no piece of that kind runs here,
             # else 1 + the stage's class.
             classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
-            grads, res_buf, carry_buf, send_f, send_i, loss_piece = run_pieces(
-                flat, batch_mb, io, grads, res_buf, carry_buf, row, classes
+            grads, buf, send_f, send_i, loss_piece = run_pieces(
+                flat, batch_mb, io, grads, buf, row, classes
             )
+            if fc_classes:  # a recompute's loss was counted by its FC
+                loss_piece = jnp.where(
+                    row[col["f_mode"]] == Plan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
+                )
             loss = loss + loss_piece
             slots = [row[col["f_local"]], row[col["i_local"]]]
             values = [send_f, send_i]
@@ -733,7 +981,7 @@ def build_step(
                 slots.append(row[len(COLUMNS) + i])
                 values.append(arrived)
             pending = (jnp.stack(slots), values)
-            return (grads, loss, io, res_buf, carry_buf, pending), None
+            return (grads, loss, io, buf, host_buf, pending), None
 
         (grads, loss, *_), _ = lax.scan(tick, state0, tab)
         if fsdp is not None:
@@ -793,5 +1041,5 @@ def build_step(
     def run(packed, batch_mb):
         return program(packed, batch_mb, jnp.asarray(table))
 
-    arena_rows = {"res": dict(res.rows), "carry": dict(carry.rows)}
-    return Program(run, tuple(kernels), classes, table, arena_rows, control)
+    arena_rows = {"res": res.rows, "carry": carry.rows, "host": host.rows}
+    return Program(run, tuple(kernels), classes, table, arena_rows, control, lanes[0])

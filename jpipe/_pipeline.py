@@ -323,8 +323,8 @@ class Pipeline:
         packed where that does not lengthen the critical path). See
         `jpipe.make_plan`.
       control: the shape of each tick's conditionals: ``"cond"`` (a
-        two-way cond per piece kind around a switch over the stage classes,
-        F a cond per class: ``classes + 4`` a tick), ``"switch"`` (one
+        two-way cond around a switch over the stage classes for W, F and I
+        a cond per class: ``2 classes + 2`` a tick), ``"switch"`` (one
         switch per piece kind, 3 a tick, for an XLA that updates buffers in
         place through a switch) or ``"auto"`` (the default: the switch where
         the devices' XLA keeps buffers in place through one, measured once
@@ -399,9 +399,9 @@ class Pipeline:
                 f"{len(self.stages)} stage functions"
             )
         self.num_microbatches = info.num_microbatches
-        # The per-rank lowering runs memory actions; the SPMD program's tick
-        # plan (which it keeps for stage_to_rank and figures) is of the
-        # compute without them. The SPMD lowering refuses them by name.
+        # The per-rank lowering runs memory actions itself; the SPMD program's
+        # tick plan (which it keeps for stage_to_rank and figures) is of the
+        # compute without them. The SPMD plan lays them out (jpipe._ticks).
         planned = schedule.without_memory_actions() if lowering == "mpmd" else schedule
         self.plan = make_plan(planned, tick_layout)
         self.forward_plan = make_forward_plan(planned)

@@ -89,6 +89,35 @@ class Piece(NamedTuple):
     microbatch: int
 
 
+MOVE_KINDS = ("EVICT", "LOAD", "OFFLOAD", "RELOAD")
+
+
+class Move(NamedTuple):
+    """A copy of one ``(stage, microbatch)``'s residuals, at the start of a tick.
+
+    Attributes:
+      kind: ``"EVICT"`` (owner to partner) or ``"LOAD"`` (partner to owner),
+        which ride a collective between ranks, or ``"OFFLOAD"`` (device to
+        host) or ``"RELOAD"`` (host to device), which stay on the rank.
+      tick: the tick at whose start it runs, before the tick's pieces: its
+        source was made in an earlier tick and its reader may run in this one.
+      stage, microbatch: whose residuals.
+      src, dst: the ranks that send and receive (the owner for both
+        host copies).
+      src_key, dst_key: the lifetimes (`Plan.lifetimes`, ``"res"`` or
+        ``"host"``) it reads and starts.
+    """
+
+    kind: str
+    tick: int
+    stage: int
+    microbatch: int
+    src: int
+    dst: int
+    src_key: tuple
+    dst_key: tuple
+
+
 class Transfers(NamedTuple):
     """What a plan's transfers between ranks carry, over one step.
 
@@ -130,9 +159,24 @@ class Plan:
       slot: ``slot[("io", piece)]`` is the io slot that the value consumed by
         `piece` waits in; ``slot[("res", key)]`` the residual slot of a
         `(stage, microbatch)`; ``slot[("carry", key)]`` its I-to-W carry slot.
-      lifetimes: ``lifetimes[arena][rank]``, for ``"res"`` and ``"carry"``:
-        the ``(start, end, key)`` position intervals of each value that rank
-        keeps, for sizing the arena in bytes (`pack_lifetimes`).
+      lifetimes: ``lifetimes[arena][rank]``, for ``"res"`` and ``"carry"``
+        (and ``"host"`` for offloaded residuals): the ``(start, end, key)``
+        position intervals of each value that rank keeps, for sizing the
+        arena in bytes (`pack_lifetimes`). A residual's key is ``(stage,
+        microbatch)``; one that memory actions move lives in several
+        intervals, the later ones keyed ``(stage, microbatch, j)``, on its
+        rank, on a partner or on the host.
+      moves: the `Move` of every eviction, load, offload and reload.
+      res_key: ``res_key[(kind, stage, microbatch)]``: the residual lifetime
+        a piece writes (``F``, ``R``) or reads (``I``, ``W``).
+
+    Memory actions: an ``FC`` is a piece of kind ``"FC"`` (the forward,
+    keeping nothing but its input, whose io slot lives on until the
+    recompute), a ``RECOMPUTE`` one of kind ``"R"`` (the forward again,
+    writing the residuals, sending nothing); both use the F columns of the
+    table, told apart by ``f_mode`` (`F_MODES`). Evictions, loads and the
+    host copies are `moves`. A plan with memory actions is always laid out
+    unit, with each copy one tick long.
     """
 
     schedule: Schedule
@@ -145,8 +189,11 @@ class Plan:
     num_carry: int
     slot: dict = dataclasses.field(compare=False, hash=False, repr=False)
     lifetimes: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+    moves: tuple = ()
+    res_key: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     COLUMNS: ClassVar[tuple[str, ...]]  # the table's named columns, set below
+    F_MODES: ClassVar[dict]  # column f_mode's values, set below
 
     @property
     def num_ticks(self) -> int:
@@ -225,7 +272,7 @@ def _transfers(schedule: Schedule, when, num_ticks: int, owner, channels) -> Tra
 
 def _when(ticks, S: int, M: int) -> list[int]:
     """The tick of every piece of a tick table, indexed as `_Layout.when`."""
-    when = [-1] * (3 * S * M)
+    when = [-1] * (len(KINDS) + 1) * S * M
     for t, row in enumerate(ticks):
         for pieces in row:
             for kind, s, m in pieces:
@@ -235,7 +282,12 @@ def _when(ticks, S: int, M: int) -> list[int]:
 
 def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> float:
     """`Plan.predicted_time` of a tick table (see there)."""
-    cost = (costs or Costs()).table(analyze(schedule).num_stages)
+    costs = costs or Costs()
+    S = analyze(schedule).num_stages
+    cost = costs.table(S)
+    if schedule.has_memory_actions:
+        memory = costs.memory_table(S)
+        cost = {**cost, "FC": memory["FC"], "R": memory["RECOMPUTE"]}
     full_b = {a.key for _, _, a in schedule.all_actions() if a.kind == "B"}
     total = 0.0
     for row in ticks:
@@ -254,7 +306,16 @@ def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> flo
 
 
 _UNIT_COSTS = Costs(F=1, I=1, W=1, B=2, comm=0)
-_KIND_INDEX = {"F": 0, "I": 1, "W": 2}
+# With memory actions each copy also takes one tick (FC and RECOMPUTE cost F).
+_UNIT_MEMORY_COSTS = Costs(F=1, I=1, W=1, B=2, comm=0, evict=1, offload=1)
+# Index of each piece kind in `_Layout.when`: an FC is the key's forward; a
+# recompute (``R``) has its own.
+_KIND_INDEX = {"F": 0, "FC": 0, "I": 1, "W": 2, "R": 3}
+_NUM_KINDS = 4
+F_MODES = {"F": 0, "FC": 1, "R": 2}
+"""Column ``f_mode`` of the table: which forward-kind piece runs (see `Plan`)."""
+# A memory action's move kind, keyed by the action that begins the copy.
+_MOVE_OF = {"EVICT": "EVICT", "LOAD": "LOAD", "OFFLOAD_START": "OFFLOAD", "RELOAD_START": "RELOAD"}
 
 
 class _Layout(NamedTuple):
@@ -270,6 +331,8 @@ class _Layout(NamedTuple):
       shared: whether no rank runs both an F and an I in one tick, so that
         F and I outputs can share one collective per shift.
       kinds: the kinds of piece laid out.
+      moves: the copies of memory actions, ``(tick, kind, stage,
+        microbatch, rank, partner)`` (`Move` without its lifetimes).
     """
 
     name: str
@@ -278,6 +341,7 @@ class _Layout(NamedTuple):
     lockstep: float
     shared: bool
     kinds: tuple[str, ...]
+    moves: tuple = ()
 
 
 def _unit_layout(schedule: Schedule, sim=None) -> _Layout:
@@ -288,16 +352,20 @@ def _unit_layout(schedule: Schedule, sim=None) -> _Layout:
     """
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
-    unit = _UNIT_COSTS.table(S), _UNIT_COSTS.comm_table(S)
+    memory = schedule.has_memory_actions
+    costs = _UNIT_MEMORY_COSTS if memory else _UNIT_COSTS
+    unit = costs.table(S), costs.comm_table(S)
     if (
-        sim is None
+        memory
+        or sim is None
         or sim.schedule is not schedule
         or (sim.costs.table(S), sim.costs.comm_table(S)) != unit
     ):
-        sim = simulate(schedule, _UNIT_COSTS)
+        sim = simulate(schedule, costs)
     first = min((round(row[0]) for row in sim.starts if row), default=0)
-    when = [-1] * (3 * S * M)
+    when = [-1] * (_NUM_KINDS * S * M)
     used = set()
+    moves = []
     for r in range(schedule.num_ranks):
         for a, start in zip(schedule.actions(r), sim.starts[r]):
             t = round(start) - first
@@ -306,11 +374,19 @@ def _unit_layout(schedule: Schedule, sim=None) -> _Layout:
                 when[S * M + key] = t
                 when[2 * S * M + key] = t + 1
                 used.add(t + 1)
+            elif a.kind in _MOVE_OF:
+                # A copy one tick long runs at the start of the tick it ends in.
+                moves.append((t + 1, _MOVE_OF[a.kind], a.stage, a.microbatch, r, a.partner))
+                continue
+            elif a.kind in ("OFFLOAD_END", "RELOAD_END"):
+                continue  # waits for a copy: nothing runs
             else:
-                when[_KIND_INDEX[a.kind] * S * M + key] = t
+                kind = "R" if a.kind == "RECOMPUTE" else a.kind
+                when[_KIND_INDEX[kind] * S * M + key] = t
             used.add(t)
     num_ticks = max(used) + 1 if used else 0
-    return _Layout("unit", when, num_ticks, float(len(used)), True, KINDS)
+    num_ticks = max([num_ticks] + [m[0] + 1 for m in moves])
+    return _Layout("unit", when, num_ticks, float(len(used)), True, KINDS, tuple(sorted(moves)))
 
 
 def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layout:
@@ -335,7 +411,7 @@ def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layou
     S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
     SM = S * M
     order = {k: i for i, k in enumerate(kinds)}
-    when = [-1] * (3 * SM)
+    when = [-1] * (_NUM_KINDS * SM)
     last_tick = [-1] * R  # tick and kind order of each rank's last piece
     last_kind = [len(kinds)] * R
     in_tick = [0] * R  # pieces the rank runs in its last tick
@@ -378,6 +454,15 @@ def _choose_layout(schedule: Schedule, layout: str, sim=None) -> _Layout:
     """The `_Layout` that `make_plan` lays `schedule` out in (see there)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if schedule.has_memory_actions:
+        if layout == "packed":
+            kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
+            raise ValueError(
+                f"the schedule has memory actions ({', '.join(kinds)}), which the compiler lays "
+                "out in the unit layout only (each copy one tick long); use tick_layout='unit' "
+                "or 'auto'"
+            )
+        return _unit_layout(schedule, sim)
     if layout == "unit":
         return _unit_layout(schedule, sim)
     packed = _packed_layout(schedule)
@@ -398,8 +483,14 @@ def _ticks(schedule: Schedule, layout: _Layout):
     for r in range(R):
         for a in schedule.actions(r):
             s, m = a.stage, a.microbatch
-            for kind in ("I", "W") if a.kind == "B" else (a.kind,):
-                if kind in layout.kinds:
+            if a.kind == "B":
+                kinds = ("I", "W")
+            elif a.is_memory:
+                kinds = {"FC": ("FC",), "RECOMPUTE": ("R",)}.get(a.kind, ())
+            else:
+                kinds = (a.kind,)
+            for kind in kinds:
+                if ("F" if kind in ("FC", "R") else kind) in layout.kinds:
                     i = when[_KIND_INDEX[kind] * SM + s * M + m] * R + r
                     cells[i] = (*cells[i], new(Piece, (kind, s, m)))
     if layout.name == "unit" and any(len(p) > 1 for p in cells):
@@ -426,18 +517,22 @@ def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
 
     ``{"tick_layout", "ticks", "channels", **Plan.transfers()}``, what
     ``python -m jpipe.show`` prints; `sim`, a unit-cost simulation of
-    `schedule` where one is at hand, saves simulating it again.
+    `schedule` where one is at hand, saves simulating it again. With memory
+    actions it also counts the copies (``moves``: evictions and loads, which
+    ride collectives between ranks, and offloads and reloads).
     """
-    refuse_memory_actions(schedule)
     chosen = _choose_layout(schedule, layout, sim)
     owner = analyze(schedule).stage_to_rank
     channels = _channels(schedule, chosen)
-    return {
+    shape = {
         "tick_layout": chosen.name,
         "ticks": chosen.num_ticks,
         "channels": len(channels),
         **_transfers(schedule, chosen.when, chosen.num_ticks, owner, channels)._asdict(),
     }
+    if schedule.has_memory_actions:
+        shape["moves"] = len(chosen.moves)
+    return shape
 
 
 def _colour(intervals, arena: str, slot: dict) -> int:
@@ -514,6 +609,87 @@ def _slots(ticks, when, owner, R: int, M: int):
     return slot, tuple(counts), lifetimes
 
 
+def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
+    """`_slots` for a schedule with memory actions: ``(slot, counts, lifetimes, moves, res_key)``.
+
+    The io values are as in `_slots`, except that the input of an ``FC``
+    lives on until its recompute reads it. A residual lives from its ``F``
+    (or its recompute, ``R``) in intervals split at each `Move`, which ends
+    one (position: the start of the move's tick, before any piece reads) and
+    begins the next on the rank, the partner or the host that then holds
+    it; the last ends at its ``W``. `res_key` names the interval each piece
+    writes or reads.
+    """
+    info = analyze(schedule)
+    owner, R = info.stage_to_rank, schedule.num_ranks
+    S, M = info.num_stages, info.num_microbatches
+    SM = S * M
+    when = layout.when
+    P = _NUM_PHASES
+    io = [[] for _ in range(R)]
+    res = [[] for _ in range(R)]
+    carry = [[] for _ in range(R)]
+    host = [[] for _ in range(R)]
+    fc = set()
+    for t, row in enumerate(ticks):
+        for pieces in row:
+            for kind, s, m in pieces:
+                if kind == "FC":
+                    fc.add((s, m))
+                if kind in ("F", "FC") and s + 1 < S:
+                    # To the next stage's forward; an FC keeps it until its recompute.
+                    nxt = s + 1
+                    read = when[3 * SM + nxt * M + m]
+                    if read < 0:
+                        read = when[nxt * M + m]
+                    io[owner[nxt]].append((P * t + _PH_SEND, P * read + _PH_F_READ, ("F", nxt, m)))
+                elif kind == "I":
+                    if s > 0:
+                        end = P * when[SM + (s - 1) * M + m] + _PH_I_READ
+                        io[owner[s - 1]].append((P * t + _PH_SEND, end, ("I", s - 1, m)))
+                    w = when[2 * SM + s * M + m]
+                    carry[owner[s]].append((P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m)))
+    by_key: dict = {}
+    for tick, kind, s, m, r, partner in layout.moves:
+        by_key.setdefault((s, m), []).append((tick, kind, r, partner))
+    moves, res_key = [], {}
+    for s in range(S):
+        for m in range(M):
+            r = owner[s]
+            made = "R" if (s, m) in fc else "F"
+            start = P * when[_KIND_INDEX[made] * SM + s * M + m] + _PH_F_WRITE_RES
+            key, where, arena = (s, m), r, res
+            res_key[(made, s, m)] = key
+            spans = []  # (start, end, key) of the intervals on the rank itself
+            for j, (tick, kind, _, partner) in enumerate(sorted(by_key.get((s, m), ())), 1):
+                arena[where].append((start, P * tick, key))
+                if where == r and arena is res:
+                    spans.append((start, P * tick, key))
+                new_key = (s, m, j)
+                to, new_arena = {
+                    "EVICT": (partner, res),
+                    "LOAD": (r, res),
+                    "OFFLOAD": (r, host),
+                    "RELOAD": (r, res),
+                }[kind]
+                moves.append(Move(kind, tick, s, m, where, to, key, new_key))
+                start, key, where, arena = P * tick, new_key, to, new_arena
+            end = P * when[2 * SM + s * M + m] + _PH_W_READ
+            res[where].append((start, end, key))
+            spans.append((start, end, key))
+            res_key[("W", s, m)] = key
+            i = P * when[SM + s * M + m] + _PH_I_READ
+            res_key[("I", s, m)] = next(k for a, b, k in spans if a <= i <= b)
+    intervals = {"io": io, "res": res, "carry": carry, "host": host}
+    slot, counts = {}, []
+    for arena, per_rank in intervals.items():
+        n = max((_colour(ivs, arena, slot) for ivs in per_rank), default=0)
+        if arena != "host":
+            counts.append(n)
+    lifetimes = {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in ("res", "carry", "host")}
+    return slot, tuple(counts), lifetimes, tuple(sorted(moves, key=lambda mv: mv.tick)), res_key
+
+
 def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     """Places values that live over intervals in one buffer: ``(extent, {key: offset})``.
 
@@ -522,9 +698,26 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     value takes the lowest offset where it overlaps no value still live.
     Where all values have one size (a rank that holds one stage) this is the
     interval colouring of the slots, so the extent is the peak of live
-    values times their size, which no placement can beat; with several sizes
-    it is at least the peak of live bytes, and first fit stays close to it.
+    values times their size, which no placement can beat. With several sizes
+    (two stages a rank, residuals beside carries, a head's beside a block's)
+    first fit in order of start can leave holes that a large value does not
+    fit: then the largest values are also placed first (each at the lowest
+    offset free of every value placed before it that it meets in time), and
+    the smaller extent of the two is kept. Either is at least the peak of
+    live bytes.
     """
+    lifetimes = list(lifetimes)
+    extent, out = _first_fit_by_start(lifetimes, size_of)
+    if len({size_of(key) for _, _, key in lifetimes}) > 1:
+        largest = sorted(lifetimes, key=lambda iv: (-size_of(iv[2]), iv[0], iv[1]))
+        other = _first_fit(largest, size_of)
+        if other[0] < extent:
+            return other
+    return extent, out
+
+
+def _first_fit_by_start(lifetimes, size_of) -> tuple[int, dict]:
+    """`pack_lifetimes`' sweep: in order of start, the lowest offset free of the values live."""
     live: list[tuple[int, int, int]] = []  # (offset, size, end)
     extent, out = 0, {}
     for start, end, key in sorted(lifetimes, key=lambda iv: (iv[0], iv[1])):
@@ -542,22 +735,23 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     return extent, out
 
 
-def refuse_memory_actions(schedule: Schedule) -> None:
-    """Raises `NotImplementedError` naming the first memory action of `schedule`, if any.
-
-    The simulator, the charts and the per-rank lowering (`jpipe._mpmd`) run
-    `FC`, `RECOMPUTE`, `EVICT`/`LOAD` and the offloads; the SPMD program, whose
-    tick plan this module lays out, does not lower them yet.
-    """
-    if not schedule.has_memory_actions:
-        return
-    r, pos, a = next((r, p, a) for r, p, a in schedule.all_actions() if a.is_memory)
-    raise NotImplementedError(
-        f"rank {r}, position {pos} ({a!r}): the SPMD lowering of memory actions ({a.kind}) "
-        "is not built yet; Pipeline(..., lowering='mpmd') runs this schedule, "
-        "jpipe.simulate and python -m jpipe.show time it, and "
-        "Schedule.without_memory_actions() is the schedule the SPMD program can build"
-    )
+def _first_fit(order, size_of) -> tuple[int, dict]:
+    """Each value in `order` at the lowest offset free of those placed before it that it meets."""
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    extent, out = 0, {}
+    for start, end, key in order:
+        size = size_of(key)
+        taken = sorted((off, off + n) for a, b, off, n in placed if a <= end and start <= b)
+        offset = 0
+        for lo, hi in taken:
+            if lo - offset >= size:
+                break
+            offset = max(offset, hi)
+        out[key] = offset
+        if size:
+            placed.append((start, end, offset, size))
+            extent = max(extent, offset + size)
+    return extent, out
 
 
 def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = False) -> Plan:
@@ -571,8 +765,10 @@ def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = 
 
     With `forward_only`, the plan runs only the schedule's forwards, to
     compute a loss (`make_forward_plan`; `layout` is ignored).
+
+    Memory actions (`Plan` says how they run) are laid out unit; asking
+    for the packed layout then is refused.
     """
-    refuse_memory_actions(schedule)
     if forward_only:
         return make_forward_plan(schedule)
     if layout not in LAYOUTS:
@@ -587,9 +783,10 @@ def make_forward_plan(schedule: Schedule) -> Plan:
 
     Each rank runs its ``F`` actions in the schedule's order, one per tick, as
     soon as the forward it depends on has run; nothing is kept for a backward
-    (every residual write goes to the spare slot).
+    (every residual write goes to the spare slot). Memory actions keep
+    nothing either: an ``FC`` runs as an ``F``, the rest are dropped.
     """
-    refuse_memory_actions(schedule)
+    schedule = schedule.without_memory_actions()
     info = analyze(schedule)
     # One piece of one kind per tick: labelled unit (see `Plan.layout`).
     layout = _packed_layout(schedule, kinds=("F",))._replace(name="unit")
@@ -603,9 +800,15 @@ def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
     """The `Plan` of a `_Layout`: its table and its slots."""
     owner, R = info.stage_to_rank, schedule.num_ranks
     ticks = _ticks(schedule, layout)
-    slot, (num_io, num_res, num_carry), lifetimes = _slots(
-        ticks, layout.when, owner, R, info.num_microbatches
-    )
+    moves, res_key = (), {}
+    if schedule.has_memory_actions:
+        slot, (num_io, num_res, num_carry), lifetimes, moves, res_key = _memory_slots(
+            schedule, layout, ticks
+        )
+    else:
+        slot, (num_io, num_res, num_carry), lifetimes = _slots(
+            ticks, layout.when, owner, R, info.num_microbatches
+        )
     channels = _channels(schedule, layout)
     return Plan(
         schedule,
@@ -618,6 +821,8 @@ def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
         num_carry,
         slot,
         lifetimes,
+        moves,
+        res_key,
     )
 
 
@@ -641,9 +846,11 @@ COLUMNS = (
     "w_microbatch",
     "w_res",
     "w_carry",
+    "f_mode",  # which forward-kind piece: F_MODES (F, FC keeping only its input, recompute)
 )
 STAGE_COLUMNS = ("f_stage", "i_stage", "w_stage")
 Plan.COLUMNS = COLUMNS
+Plan.F_MODES = F_MODES
 
 
 def _table(plan: Plan) -> np.ndarray:
@@ -665,15 +872,23 @@ def _table(plan: Plan) -> np.ndarray:
     slot = plan.slot
     for t, r, piece in plan.pieces():
         kind, s, m = piece
+        mode = F_MODES.get(kind)
+        if mode is not None:  # F, FC and R use the F columns
+            out[t, r, col["f_mode"]] = mode
+            kind = "F"
         k = kind.lower()
         out[t, r, col[f"{k}_stage"]] = 1 + s
         out[t, r, col[f"{k}_microbatch"]] = m
-        out[t, r, col[f"{k}_res"]] = slot[("res", (s, m))]
+        if mode != F_MODES["FC"]:  # an FC keeps no residuals
+            key = plan.res_key.get((piece[0], s, m), (s, m))
+            out[t, r, col[f"{k}_res"]] = slot[("res", key)]
         if kind == "F" and s > 0 or kind == "I" and s + 1 < S:
-            out[t, r, col[f"{k}_in"]] = slot[("io", piece)]
+            out[t, r, col[f"{k}_in"]] = slot[("io", (kind, s, m))]
         if kind in ("I", "W"):
             out[t, r, col[f"{k}_carry"]] = slot[("carry", (s, m))]
         nxt = s + 1 if kind == "F" else s - 1
+        if mode == F_MODES["R"]:
+            continue  # a recompute sends nothing
         if kind != "W" and 0 <= nxt < S:
             consumer = (kind, nxt, m)
             dst = owner[nxt]

@@ -26,9 +26,9 @@ bytes, and beside them the same without the schedule's memory actions
 ``FC`` keeps). Last comes the shape of the program the compiler would build
 (`jpipe.make_plan`): its lock-step ticks, and its transfers between ranks,
 how many are read in the very next tick (so nothing can hide them) and how
-many collectives carry nothing (`jpipe.Plan.transfers`); for a schedule
-with memory actions, which only the per-rank lowering (``lowering="mpmd"``)
-runs, a line saying so (``"program": null`` in the JSON). ``--json`` prints
+many collectives carry nothing (`jpipe.Plan.transfers`), and for a schedule
+with memory actions its copies of residuals (evictions and loads between
+ranks, offloads and reloads; ``moves`` in the JSON). ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
 Gantt chart, ``--trace`` writes a Chrome/Perfetto trace (open it at
 https://ui.perfetto.dev), and ``--csv`` saves the schedule in PyTorch's CSV
@@ -160,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
         )
         sim = simulate(schedule, costs, sizes)  # validates first
-        # The shape of the program `jpipe.make_plan` would lay out, without its table;
-        # the SPMD program does not lower memory actions (`jpipe._ticks.refuse_memory_actions`).
-        program = None if schedule.has_memory_actions else program_shape(schedule, sim=sim)
+        # The shape of the program `jpipe.make_plan` would lay out, without its table.
+        program = program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -191,19 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
-        if program is None:
-            kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
-            print(
-                f"program: no SPMD program; its lowering of memory actions "
-                f"({', '.join(kinds)}) is not built yet (lowering='mpmd' runs them)"
-            )
-        else:
-            print(
-                f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
-                f"{program['channels']} channel(s); {program['sent']} transfers between "
-                f"ranks, {program['exposed']} read the very next tick; "
-                f"{program['collectives']} collectives, {program['idle']} with nothing to send"
-            )
+        moves = program.get("moves")
+        print(
+            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+            f"{program['channels']} channel(s); {program['sent']} transfers between "
+            f"ranks, {program['exposed']} read the very next tick; "
+            f"{program['collectives']} collectives, {program['idle']} with nothing to send"
+            + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
+        )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)

@@ -7,9 +7,9 @@ must give the unpipelined loss and gradients, with the checker's model
 unrolled or with its blocks in `lax.scan` (whose backward is split into an
 I-scan and a W-scan), with a random pytree of float32, bfloat16 and float16
 leaves passed across each stage boundary, and with or without a data axis of
-2 beside the pipe axis, under either lowering (`jpipe.LOWERINGS`; under the
-per-rank one, with residuals randomly recomputed, evicted to another rank or
-offloaded to the host); and with stages that write their own collectives
+2 beside the pipe axis, under either lowering (`jpipe.LOWERINGS`), with
+residuals randomly recomputed, evicted to another rank or offloaded to the
+host; and with stages that write their own collectives
 over tensor, on meshes with tensor, fsdp and data axes. A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
@@ -108,13 +108,14 @@ activations = st.tuples(*[st.sampled_from(testing.ACTIVATIONS)] * 3)
     st.booleans(),
 )
 def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data, lowering, memory):
-    # Memory actions (recompute, evict, offload) are drawn where the
-    # lowering runs them: the per-rank one (the SPMD one refuses them).
+    # Memory actions (recompute, evict, offload) are drawn under both
+    # lowerings; the SPMD one lays them out in unit ticks only.
     seed, ranks, stages, microbatches = size
     assert ranks * data <= 8  # the fake devices of conftest.py
-    memory = memory and lowering == "mpmd"
     schedule = random_schedule(seed, ranks, stages, microbatches, memory=memory)
     jpipe.validate(schedule)
+    if schedule.has_memory_actions and lowering == "spmd":
+        layout = "unit"
     kinds = kinds[: stages - 1]
     # The bfloat16 and float16 leaves round the activations, but the reference
     # runs the same stage functions with the same casts, so the tolerance stays
@@ -128,6 +129,18 @@ def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data
         lowering=lowering,
     )
     assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, result)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_memory_actions_are_exact_in_one_spmd_program(seed):
+    # Not left to the draw: each seed recomputes, evicts and offloads at
+    # random, on 2 or 3 ranks with ranks holding several stages.
+    ranks = 2 + seed % 2
+    schedule = random_schedule(seed, ranks, ranks + 1 + seed % 2, 3, memory=True)
+    kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
+    assert len(kinds) >= 4, kinds
+    result = testing.check_schedule(schedule, data=2 if seed % 2 == 0 else 1)
+    assert result.passed, (schedule, result)
 
 
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])

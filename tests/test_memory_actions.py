@@ -3,14 +3,15 @@
 FC (a forward that keeps only its input) and RECOMPUTE, EVICT/LOAD to a
 partner rank, OFFLOAD/RELOAD start and end: the language and its CSV cells,
 the validator's rules, the simulator's time and bytes, the charts and
-``show``, the built-ins written with them, the SPMD compiler's refusal, and
-the per-rank lowering running them exactly.
+``show``, the built-ins written with them, and both lowerings running them
+exactly.
 """
 
 import dataclasses
 import json
 import re
 
+import jax
 import pytest
 
 import jpipe
@@ -472,23 +473,28 @@ def test_memory_actions_never_raise_the_peak(name, costs):
                 assert all(a <= b for a, b in zip(sim.peak_bytes, plain.peak_bytes, strict=True))
 
 
-# -- the compiler refuses ------------------------------------------------------------
+# -- the SPMD compiler's plan -------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", NEW_BUILTINS)
-def test_the_compiler_refuses_memory_actions_by_name(name):
+def test_the_compiler_plans_memory_actions(name):
+    # The tick plan lays every memory action out (unit ticks, each copy one
+    # tick long), keeps its residual slots within the simulated peaks where
+    # copies take a tick, and refuses the packed layout by name.
     from jpipe._ticks import make_forward_plan, make_plan, program_shape
 
     schedule = build(name, 4, 8)
-    first = next((r, pos, a) for r, pos, a in schedule.all_actions() if a.is_memory)
-    expected = (
-        f"rank {first[0]}, position {first[1]} ({first[2]!r}): the SPMD lowering of memory "
-        f"actions ({first[2].kind}) is not built yet; Pipeline(..., lowering='mpmd') runs"
-    )
-    for plan in (make_plan, make_forward_plan, program_shape):
-        with pytest.raises(NotImplementedError, match="^" + re.escape(expected)):
-            plan(schedule)
-    make_plan(schedule.without_memory_actions())  # the skeleton compiles
+    plan = make_plan(schedule)
+    assert plan.layout == "unit"
+    began = {"EVICT", "LOAD", "OFFLOAD_START", "RELOAD_START"}
+    assert len(plan.moves) == sum(a.kind in began for _, _, a in schedule.all_actions())
+    timed = jpipe.simulate(schedule, Costs(evict=1, offload=1))
+    assert plan.num_res <= max(timed.peak_activations)
+    assert program_shape(schedule)["moves"] == len(plan.moves)
+    assert make_forward_plan(schedule) == make_forward_plan(schedule.without_memory_actions())
+    kinds = ", ".join(sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory}))
+    with pytest.raises(ValueError, match=re.escape(f"memory actions ({kinds})")):
+        make_plan(schedule, "packed")
 
 
 # -- show and the charts -------------------------------------------------------------
@@ -500,7 +506,7 @@ def test_show_json_reports_peaks_with_and_without(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["peak_bytes_without_memory_actions"] == [140.0, 130.0, 120.0, 110.0]
     assert max(summary["peak_bytes"]) <= 100 + 2 * 10 + 4 * 1
-    assert summary["program"] is None
+    assert summary["program"]["moves"] == 0 and summary["program"]["ticks"] > 0
     assert summary["costs"]["evict"] == 0
     assert main(["1f1b", "-r", "2", "-m", "2", "--bytes", "activation=1", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -516,7 +522,7 @@ def test_show_text_draws_the_new_glyphs(capsys, tmp_path):
     assert "\nr0 mem" in out and "E1" in out and "L1" in out
     assert "E evict to the partner" in out
     assert "without memory actions" in out
-    assert "lowering of memory actions (EVICT, LOAD) is not built yet (lowering='mpmd'" in out
+    assert "; 6 copies of residuals (memory actions)" in out  # 3 evictions, 3 loads
     assert "<svg" in svg.read_text()
     events = json.loads(trace.read_text())["traceEvents"]
     moves = [e for e in events if e["ph"] == "X" and e["args"]["kind"] in ("EVICT", "LOAD")]
@@ -550,7 +556,7 @@ def test_i_and_b_are_still_the_backward_kinds():
     assert I(0, 0).kind == "I"
 
 
-# -- the per-rank lowering runs them -------------------------------------------------
+# -- both lowerings run them ---------------------------------------------------------
 
 # Each built-in with memory actions at sizes where it has them, on a data axis
 # of 2 and on a tensor axis of 2 (stages writing their own psum over it).
@@ -561,19 +567,21 @@ LOWERED = [
 ]
 
 
+@pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 @pytest.mark.parametrize("name,p,m,options,kinds", LOWERED)
 @pytest.mark.parametrize("axes", [{"data": 2}, {"tensor": 2}])
-def test_the_per_rank_lowering_runs_memory_actions_exactly(name, p, m, options, kinds, axes):
+def test_memory_actions_run_exactly(name, p, m, options, kinds, axes, lowering):
     from jpipe import testing
 
     schedule = build(name, p, m, **options)
     assert {a.kind for _, _, a in schedule.all_actions() if a.is_memory} == kinds
     model = f"tensor:{testing.TENSOR_BLOCKS[0]}" if "tensor" in axes else None
-    result = testing.check_schedule(schedule, model=model, lowering="mpmd", **axes)
+    result = testing.check_schedule(schedule, model=model, lowering=lowering, **axes)
     assert result.passed, result
 
 
-def test_a_hand_written_schedule_with_every_action_is_exact_per_rank():
+@pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
+def test_a_hand_written_schedule_with_every_action_is_exact(lowering):
     # Two ranks, two microbatches: microbatch 0's stage-0 residuals go to the
     # host and back, its stage-1 forward keeps only its input, and microbatch
     # 1's stage-0 residuals wait on rank 1 (EVICT/LOAD), all in one step.
@@ -588,5 +596,85 @@ def test_a_hand_written_schedule_with_every_action_is_exact_per_rank():
     )
     jpipe.validate(schedule)
     for data in (1, 2):
-        result = testing.check_schedule(schedule, data=data, lowering="mpmd")
+        result = testing.check_schedule(schedule, data=data, lowering=lowering)
         assert result.passed, result
+
+
+def _computations_in_branches(hlo: str) -> dict:
+    """An optimized HLO's computations: (whether a conditional's branch reaches it, text)."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name = head.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    called = {
+        n: set(re.findall(r"%([\w.\-]+)", "\n".join(lines))) & bodies.keys()
+        for n, lines in bodies.items()
+    }
+    todo = [
+        c
+        for lines in bodies.values()
+        for line in lines
+        if " conditional(" in line
+        for c in set(re.findall(r"%([\w.\-]+)", line)) & bodies.keys()
+    ]
+    inside = set()
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo += called[c]
+    return {n: (n in inside, "\n".join(lines)) for n, lines in bodies.items()}
+
+
+def test_the_spmd_program_copies_residuals_without_branching_collectives():
+    # Evictions and loads ride collectives that every device runs every
+    # tick, outside any conditional (one that only some ranks take would
+    # deadlock): BPipe's pairs (r, 3 - r) make one lane per stage class that evicts.
+    from jpipe import testing
+
+    schedule = build("1f1b_bpipe", 4, 8)
+    stages, params, make_batch = testing.small_model(4)
+    pipe = jpipe.Pipeline(stages, schedule, jpipe.make_mesh(4, 1, jax.devices()[:4]))
+    packed = pipe.pack(params)
+    batch = make_batch(16)
+    hlo = pipe.compile(packed, batch).as_text()
+    lanes = pipe.program(batch).lanes
+    classes = pipe.program(batch).classes
+    evicting = {classes[a.stage] for _, _, a in schedule.all_actions() if a.kind == "EVICT"}
+    assert sorted(lane.stage_class for lane in lanes) == sorted(evicting)
+    for lane in lanes:
+        assert set(lane.perm) <= {(r, 3 - r) for r in range(4)}
+    computations = _computations_in_branches(hlo)
+    permutes = [n for n, (_, text) in computations.items() if "collective-permute" in text]
+    assert permutes, "no collective-permute in the program"
+    in_branch = [n for n in permutes if computations[n][0]]
+    assert not in_branch, in_branch
+    # Two channels for activations and gradients, one per lane: all in the tick's body.
+    body = "\n".join(computations[n][1] for n in permutes)
+    assert body.count("collective-permute(") + body.count("collective-permute-start(") >= 2 + len(
+        lanes
+    )
+
+
+def test_the_trainer_runs_memory_actions_under_spmd(tmp_path):
+    # With dropout: a recompute draws the forward's own masks (they come from
+    # the row keys in the batch), so the losses after updates match 1F1B's.
+    import numpy as np
+    from test_train import RTOL, tiny_config
+
+    from jpipe import train as trainer
+
+    def run(schedule):
+        config = tiny_config(steps=3, eval_every=3, schedule=schedule, **{"model.dropout": 0.1})
+        return trainer.train(config, str(tmp_path / schedule.replace(":", "_")), progress=False)
+
+    plain = run("1f1b")
+    for name in ("1f1b_recompute:k=1", "1f1b_bpipe"):
+        other = run(name)
+        np.testing.assert_allclose(
+            [other.losses[s] for s in (1, 2, 3)], [plain.losses[s] for s in (1, 2, 3)], rtol=RTOL
+        )

@@ -42,9 +42,10 @@ def replay(plan) -> int:
     owner = plan.stage_to_rank
     tab = plan.table()
     col = {name: i for i, name in enumerate(jpipe.Plan.COLUMNS)}
-    spare = {"io": plan.num_io, "res": plan.num_res, "carry": plan.num_carry}
+    spare = {"io": plan.num_io, "res": plan.num_res, "carry": plan.num_carry, "host": -1}
     state = [{arena: {} for arena in spare} for _ in range(R)]
     ran = 0
+    modes = {v: k for k, v in jpipe.Plan.F_MODES.items()}
 
     def write(r, arena, slot, value):
         if slot != spare[arena]:
@@ -55,6 +56,17 @@ def replay(plan) -> int:
         assert got == want, f"{where}: {arena} slot {slot} holds {got}, expected {want}"
 
     for t in range(plan.num_ticks):
+        # Copies of memory actions first, at the tick's start (all read, then all written).
+        landed = []
+        for move in (mv for mv in plan.moves if mv.tick == t):
+            src = "host" if move.kind == "RELOAD" else "res"
+            dst = "host" if move.kind == "OFFLOAD" else "res"
+            where = f"tick {t} {move.kind} {move.stage}.{move.microbatch} {move.src}->{move.dst}"
+            want = ("res", move.stage, move.microbatch)
+            read(move.src, src, plan.slot[(src, move.src_key)], want, where)
+            landed.append((move.dst, dst, plan.slot[(dst, move.dst_key)], want))
+        for r, arena, slot, value in landed:
+            write(r, arena, slot, value)
         outputs = [{} for _ in range(R)]  # rank -> kind -> the piece its output feeds
         for r in range(R):
             row = tab[t, r]
@@ -64,14 +76,18 @@ def replay(plan) -> int:
                     continue
                 s, m = stage - 1, int(row[col[f"{kind}_microbatch"]])
                 K = kind.upper()
-                where = f"tick {t} rank {r} {K}{s}.{m}"
+                mode = modes[int(row[col["f_mode"]])] if K == "F" else K
+                where = f"tick {t} rank {r} {mode}{s}.{m}"
                 assert owner[s] == r, where
                 ran += 1
                 if K == "F":
-                    if s > 0:
+                    if s > 0:  # an FC's input is still there for its recompute
                         read(r, "io", row[col["f_in"]], ("F", s, m), where)
-                    write(r, "res", row[col["f_res"]], ("res", s, m))
-                    if s + 1 < S:
+                    if mode == "FC":
+                        assert row[col["f_res"]] == spare["res"], where
+                    else:
+                        write(r, "res", row[col["f_res"]], ("res", s, m))
+                    if s + 1 < S and mode != "R":
                         outputs[r]["F"] = ("F", s + 1, m)
                 elif K == "I":
                     if s + 1 < S:
@@ -106,14 +122,20 @@ def replay(plan) -> int:
 def check_plan(schedule, layout):
     plan = jpipe.make_plan(schedule, layout)
     assert plan.layout == layout
-    pieces = sum(2 if a.kind == "B" else 1 for _, _, a in schedule.all_actions())
+    pieces = sum(
+        2 if a.kind == "B" else 1
+        for _, _, a in schedule.all_actions()
+        if a.kind in ("F", "B", "I", "W", "FC", "RECOMPUTE")
+    )
     assert replay(plan) == pieces
-    order = {"F": 0, "I": 1, "W": 2}
+    order = {"F": 0, "FC": 0, "R": 0, "I": 1, "W": 2}
+    piece_kind = {"B": ("I", "W"), "RECOMPUTE": ("R",)}
     for r in range(schedule.num_ranks):
         listed = [
             (k, a.stage, a.microbatch)
             for a in schedule.actions(r)
-            for k in (("I", "W") if a.kind == "B" else (a.kind,))
+            for k in piece_kind.get(a.kind, (a.kind,))
+            if k in order
         ]
         ran = [p for row in plan.ticks for p in row[r]]
         assert ran == listed, f"rank {r} does not keep its list order"
@@ -122,6 +144,8 @@ def check_plan(schedule, layout):
             assert kinds == sorted(set(kinds)), f"tick {t} rank {r}: {row[r]}"
             if layout == "unit":
                 assert len(row[r]) <= 1
+    if schedule.has_memory_actions:
+        return plan
     # The residual slots are the schedule's promise: its simulated peak.
     assert plan.num_res == max(jpipe.simulate(schedule).peak_activations)
     return plan
@@ -152,6 +176,52 @@ def test_builtin_plans_replay(name, chunks, layout):
 def test_random_plans_replay(seed, ranks, stages, microbatches, layout):
     schedule = random_schedule(seed, ranks, max(ranks, stages), microbatches)
     check_plan(schedule, layout)
+
+
+MEMORY_BUILTINS = [
+    ("1f1b_recompute", {"k": 1}),
+    ("1f1b_recompute", {"k": 2}),
+    ("1f1b_bpipe", {}),
+    ("zb_h1_offload", {}),
+]
+
+
+@pytest.mark.parametrize("name,options", MEMORY_BUILTINS)
+def test_memory_action_plans_replay(name, options):
+    # Every copy finds its value where the plan put it, a recompute finds
+    # its FC's input still in its io slot, and every reader its residuals.
+    for ranks, microbatches in [(2, 4), (4, 8), (8, 16)]:
+        schedule = jpipe.get_schedule(name, ranks, microbatches, **options)
+        plan = check_plan(schedule, "unit")
+        copies = {"EVICT": "EVICT", "LOAD": "LOAD", "OFFLOAD_START": "OFFLOAD"}
+        copies["RELOAD_START"] = "RELOAD"
+        began = [a for _, _, a in schedule.all_actions() if a.kind in copies]
+        assert sorted((copies[a.kind], a.stage, a.microbatch) for a in began) == sorted(
+            (mv.kind, mv.stage, mv.microbatch) for mv in plan.moves
+        )
+        assert jpipe.make_plan(schedule).layout == "unit"  # auto
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    ranks=st.integers(1, 4),
+    stages=st.integers(1, 6),
+    microbatches=st.integers(1, 5),
+)
+def test_random_memory_plans_replay(seed, ranks, stages, microbatches):
+    schedule = random_schedule(seed, ranks, max(ranks, stages), microbatches, memory=True)
+    check_plan(schedule, "unit")
+
+
+def test_memory_actions_are_laid_out_unit_only():
+    schedule = jpipe.get_schedule("1f1b_bpipe", 4, 8)
+    with pytest.raises(ValueError, match="memory actions .EVICT, LOAD., which the compiler lays"):
+        jpipe.make_plan(schedule, "packed")
+    forward = jpipe.make_plan(schedule, forward_only=True)  # FC as F, nothing kept
+    assert forward.moves == () and forward == jpipe.make_plan(
+        schedule.without_memory_actions(), forward_only=True
+    )
 
 
 def test_forward_plan_replays_and_keeps_nothing():

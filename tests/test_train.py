@@ -326,11 +326,6 @@ def _count_compiles():
         ({"lowering": "per-rank"}, "config.lowering='per-rank': must be one of spmd, mpmd"),
         ({"lowering": "mpmd", "profile": True}, "config.profile=True: measures the SPMD step"),
         (
-            {"schedule": "1f1b_recompute"},
-            "config.lowering='spmd': the schedule 1f1b_recompute has memory actions (FC, "
-            "RECOMPUTE), which only the per-rank lowering runs yet; accepted: lowering='mpmd'",
-        ),
-        (
             {"mesh.pipe": 2, "mesh.tensor": 2, "model.num_heads": 3, "model.d_model": 48},
             "config.mesh.tensor=2: must divide model.num_heads=3",
         ),

@@ -126,15 +126,6 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         raise config_error(
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
-    if schedule.has_memory_actions and c.lowering != "mpmd":
-        kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
-        raise config_error(
-            "lowering",
-            c.lowering,
-            f"the schedule {c.schedule} has memory actions ({', '.join(kinds)}), which only the "
-            "per-rank lowering runs yet; accepted: lowering='mpmd'",
-        )
-
     S = schedule.num_stages
     num_layers = getattr(c.model, "num_layers", None)
     if isinstance(num_layers, int):
