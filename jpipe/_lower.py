@@ -649,9 +649,7 @@ def build_step(
     io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
     num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
     control = _resolve_control(control, mesh)
-    # Under the switch every branch writes its carry in place, as wide as it
-    # is; under the conds the switch returns it widened (`_Arena.merge`).
-    # (A forward-only plan has no lifetimes: its buffer is empty.)
+    # (A forward-only plan has no lifetimes: its buffers are empty.)
     # A buffer for the residuals and one for the I-to-W carries, each of
     # every dtype; every value written in place inside its own branch. The
     # pieces pass both on as one pair, ``buf = (residuals, carries)``.

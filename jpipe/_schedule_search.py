@@ -60,10 +60,9 @@ Which candidates may have memory actions is the lowering's own answer, not a
 switch kept here: under ``"per_rank"`` the per-rank lowering runs every kind
 (`jpipe.RankPrograms`); under ``"spmd"`` a kind counts only if
 `jpipe.make_plan`, the SPMD lowering's first pass, accepts a schedule with
-it (`lowering_runs`). Today it refuses them all, so the SPMD search is over
-schedules without memory actions; once the SPMD lowering runs a kind, its
-candidates join the search with no change here (their bytes then come from
-the simulator's values rather than the tick plan's buffers).
+it (`lowering_runs`). Today both lowerings run every kind, so both searches
+take every candidate; under ``"spmd"`` a candidate's buffers come from its
+tick plan with its memory actions (`spmd_buffers`).
 """
 
 from __future__ import annotations
@@ -394,8 +393,9 @@ def lowering_runs(layout: str, kind: str) -> bool:
 
     The per-rank lowering runs them all. For the SPMD lowering this asks
     `jpipe.make_plan` (its first pass, pure Python) to lay out a small
-    built-in that has the kind: today it refuses every kind by name, and the
-    day it accepts one, the search takes candidates with it under ``"spmd"``.
+    built-in that has the kind: it runs every kind today, and a kind it
+    came to refuse (by name, as `NotImplementedError`) would leave the
+    ``"spmd"`` search with no change here.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
@@ -605,14 +605,14 @@ def device_bytes(
             for r in range(schedule.num_ranks)
         )
         buffers = spmd_buffers(schedule, figures)
-        held = max(values) if buffers is None else sum(buffers)
+        held = sum(buffers)
         device = (max(params) + grads + held + max(working),) * schedule.num_ranks
         return DeviceBytes(layout, tuple(params), values, tuple(working), device, grads, buffers)
     device = tuple(p + v + w for p, v, w in zip(params, values, working))
     return DeviceBytes(layout, tuple(params), values, tuple(working), device)
 
 
-def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, float] | None:
+def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, float]:
     """The SPMD program's residual and carry buffers, in bytes, as it sizes them.
 
     `jpipe.make_plan` lays the schedule out in lock-step ticks, and on each
@@ -620,28 +620,25 @@ def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, floa
     ticks by first fit (`jpipe.pack_lifetimes`); every device allocates the
     largest rank's extent of each buffer (docs/design.md). A value can live
     longer in ticks than in the simulated time, and a full backward runs as
-    its I then its W, so this can be above the simulator's peak. The carry
-    buffer also has room past each carry for the widest stage's, as the
-    ``"cond"`` control writes it (`jpipe._lower`; the ``"switch"`` control
-    needs no more than the extent). The program keeps one buffer per dtype,
-    each with its own widest write, where the figures have one size per
-    value: on GPT-2 small the residual buffer came out exactly and the carry
-    buffer up to 0.14 GiB under the program's (docs/search.md). None for a
-    schedule with memory actions (the simulator's peak stands for it).
+    its I then its W, so this can be above the simulator's peak. Memory
+    actions split a residual's lifetime at each copy: an evicted one lives in
+    its partner's buffer until it is loaded back, an offloaded one in the
+    host buffer, which is not device memory (on XLA:CPU, which has no host
+    memory space, the compiled temp counts it too: docs/design.md). Each
+    value is one size here, where the program rounds each leaf up to whole
+    rows of its buffer: on GPT-2 small the residual buffer came out exactly
+    and the carry buffer slightly under the program's (docs/search.md).
     """
-    if schedule.has_memory_actions:
-        return None
     from jpipe._ticks import make_plan, pack_lifetimes
 
     plan = make_plan(schedule)
     table = figures.sizes.table(schedule.num_stages)
     extents = []
     for arena, sizes in (("res", table["activation"]), ("carry", table["carry"])):
-        write = max(sizes) if arena == "carry" else 0.0
         most = 0.0
         for ivs in plan.lifetimes.get(arena, ()):
-            extent, offsets = pack_lifetimes(ivs, lambda key, sizes=sizes: sizes[key[0]])
-            most = max(most, extent, *(off + write for off in offsets.values()))
+            extent, _ = pack_lifetimes(ivs, lambda key, sizes=sizes: sizes[key[0]])
+            most = max(most, extent)
         extents.append(float(most))
     return extents[0], extents[1]
 
