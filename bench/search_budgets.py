@@ -54,7 +54,6 @@ from jpipe import models  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 
 GIB = 2**30
-ROW = 128  # elements in a row of the SPMD program's buffers (`jpipe.Program.arena_rows`)
 
 
 def compiled_bytes(
@@ -93,10 +92,8 @@ def compiled_bytes(
             "argument": m.argument_size_in_bytes,
             "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes,
-            "buffers": [
-                sum(n * ROW * np.dtype(dt).itemsize for dt, n in rows[arena].items())
-                for arena in ("res", "carry")
-            ],
+            # rows of `Program.ROW` raw 32-bit words
+            "buffers": [rows[arena] * jpipe.Program.ROW * 4 for arena in ("res", "carry")],
         }
     else:
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("tokens", "targets")}

@@ -868,7 +868,11 @@ class _Evaluator:
         return self.count >= self.limit
 
     def __call__(self, schedule: Schedule):
-        """`(simulation, fit, DeviceBytes)`, or None if `schedule` does not validate."""
+        """`(simulation, fit, DeviceBytes)`, or None if `schedule` does not validate.
+
+        The bytes are each rank's own (``"per_rank"``), which is what picks a
+        roomy partner and costs no tick plan; `bytes_of` gives the layout's.
+        """
         try:
             analyze(schedule)
         except ScheduleError:
@@ -877,7 +881,14 @@ class _Evaluator:
         sim = simulate(schedule, self.figures.costs)
         _, _, room = _allowances(schedule, self.figures, self.layout, self.budget)
         fit, peaks = _fit(sim, self.figures, room)
-        return sim, fit, device_bytes(sim, self.figures, self.layout, values=peaks)
+        return sim, fit, device_bytes(sim, self.figures, "per_rank", values=peaks)
+
+    def bytes_of(self, found) -> DeviceBytes:
+        """The layout's `DeviceBytes` of an evaluated schedule (the SPMD one plans its ticks)."""
+        sim, _, own = found
+        if self.layout == "per_rank":
+            return own
+        return device_bytes(sim, self.figures, self.layout, values=own.values)
 
 
 class LocalSearch(NamedTuple):
@@ -900,21 +911,26 @@ def local_search(
     max_simulations: float = math.inf,
     log: Callable[[str], None] | None = None,
     memory_actions: Sequence[str] | None = None,
+    slower_than: float = math.inf,
 ) -> LocalSearch:
     """Memory actions for `base` until it fits `budget` at the least added time (module
     docstring); `LocalSearch.schedule` is None if it found no way to fit.
 
     `figures` are `base`'s (`StageFigures.for_schedule`); `base` has no memory
-    actions and no overlapped cells; `budget` is what a device may hold.
+    actions and no overlapped cells; `budget` is what a device may hold. The
+    walk gives up once its schedule takes `slower_than` or longer (a
+    candidate that fits already does): memory actions only add time.
     """
     evaluate = _Evaluator(figures, budget, layout, max_simulations)
-    found = _local_search(base, evaluate, _allowed_moves(layout, memory_actions), deadline, log)
+    allowed = _allowed_moves(layout, memory_actions)
+    found = _local_search(base, evaluate, allowed, deadline, log, slower_than)
     if found is None:
         return LocalSearch(None, (), None, None, evaluate.count)
-    return LocalSearch(*found, evaluate.count)
+    schedule, moves, current = found
+    return LocalSearch(schedule, moves, current[0], evaluate.bytes_of(current), evaluate.count)
 
 
-def _local_search(base, evaluate, allowed, deadline, log):
+def _local_search(base, evaluate, allowed, deadline, log, slower_than=math.inf):
     if not allowed:
         return None
     R = base.num_ranks
@@ -950,6 +966,8 @@ def _local_search(base, evaluate, allowed, deadline, log):
     lowest, since = math.inf, 0
     while not current[1].fits:
         if time.perf_counter() > deadline or evaluate.exhausted:
+            return None
+        if current[0].makespan >= slower_than:
             return None
         fit = current[1]
         if fit.peak_over < lowest * (1 - 1e-9):
@@ -1035,7 +1053,7 @@ def _local_search(base, evaluate, allowed, deadline, log):
                 if got is not None and got[1].fits and got[0].makespan < current[0].makespan:
                     moves, current, improved = trial, got, True
                     break
-    return build(moves), tuple(sorted(moves.values())), current[0], current[2]
+    return build(moves), tuple(sorted(moves.values())), current
 
 
 # -- the search ----------------------------------------------------------------------------
@@ -1285,6 +1303,13 @@ def search_schedule(
             best = min((c.time for c in candidates if c.fits), default=math.inf)
             if cand.fits or cand.time >= best:
                 continue  # memory actions never make a step shorter
+            _, _, room = _allowances(cand.schedule, fig, layout, usable)
+            if min(room) < 0:  # no live value at all would fit beside them
+                skipped.append(
+                    f"{cand.label}: no local search (a device's parameters, gradients and "
+                    f"working memory alone exceed the {usable:.4g} bytes it may use)"
+                )
+                continue
             left = max_simulations - local_count
             if time.perf_counter() > deadline or left <= 0:
                 skipped.append(
@@ -1295,12 +1320,15 @@ def search_schedule(
                 log(f"  local search on {cand.label} ({cand.memory.most / GIB:.2f} GiB)")
             found = local_search(
                 cand.schedule, fig, usable, layout, deadline=deadline, log=log,
-                memory_actions=memory_moves, max_simulations=left,
+                memory_actions=memory_moves, max_simulations=left, slower_than=best,
             )  # fmt: skip
             evaluate_count += found.simulated
             local_count += found.simulated
             if found.schedule is None:
-                skipped.append(f"{cand.label}: the local search found no placement that fits")
+                faster = f" in less than {best:.4g}" if best < math.inf else ""
+                skipped.append(
+                    f"{cand.label}: the local search found no placement that fits{faster}"
+                )
                 continue
             schedule, moves, sim, memory = found[:4]
             candidates.append(

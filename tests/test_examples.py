@@ -117,6 +117,9 @@ def test_train_py_resumes_after_ctrl_c_to_the_same_losses(name, tmp_path):
     run = subprocess.Popen(
         command(broken) + tiny_flags, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env,
+        # Ctrl-C's default meaning in the child even where pytest was started in the
+        # background (a shell's `&` ignores SIGINT, and Python keeps an ignored signal)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 180
     while len(losses(broken)) < 2:

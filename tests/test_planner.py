@@ -10,6 +10,7 @@ from typing import NamedTuple
 import pytest
 
 import jpipe
+from jpipe._schedule_search import lowering_runs
 from jpipe.plan import main
 from jpipe.planner import (
     SAILOR_DIR,
@@ -755,14 +756,14 @@ def test_memory_actions_are_counted_in_the_footprint():
     assert peaks["1f1b_bpipe"][3] > peaks["1f1b"][3]
 
 
-def test_the_spmd_planner_takes_no_memory_action_its_lowering_refuses():
-    prof = _tight()
+@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+def test_the_planner_takes_memory_actions_both_lowerings_run(layout):
+    """Both lowerings run every memory action, so both memory layouts plan with them."""
+    assert all(lowering_runs(layout, kind) for kind in jpipe.MEMORY_KINDS)
     kwargs = dict(top=1, tensor_parallel=(1,), schedules=("1f1b_recompute:k=1",))
-    with pytest.raises(ValueError, match="SPMD lowering does not run its memory actions"):
-        plan(prof, [("fast", 4)], 16, **kwargs)
-    ev = plan(prof, [("fast", 4)], 16, memory_layout="per_rank", **kwargs).best[0].evaluation
+    ev = plan(_tight(), [("fast", 4)], 16, memory_layout=layout, **kwargs).best[0].evaluation
     assert ev.plan.schedule == "1f1b_recompute:k=1"
-    assert ev.memory.fits("per_rank", jpipe.planner.MEMORY_MARGIN)
+    assert ev.memory.fits(layout, jpipe.planner.MEMORY_MARGIN)
 
 
 @pytest.mark.parametrize("layout", ["spmd", "per_rank"])

@@ -151,8 +151,12 @@ def _fitting(result):
     return [c for c in result.candidates if c.fits]
 
 
-@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
-@pytest.mark.parametrize("budget", [4.5, 5.0, 6.0, 7.0, 100.0])
+@pytest.mark.parametrize(
+    "layout,budget",
+    # where nothing fits under spmd, where only the local search fits, where a built-in does
+    [("spmd", 4.5), ("spmd", 5.0), ("spmd", 7.0), ("spmd", 100.0),
+     ("per_rank", 4.5), ("per_rank", 6.0), ("per_rank", 100.0)],
+)  # fmt: skip
 def test_the_winner_is_the_fastest_that_fits(layout, budget):
     result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout=layout)
     fitting = _fitting(result)
@@ -313,6 +317,14 @@ def test_cli_prints_the_winner_and_saves_it(tmp_path, capsys):
     assert code == 0 and d["winner"]["fits"] and d["layout"] == "per_rank"
     assert d["lowering"] == "mpmd" and max(d["winner"]["device_bytes"]) <= 0.9 * 6 * 2**30
     assert jpipe.Schedule.from_csv_text(saved.to_csv()).ranks == saved.ranks
+
+
+def test_no_local_search_where_the_weights_alone_do_not_fit():
+    result = jpipe.search_schedule(UNIFORM, 4, 16, 1.0)  # params 2 of each device's 0.9
+    assert result.winner is None
+    searched = [c for c in result.candidates if not c.builtin]
+    assert not searched and result.simulated == len(result.candidates)
+    assert any("alone exceed the 0.9 bytes" in line for line in result.skipped)
 
 
 def test_cli_exit_codes(capsys):

@@ -627,8 +627,11 @@ def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
 
     broken = tmp_path / "broken"
     run = subprocess.Popen(
-        command(broken), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+        command(broken), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # Ctrl-C's default meaning in the child even where pytest was started in the
+        # background (a shell's `&` ignores SIGINT, and Python keeps an ignored signal)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     deadline = time.monotonic() + 120
     while len(losses(broken) if (broken / "metrics.jsonl").exists() else {}) < 2:
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
