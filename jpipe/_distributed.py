@@ -224,8 +224,13 @@ def lost_processes(timeout_seconds: float | None = None) -> list[int] | None:
 
 
 _heartbeat_seconds = HEARTBEAT_TIMEOUT_SECONDS
-# How a collective reports a peer that went away (gloo on CPU; NCCL, the coordination service).
-_PEER_LOST_WORDS = ("Gloo", "Connection closed", "connection reset", "unhealthy", "NCCL")
+# How a collective or a transfer reports a peer that went away (gloo on CPU; NCCL, the
+# coordination service; the transfer API's sockets, as the per-rank lowering meets them:
+# "recv() failed errno: 107 err: Transport endpoint is not connected").
+_PEER_LOST_WORDS = (
+    "Gloo", "Connection closed", "connection reset", "Connection reset", "unhealthy", "NCCL",
+    "recv() failed", "send() failed", "Transport endpoint is not connected", "Broken pipe",
+)  # fmt: skip
 
 
 def _excepthook(kind, value, tb) -> None:
@@ -240,7 +245,7 @@ def _excepthook(kind, value, tb) -> None:
     # and the lost process's index; either way the message names it.
     print(
         f"[{process_label()}] stopping after an uncaught exception:\n{text}\n"
-        f"[{process_label()}] a collective failed; asking which process is lost "
+        f"[{process_label()}] a collective or transfer failed; asking which process is lost "
         f"(up to {_heartbeat_seconds + 5} s)",
         file=sys.stderr,
         flush=True,

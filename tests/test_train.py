@@ -626,12 +626,15 @@ def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
         return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
 
     broken = tmp_path / "broken"
-    run = subprocess.Popen(
-        command(broken), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        # Ctrl-C's default meaning in the child even where pytest was started in the
-        # background (a shell's `&` ignores SIGINT, and Python keeps an ignored signal)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    # The child gets Ctrl-C's default meaning even where pytest runs in the background
+    # (a shell's `&` ignores SIGINT, and a child inherits an ignored signal).
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        run = subprocess.Popen(
+            command(broken), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 120
     while len(losses(broken) if (broken / "metrics.jsonl").exists() else {}) < 2:
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
