@@ -626,8 +626,8 @@ def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, floa
     host buffer, which is not device memory (on XLA:CPU, which has no host
     memory space, the compiled temp counts it too: docs/design.md). Each
     value is one size here, where the program rounds each leaf up to whole
-    rows of its buffer: on GPT-2 small the residual buffer came out exactly
-    and the carry buffer slightly under the program's (docs/search.md).
+    rows of its buffer: on GPT-2 small both buffers came out exactly the
+    program's (docs/search.md).
     """
     from jpipe._ticks import make_plan, pack_lifetimes
 
@@ -872,6 +872,10 @@ class _Evaluator:
 
         The bytes are each rank's own (``"per_rank"``), which is what picks a
         roomy partner and costs no tick plan; `bytes_of` gives the layout's.
+        Under ``"spmd"`` a schedule whose simulated values fit is checked
+        against the buffers its tick plan makes (they can hold more than the
+        simulated peak); where those do not fit, every rank's room shrinks by
+        the difference, so the walk goes on from the fullest rank.
         """
         try:
             analyze(schedule)
@@ -881,6 +885,12 @@ class _Evaluator:
         sim = simulate(schedule, self.figures.costs)
         _, _, room = _allowances(schedule, self.figures, self.layout, self.budget)
         fit, peaks = _fit(sim, self.figures, room)
+        if self.layout == "spmd" and fit.fits:
+            buffers = sum(spmd_buffers(schedule, self.figures))
+            over = device_bytes(sim, self.figures, "spmd", values=peaks).most - self.budget
+            if over > 0:
+                extra = max(over, buffers - max(peaks))
+                fit, peaks = _fit(sim, self.figures, [r - extra for r in room])
         return sim, fit, device_bytes(sim, self.figures, "per_rank", values=peaks)
 
     def bytes_of(self, found) -> DeviceBytes:
@@ -911,26 +921,23 @@ def local_search(
     max_simulations: float = math.inf,
     log: Callable[[str], None] | None = None,
     memory_actions: Sequence[str] | None = None,
-    slower_than: float = math.inf,
 ) -> LocalSearch:
     """Memory actions for `base` until it fits `budget` at the least added time (module
     docstring); `LocalSearch.schedule` is None if it found no way to fit.
 
     `figures` are `base`'s (`StageFigures.for_schedule`); `base` has no memory
-    actions and no overlapped cells; `budget` is what a device may hold. The
-    walk gives up once its schedule takes `slower_than` or longer (a
-    candidate that fits already does): memory actions only add time.
+    actions and no overlapped cells; `budget` is what a device may hold.
     """
     evaluate = _Evaluator(figures, budget, layout, max_simulations)
     allowed = _allowed_moves(layout, memory_actions)
-    found = _local_search(base, evaluate, allowed, deadline, log, slower_than)
+    found = _local_search(base, evaluate, allowed, deadline, log)
     if found is None:
         return LocalSearch(None, (), None, None, evaluate.count)
     schedule, moves, current = found
     return LocalSearch(schedule, moves, current[0], evaluate.bytes_of(current), evaluate.count)
 
 
-def _local_search(base, evaluate, allowed, deadline, log, slower_than=math.inf):
+def _local_search(base, evaluate, allowed, deadline, log):
     if not allowed:
         return None
     R = base.num_ranks
@@ -966,8 +973,6 @@ def _local_search(base, evaluate, allowed, deadline, log, slower_than=math.inf):
     lowest, since = math.inf, 0
     while not current[1].fits:
         if time.perf_counter() > deadline or evaluate.exhausted:
-            return None
-        if current[0].makespan >= slower_than:
             return None
         fit = current[1]
         if fit.peak_over < lowest * (1 - 1e-9):
@@ -1320,15 +1325,12 @@ def search_schedule(
                 log(f"  local search on {cand.label} ({cand.memory.most / GIB:.2f} GiB)")
             found = local_search(
                 cand.schedule, fig, usable, layout, deadline=deadline, log=log,
-                memory_actions=memory_moves, max_simulations=left, slower_than=best,
+                memory_actions=memory_moves, max_simulations=left,
             )  # fmt: skip
             evaluate_count += found.simulated
             local_count += found.simulated
             if found.schedule is None:
-                faster = f" in less than {best:.4g}" if best < math.inf else ""
-                skipped.append(
-                    f"{cand.label}: the local search found no placement that fits{faster}"
-                )
+                skipped.append(f"{cand.label}: the local search found no placement that fits")
                 continue
             schedule, moves, sim, memory = found[:4]
             candidates.append(
