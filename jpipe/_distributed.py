@@ -227,9 +227,10 @@ _heartbeat_seconds = HEARTBEAT_TIMEOUT_SECONDS
 # How a collective or a transfer reports a peer that went away (gloo on CPU; NCCL, the
 # coordination service; the transfer API's sockets, as the per-rank lowering meets them:
 # "recv() failed errno: 107 err: Transport endpoint is not connected").
+# Matched without regard to case.
 _PEER_LOST_WORDS = (
-    "Gloo", "Connection closed", "connection reset", "Connection reset", "unhealthy", "NCCL",
-    "recv() failed", "send() failed", "Transport endpoint is not connected", "Broken pipe",
+    "gloo", "connection closed", "connection reset", "unhealthy", "nccl",
+    "recv() failed", "send() failed", "transport endpoint is not connected", "broken pipe",
 )  # fmt: skip
 
 
@@ -237,7 +238,7 @@ def _excepthook(kind, value, tb) -> None:
     if issubclass(kind, KeyboardInterrupt):
         fail("interrupted", 130)
     text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
-    if not any(word in str(value) for word in _PEER_LOST_WORDS):
+    if not any(word in str(value).lower() for word in _PEER_LOST_WORDS):
         fail(f"stopping after an uncaught exception:\n{text}")
     # A collective failed because a peer is gone: print what failed now, then
     # ask which peer. JAX's own heartbeat check may abort this process first,

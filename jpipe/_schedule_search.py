@@ -886,10 +886,10 @@ class _Evaluator:
         _, _, room = _allowances(schedule, self.figures, self.layout, self.budget)
         fit, peaks = _fit(sim, self.figures, room)
         if self.layout == "spmd" and fit.fits:
-            buffers = sum(spmd_buffers(schedule, self.figures))
-            over = device_bytes(sim, self.figures, "spmd", values=peaks).most - self.budget
+            spmd = device_bytes(sim, self.figures, "spmd", values=peaks)  # plans the ticks
+            over = spmd.most - self.budget
             if over > 0:
-                extra = max(over, buffers - max(peaks))
+                extra = max(over, sum(spmd.buffers) - max(peaks))
                 fit, peaks = _fit(sim, self.figures, [r - extra for r in room])
         return sim, fit, device_bytes(sim, self.figures, "per_rank", values=peaks)
 
