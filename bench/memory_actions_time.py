@@ -50,10 +50,16 @@ CASES = [
     ("zb_h1", {}, 1, "zb_h1"),
     ("zb_h1_offload", {}, 1, "zb_h1"),
     ("zbv", {}, 2, "1f1b"),
+    ("zbv", {"max_deferred_w": 0}, 2, "1f1b"),
     ("vhalf", {}, 2, "1f1b"),
     ("vmin", {}, 2, "1f1b"),
 ]
 R, M = 4, 8
+
+
+def _spec(name: str, options: dict) -> str:
+    """The command line's name for a schedule with options, e.g. ``zbv:max_deferred_w=0``."""
+    return name + "".join(f"{':' if i == 0 else ','}{k}={v}" for i, (k, v) in enumerate(options.items()))
 
 
 def unit_costs(chunks: int) -> jpipe.Costs:
@@ -70,6 +76,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs = {}
     for name, options, chunks, _ in CASES:
+        spec = _spec(name, options)
         schedule = jpipe.get_schedule(name, R, M, chunks if chunks > 1 else None, **options)
         model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, R * chunks))
         pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(R, 1), lowering=args.lowering)
@@ -79,7 +86,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(pipe.value_and_grad(packed, batch))  # compiles
         costs = unit_costs(chunks)
         lockstep = pipe.plan.predicted_time(costs) if args.lowering == "spmd" else None
-        runs[name] = (pipe, packed, batch, jpipe.simulate(schedule, costs).makespan, lockstep)
+        runs[spec] = (pipe, packed, batch, jpipe.simulate(schedule, costs).makespan, lockstep)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.steps):
         for name, (pipe, packed, batch, *_) in runs.items():
@@ -87,7 +94,8 @@ def main(argv=None) -> int:
             jax.block_until_ready(pipe.value_and_grad(packed, batch))
             seconds[name].append(time.perf_counter() - start)
     rows = []
-    for name, _, _, base in CASES:
+    for name, options, _, base in CASES:
+        name = _spec(name, options)
         med, base_med = statistics.median(seconds[name]), statistics.median(seconds[base])
         _, _, _, sim, lockstep = runs[name]
         _, _, _, base_sim, base_lockstep = runs[base]

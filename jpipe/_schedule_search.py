@@ -114,6 +114,7 @@ BUILTINS: tuple[tuple[str, tuple[int, ...], dict], ...] = (
     ("zb_h2", (1,), {}),
     ("interleaved_1f1b", (2, 3, 4), {}),
     ("zbv", (2,), {}),
+    ("zbv", (2,), {"max_deferred_w": lambda R, M: (0, R)}),  # fewer I-to-W carries
     ("vhalf", (2,), {}),
     ("vmin", (2,), {}),
     ("dualpipev", (2,), {}),

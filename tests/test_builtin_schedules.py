@@ -154,6 +154,43 @@ def test_zbv_at_or_below_zb_h1_and_below_1f1b(p):
         assert bubble(simulate(build("zbv", p, m))) < bubble(simulate(build("1f1b", p, m)))
 
 
+def most_deferred_w(row):
+    """The most input gradients whose W has not run yet, over a rank's list."""
+    waiting, most = set(), 0
+    for a in row:
+        if a.kind == "I":
+            waiting.add((a.stage, a.microbatch))
+        elif a.kind == "W":
+            waiting.discard((a.stage, a.microbatch))
+        most = max(most, len(waiting))
+    return most
+
+
+@pytest.mark.parametrize("p", RANKS)
+def test_zbv_bounds_its_deferred_weight_gradients_for_time(p):
+    for m in (2 * p, 4 * p):
+        unbounded = build("zbv", p, m)
+        assert get_schedule("zbv", p, m, max_deferred_w=None).ranks == unbounded.ranks
+        times, deferred = [], []
+        for cap in (2 * p, p, 2, 0):
+            schedule = get_schedule("zbv", p, m, max_deferred_w=cap)
+            validate(schedule)
+            # At most `cap` carries wait for their W, one more from an I to the W it lets run.
+            assert max(most_deferred_w(row) for row in schedule.ranks) <= cap + 1
+            times.append(simulate(schedule).makespan)
+            deferred.append(max(most_deferred_w(row) for row in schedule.ranks))
+        most = max(most_deferred_w(row) for row in unbounded.ranks)
+        assert most > 2 * p - 2  # the unbounded cool-down defers many
+        assert deferred == sorted(deferred, reverse=True) and deferred[-1] == 1
+        # Fewer carries cost bubble: never less time than unbounded, and the
+        # slowest (cap 0, the last) still has less bubble than 1F1B.
+        assert simulate(unbounded).makespan <= min(times)
+        assert times == sorted(times)
+        assert bubble(simulate(schedule)) < bubble(simulate(build("1f1b", p, m)))
+    with pytest.raises(ValueError, match="max_deferred_w must be None or an int >= 0"):
+        get_schedule("zbv", p, 2 * p, max_deferred_w=-1)
+
+
 @pytest.mark.parametrize("p", RANKS)
 def test_dualpipev_overlaps_and_reaches_the_bound(p):
     for m in (2 * p, 2 * p + 1, 3 * p):

@@ -27,6 +27,7 @@ CASES += [
 ]
 CASES += [("interleaved_1f1b", 2, 4, 3)]
 CASES += [("zbv", r, m, 2) for r, m in [(2, 1), (2, 3), (4, 6)]]
+CASES += [("zbv:max_deferred_w=0", 4, 8, 2)]  # every W right after its I
 CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
 CASES += [(name, r, m, 2) for name in ["vhalf", "vmin"] for r, m in [(2, 1), (2, 3), (4, 6)]]
 
