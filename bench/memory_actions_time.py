@@ -59,7 +59,7 @@ R, M = 4, 8
 
 def _spec(name: str, options: dict) -> str:
     """The command line's name for a schedule with options, e.g. ``zbv:max_deferred_w=0``."""
-    return name + "".join(f"{':' if i == 0 else ','}{k}={v}" for i, (k, v) in enumerate(options.items()))
+    return ":".join([name] + [",".join(f"{k}={v}" for k, v in options.items())] * bool(options))
 
 
 def unit_costs(chunks: int) -> jpipe.Costs:

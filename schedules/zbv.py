@@ -40,14 +40,13 @@ def zbv(num_ranks, num_microbatches, num_chunks=2, max_deferred_w=None):
     R, M = num_ranks, num_microbatches
     if num_chunks not in (1, 2):
         raise ValueError(f"zbv places exactly 2 stages per rank (a V), got num_chunks={num_chunks}")
-    if max_deferred_w is not None and (
-        not isinstance(max_deferred_w, int) or isinstance(max_deferred_w, bool) or max_deferred_w < 0
-    ):
+    cap = max_deferred_w
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
         raise ValueError(
             f"zbv's max_deferred_w must be None or an int >= 0 (weight gradients a rank may "
             f"leave for later), got {max_deferred_w!r}"
         )
-    cap = 2 * R * M if max_deferred_w is None else max_deferred_w
+    cap = 2 * R * M if cap is None else cap
     return [_rank(R, M, r, cap) for r in range(R)]
 
 
