@@ -95,6 +95,11 @@ def get_config() -> ml_collections.ConfigDict:
     # real vocabulary they are most of what a microbatch keeps (GPT-2 small: 3.2 GiB
     # of the head's residuals per 4 x 1,024 tokens), for one more head matmul.
     config.model.remat_logits = False
+    # Compute the head's logits over this many slices of the sequence in turn, each
+    # recomputed in the backward, so that the head's working memory holds one slice's
+    # float32 logits (GPT-2 small at 4 x 1,024 tokens: 0.77 GiB, and as much for their
+    # gradient); 1 = all at once. Must divide seq_len.
+    config.model.logit_chunks = 1
     # Dropout rate on the embeddings and each block's attention and MLP outputs (GPT-2's
     # places); 0 = none. Each row's masks come from (seed, step, row), so a resumed run
     # or another mesh draws the same ones; evaluation runs without dropout.

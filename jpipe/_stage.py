@@ -819,6 +819,11 @@ def _plan_scan(eqn, need: set, param_operands: set) -> _ScanPlan | None:
     w_outs = [j for j in range(len(outvars)) if j not in i_outs]
     if not w_outs:
         return None
+    if not i_outs:
+        # I reads nothing this scan makes (e.g. one that only sums a weight's
+        # gradient over slices): W runs all of it, the chain's equations too
+        # (the I-scan that would make them for W does not run).
+        i_eqns, i_made = set(), set()
     i_carry = [k for k in range(ncar) if k in i_outs]
     w_carry = [k for k in range(ncar) if k not in i_outs]
     i_ys = sorted(j for j in i_outs if j >= ncar)

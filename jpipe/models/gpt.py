@@ -93,6 +93,14 @@ class GPTConfig:
         else a microbatch keeps (GPT-2 small at 4 x 1,024 tokens: 3.2 GiB of
         the head's residuals, against 6 MiB with this), for one more head
         matmul per microbatch. The same loss and gradients.
+      logit_chunks: compute the head's logits and cross-entropy over this
+        many slices of the sequence in turn (a scan), each recomputed in its
+        backward, so that the head's working memory holds one slice's
+        logits, not the whole microbatch's (GPT-2 small at 4 x 1,024 tokens:
+        the float32 logits and their gradient are 0.77 GiB each). 1, the
+        default, computes them at once; above 1 the logits are recomputed
+        (as with `remat_logits`), and the sequence length must divide by it.
+        The same loss; the gradients the same up to float32 summation order.
       dropout: the dropout rate, in [0, 1), applied where the batch carries
         per-row ``"keys"`` (see the module docstring); 0 leaves the model
         deterministic and as before.
@@ -107,10 +115,19 @@ class GPTConfig:
     dtype: str = "float32"
     scan_layers: bool = False
     remat_logits: bool = False
+    logit_chunks: int = 1
     dropout: float = 0.0
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "num_layers",
+            "num_heads",
+            "d_model",
+            "d_ff",
+            "logit_chunks",
+        ):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
@@ -268,13 +285,39 @@ class _Head(nn.Module):
                 logits_BxLxV.astype(jnp.float32), targets_BxL
             )
 
-        if c.remat_logits:
-            token_losses = nn.remat(token_losses)
-        losses_BxL = token_losses(unembed, y_BxLxD, targets_BxL)
+        if c.logit_chunks > 1 and not self.is_initializing():  # init may see any length
+            losses_BxL = _chunked(token_losses, c.logit_chunks, unembed, y_BxLxD, targets_BxL)
+        else:
+            if c.remat_logits:
+                token_losses = nn.remat(token_losses)
+            losses_BxL = token_losses(unembed, y_BxLxD, targets_BxL)
         if "weights" in inputs:  # per-token weights, e.g. 0 on padding
             weights_BxL = inputs["weights"].astype(jnp.float32)
             return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
         return losses_BxL.mean()
+
+
+def _chunked(token_losses, chunks: int, unembed, y_BxLxD, targets_BxL):
+    """`token_losses` over `chunks` slices of the sequence, one at a time, each rematerialized."""
+    B, L, D = y_BxLxD.shape
+    if L % chunks:
+        raise ValueError(
+            f"GPTConfig.logit_chunks={chunks} must divide the sequence length, got {L} tokens"
+        )
+
+    def one_slice(unembed, carry, slice_):
+        y_BxCxD, targets_BxC = slice_
+        return carry, token_losses(unembed, y_BxCxD, targets_BxC)
+
+    scan = nn.scan(
+        nn.remat(one_slice), variable_broadcast="params", split_rngs={"params": False}
+    )
+    slices = (
+        y_BxLxD.reshape(B, chunks, L // chunks, D).swapaxes(0, 1),
+        targets_BxL.reshape(B, chunks, L // chunks).swapaxes(0, 1),
+    )
+    _, losses_NxBxC = scan(unembed, None, slices)
+    return losses_NxBxC.swapaxes(0, 1).reshape(B, L)
 
 
 def make_stages(
