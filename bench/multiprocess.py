@@ -33,9 +33,11 @@ alike):
 Every row's loss is compared with the one-process loss (the last column). The predictions
 use the measured pieces and transfer: ``sim ideal`` is
 ``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))`` (ranks that
-overlap perfectly; for the per-rank rows with B = I + W, as they run it, and
-the transfer API's time); ``sim lock-step`` is the program jpipe compiles,
-``plan.predicted_time(costs)`` plus one transfer per channel per tick (every
+overlap perfectly; for the per-rank rows with that lowering's own compiled
+F, I and W, each timed as M calls issued back to back as a step issues
+them, B = I + W, as they run it, and the transfer API's time); ``sim
+lock-step`` is the program jpipe compiles, ``plan.predicted_time(costs)``
+plus one transfer per channel per tick (every
 tick ends in its `ppermute`s). For the per-rank rows the host's own cost is
 reported too: operations issued per step (pieces, transfers, set-up calls)
 and the host's time to issue them, per operation.
@@ -162,11 +164,15 @@ class _Piece:
         return result
 
 
-def _per_rank_pieces(rank_programs, step_args) -> list:
+def _per_rank_pieces(rank_programs, step_args, calls: int) -> list:
     """The F, I and W of this process's stage as the per-rank lowering compiled them, as rows.
 
     Their arguments are those of a real step's first call of each (copied
-    before the call, which may donate them).
+    before the call, which may donate them). A row issues its piece `calls`
+    times (M, as often as a step runs it) and waits for the last: as in the
+    step, where a rank's pieces are issued back to back and nobody waits
+    between them, so one wait's latency is spread over M calls, not paid
+    by each. Its time over `calls` is the piece's cost in the step.
     """
     import jax
 
@@ -198,8 +204,12 @@ def _per_rank_pieces(rank_programs, step_args) -> list:
         donated, out = {"W": (5, -1), "F": (4, 2) if s == last else (None, 0)}.get(kind, (None, 0))
         piece = _Piece(originals[(s, kind)], a, donated, out)
         rows.append(
-            measure.Compiled(f"per-rank {kind}", lambda p=piece: p(), (), 0.0, None, None, None)
-        )
+            measure.Compiled(
+                f"per-rank {kind}",
+                lambda p=piece: [p() for _ in range(calls)][-1],
+                (), 0.0, None, None, None,
+            )
+        )  # fmt: skip
     return rows
 
 
@@ -242,13 +252,14 @@ def _measure(args) -> dict:
     transfer = measure.compile_program("transfer", fn, targs)
     ping_pong, pargs = _transfer_api_program(mpmd, batch, block, loops)
     api = measure.Compiled("transfer api", ping_pong, pargs, 0.0, None, None, None)
-    own = _per_rank_pieces(*per_rank["1f1b"])  # one stage per process: the same rows in each
+    # One stage per process: the same rows in each.
+    own = _per_rank_pieces(*per_rank["1f1b"], calls=args.microbatches)
     times = measure.time_together(
         local_rows + pieces + own + programs + [transfer, api], args.reps, warmup=1
     )
     from jax.experimental import multihost_utils
 
-    mine = np.array([[np.median(times[f"per-rank {k}"]) for k in "FIW"]])
+    mine = np.array([[np.median(times[f"per-rank {k}"]) / args.microbatches for k in "FIW"]])
     every = multihost_utils.process_allgather(mine, tiled=True)  # [stage, (F, I, W)]
     for name, (rank_programs, step_args) in per_rank.items():  # the host's side of a step
         host_seconds = []
@@ -401,7 +412,8 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
             *lines,
             "",
             f"Pieces (ms, one microbatch, one thread): {pieces}.",
-            "The per-rank lowering's own pieces (its compiled F, I and W, same rounds): "
+            "The per-rank lowering's own pieces (its compiled F, I and W, same rounds, "
+            f"each issued {args.microbatches} times back to back as in a step, per call): "
             + ", ".join(
                 f"stage {s}: F {_ms(own['F'][s])}, I {_ms(own['I'][s])}, W {_ms(own['W'][s])}"
                 for s in range(RANKS)
