@@ -27,8 +27,10 @@ first):
    steps (a short tabu walk). It gives up on a base when the peak over the
    budget has not fallen for S + R steps. Once it fits, each change is taken
    back where the schedule still fits without it (removing work never makes
-   the simulated step longer) and each recompute is tried as a transfer
-   instead. Transfers are placed as the built-ins place them: an eviction or
+   the simulated step longer) and each change is tried as each other
+   change for the same pair (a recompute as a transfer, a slow transfer as
+   a recompute), kept where it still fits and the step is shorter.
+   Transfers are placed as the built-ins place them: an eviction or
    offload right after the action that made (or last read) the residuals,
    the way back one compute action before the next reader, so that action
    hides it. The number of schedules simulated is bounded (a count, not a
@@ -1042,7 +1044,7 @@ def _local_search(base, evaluate, allowed, deadline, log):
                 f"    {base.name}: {len(moves)} pairs moved, {current[1].peak_over / GIB:.2f} GiB "
                 f"over, step {current[0].makespan:.4g}"
             )
-    # Take back what is not needed, then try each recompute as a transfer.
+    # Take back what is not needed, then try each move as another.
     improved = True
     while improved and time.perf_counter() <= deadline and not evaluate.exhausted:
         improved = False
@@ -1052,8 +1054,10 @@ def _local_search(base, evaluate, allowed, deadline, log):
             got = run(trial)
             if got is not None and got[1].fits and got[0].makespan <= current[0].makespan:
                 moves, current, improved = trial, got, True
-        for key in [k for k in moves if moves[k].kind == "recompute"]:
-            for mv in _variants(base, key, allowed - {"recompute"}, None, partners):
+        # Each move as another kind or placement: a recompute as a transfer, and a
+        # transfer taken early (when it freed the most) as a recompute that costs less.
+        for key in list(moves):
+            for mv in _variants(base, key, allowed, moves[key], partners):
                 trial = {**moves, key: mv}
                 got = run(trial)
                 if got is not None and got[1].fits and got[0].makespan < current[0].makespan:

@@ -294,6 +294,22 @@ def test_gpt2_small_on_a_budget_1f1b_does_not_fit():
         assert budget > 2**30  # a real budget, in GiB
 
 
+def test_a_walk_that_ends_slow_turns_its_transfers_into_cheaper_moves():
+    # GPT-2 small, 4 ranks, M = 16, SPMD, 12 GiB: the walk on ZB-V without
+    # deferred weight gradients took five offloads early (slow host copies on
+    # these figures) and ended 8.4x slower, so V-Half won though the 11 GiB
+    # winner (ZB-V with recomputes in its bubbles) fits 12 too. Trying each
+    # move as the others once it fits turns those offloads into recomputes:
+    # the winner beats every built-in that fits (its step is 0.06% above the
+    # 11 GiB winner's: the two walks take different paths).
+    profile = jpipe.load_stage_profile("gpt2_small")
+    result = jpipe.search_schedule(profile, 4, 16, 12 * 2**30, layout="spmd")
+    builtins = [c for c in result.candidates if c.builtin and c.fits]
+    assert not result.winner.builtin
+    assert result.winner.time < min(c.time for c in builtins)
+    assert not any(m.startswith("offload") for m in result.winner.moves)
+
+
 # -- the command line -----------------------------------------------------------------------
 
 

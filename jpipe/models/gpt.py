@@ -309,9 +309,7 @@ def _chunked(token_losses, chunks: int, unembed, y_BxLxD, targets_BxL):
         y_BxCxD, targets_BxC = slice_
         return carry, token_losses(unembed, y_BxCxD, targets_BxC)
 
-    scan = nn.scan(
-        nn.remat(one_slice), variable_broadcast="params", split_rngs={"params": False}
-    )
+    scan = nn.scan(nn.remat(one_slice), variable_broadcast="params", split_rngs={"params": False})
     slices = (
         y_BxLxD.reshape(B, chunks, L // chunks, D).swapaxes(0, 1),
         targets_BxL.reshape(B, chunks, L // chunks).swapaxes(0, 1),
