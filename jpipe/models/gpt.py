@@ -60,6 +60,7 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
+    losses_in_slices,
     row_dropout,
     split_flax_model,
     split_layers,
@@ -286,7 +287,9 @@ class _Head(nn.Module):
             )
 
         if c.logit_chunks > 1 and not self.is_initializing():  # init may see any length
-            losses_BxL = _chunked(token_losses, c.logit_chunks, unembed, y_BxLxD, targets_BxL)
+            losses_BxL = losses_in_slices(
+                token_losses, c.logit_chunks, unembed, y_BxLxD, targets_BxL, "GPTConfig"
+            )
         else:
             if c.remat_logits:
                 token_losses = nn.remat(token_losses)
@@ -295,27 +298,6 @@ class _Head(nn.Module):
             weights_BxL = inputs["weights"].astype(jnp.float32)
             return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
         return losses_BxL.mean()
-
-
-def _chunked(token_losses, chunks: int, unembed, y_BxLxD, targets_BxL):
-    """`token_losses` over `chunks` slices of the sequence, one at a time, each rematerialized."""
-    B, L, D = y_BxLxD.shape
-    if L % chunks:
-        raise ValueError(
-            f"GPTConfig.logit_chunks={chunks} must divide the sequence length, got {L} tokens"
-        )
-
-    def one_slice(unembed, carry, slice_):
-        y_BxCxD, targets_BxC = slice_
-        return carry, token_losses(unembed, y_BxCxD, targets_BxC)
-
-    scan = nn.scan(nn.remat(one_slice), variable_broadcast="params", split_rngs={"params": False})
-    slices = (
-        y_BxLxD.reshape(B, chunks, L // chunks, D).swapaxes(0, 1),
-        targets_BxL.reshape(B, chunks, L // chunks).swapaxes(0, 1),
-    )
-    _, losses_NxBxC = scan(unembed, None, slices)
-    return losses_NxBxC.swapaxes(0, 1).reshape(B, L)
 
 
 def make_stages(

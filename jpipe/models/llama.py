@@ -55,6 +55,7 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
+    losses_in_slices,
     row_dropout,
     split_flax_model,
     split_layers,
@@ -88,6 +89,9 @@ class LlamaConfig:
         weights and model).
       remat_logits: recompute the head's logits in the backward instead of
         keeping them (see `GPTConfig.remat_logits`).
+      logit_chunks: compute the head's logits over this many slices of the
+        sequence in turn, each recomputed in the backward (see
+        `GPTConfig.logit_chunks`); 1, the default, at once.
       dropout: the rate of dropout on each block's attention and MLP outputs
         (drawn from the batch's per-row ``"keys"``, as the GPT's); 0, the
         default and Llama's own, is none.
@@ -105,6 +109,7 @@ class LlamaConfig:
     dtype: str = "float32"
     scan_layers: bool = False
     remat_logits: bool = False
+    logit_chunks: int = 1
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -127,6 +132,7 @@ class LlamaConfig:
             "num_kv_heads",
             "d_model",
             "d_ff",
+            "logit_chunks",
         ):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -308,9 +314,14 @@ class _Head(nn.Module):
                 logits_BxLxV.astype(jnp.float32), targets_BxL
             )
 
-        if c.remat_logits:
-            token_losses = nn.remat(token_losses)
-        losses_BxL = token_losses(unembed, y_BxLxD, inputs["targets"])
+        if c.logit_chunks > 1 and not self.is_initializing():  # init may see any length
+            losses_BxL = losses_in_slices(
+                token_losses, c.logit_chunks, unembed, y_BxLxD, inputs["targets"], "LlamaConfig"
+            )
+        else:
+            if c.remat_logits:
+                token_losses = nn.remat(token_losses)
+            losses_BxL = token_losses(unembed, y_BxLxD, inputs["targets"])
         if "weights" in inputs:
             weights_BxL = inputs["weights"].astype(jnp.float32)
             return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())

@@ -534,3 +534,32 @@ def split_flax_model(
         bool(scan_layers),
         keys=keys,
     )
+
+
+def losses_in_slices(token_losses, slices: int, unembed, y_BxLxD, targets_BxL, owner: str):
+    """`token_losses` over `slices` slices of the sequence in turn, each rematerialized.
+
+    For a head's ``logit_chunks`` (`GPTConfig`, `LlamaConfig`): a scan over the
+    slices whose body recomputes its logits in the backward, so that no
+    piece holds more than one slice's logits or their gradient.
+    `token_losses(unembed, y, targets)` gives the per-token losses of a
+    slice; `unembed` is the head's module (its parameters are shared by every
+    slice); `owner` names the config in the error.
+    """
+    B, L, D = y_BxLxD.shape
+    if L % slices:
+        raise ValueError(
+            f"{owner}.logit_chunks={slices} must divide the sequence length, got {L} tokens"
+        )
+
+    def one_slice(unembed, carry, slice_):
+        y_BxCxD, targets_BxC = slice_
+        return carry, token_losses(unembed, y_BxCxD, targets_BxC)
+
+    scan = nn.scan(nn.remat(one_slice), variable_broadcast="params", split_rngs={"params": False})
+    xs = (
+        y_BxLxD.reshape(B, slices, L // slices, D).swapaxes(0, 1),
+        targets_BxL.reshape(B, slices, L // slices).swapaxes(0, 1),
+    )
+    _, losses_NxBxC = scan(unembed, None, xs)
+    return losses_NxBxC.swapaxes(0, 1).reshape(B, L)
