@@ -23,6 +23,11 @@ per-device `memory_analysis()` read. Beside it, what the schedule needs:
 
 The interleaved and V schedules run only on 4 devices: 8 ranks x 2 chunks
 is 16 stages, more than 12 blocks can fill (a middle stage must hold one).
+The last rows (not with ``--quick``) are the schedules that trade time for
+memory (`MEMORY_SCHEDULES`) on 8 devices with 16 blocks of GPT-2 small's
+widths, M = 16, with the head's logits kept and in 8 slices
+(`GPTConfig.logit_chunks`): docs/compiler-measurements.md, "Issue 23's
+memory targets in the SPMD program".
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ GPT2_SMALL = gpt.GPTConfig(
 )
 MICROBATCH = 4  # sequences
 SCHEDULES = (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+# The schedules that trade time for memory, against 1F1B (issue 23's targets): on 8
+# devices with 16 blocks, so that 8 ranks of V stages (16 stages) each hold a block.
+MEMORY_SCHEDULES = (
+    ("1f1b", 1),
+    ("1f1b_recompute:k=2", 1),
+    ("1f1b_bpipe", 1),
+    ("vhalf", 2),
+    ("vmin", 2),
+    ("zbv", 2),
+    ("zbv:max_deferred_w=0", 2),
+)
 
 
 def _bytes(avals) -> int:
@@ -192,6 +208,8 @@ def row(
         "working_per_rank": work,
         "need_2act_bytes": max(need_2act),
         "remat_logits": config.remat_logits,
+        "logit_chunks": config.logit_chunks,
+        "blocks": config.num_layers,
         "param_bytes": param_bytes,
         "own_param_bytes": max(own),
         # each value buffer of the program (residuals, I-to-W carries, host copies)
@@ -203,7 +221,9 @@ def row(
 
 def run(args, log=print) -> list[dict]:
     """Every row: 4 and 8 devices (quick: 4), M = 16 and 64 (quick: 16), then the
-    same at M = 16 with the head's logits recomputed (`GPTConfig.remat_logits`)."""
+    same at M = 16 with the head's logits recomputed (`GPTConfig.remat_logits`);
+    then (not quick) `MEMORY_SCHEDULES` on 8 devices, 16 blocks, M = 16, with the
+    head's logits kept and in 8 slices (`GPTConfig.logit_chunks`)."""
     out = []
     counts = (4,) if args.quick else (4, 8)
     remat = dataclasses.replace(GPT2_SMALL, remat_logits=True)
@@ -223,4 +243,14 @@ def run(args, log=print) -> list[dict]:
                         f"(own {rec['own_param_bytes'] / gib:.3f})"
                     )
                     out.append(rec)
+    if not args.quick:
+        wide = dataclasses.replace(GPT2_SMALL, num_layers=16)
+        for config in (wide, dataclasses.replace(wide, logit_chunks=8)):
+            for name, chunks in MEMORY_SCHEDULES:
+                rec = row(8, name, chunks, 16, config)
+                log(
+                    f"  8 devices, 16 blocks, {name}, M=16, logit_chunks={config.logit_chunks}: "
+                    f"temp {rec['temp_bytes'] / 2**30:.2f} GiB"
+                )
+                out.append(rec)
     return out

@@ -312,15 +312,19 @@ def memory_markdown(rows: list[dict]) -> str:
     """The memory suite's table: compiled bytes per device against the schedule's need."""
     gib = 2**30
     lines = [
-        "| devices | schedule | M | logits | temp GiB | arguments GiB "
+        "| devices | blocks | schedule | M | logits | temp GiB | arguments GiB "
         "| need GiB (largest rank) | temp / need | temp / need (2 activations) "
         "| params GiB per device | largest rank's own | params / own |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        slices = r.get("logit_chunks", 1)
+        logits = (
+            f"{slices} slices" if slices > 1 else "recomputed" if r.get("remat_logits") else "kept"
+        )
         lines.append(
-            f"| {r['devices']} | {r['schedule']} | {r['microbatches']} "
-            f"| {'recomputed' if r.get('remat_logits') else 'kept'} "
+            f"| {r['devices']} | {r.get('blocks', 12)} | {r['schedule']} | {r['microbatches']} "
+            f"| {logits} "
             f"| {r['temp_bytes'] / gib:.2f} | {r['argument_bytes'] / gib:.2f} "
             f"| {r['need_bytes'] / gib:.2f} | {r['temp_bytes'] / r['need_bytes']:.2f}x "
             f"| {r['temp_bytes'] / r['need_2act_bytes']:.2f}x "

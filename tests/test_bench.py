@@ -179,7 +179,10 @@ def test_memory_suite_row_on_a_small_gpt():
     from bench import report
 
     table = report.memory_markdown([one, zb]).splitlines()
-    assert len(table) == 4 and "| 4 | zb_h1 | 8 | kept |" in table[3]
+    assert len(table) == 4 and "| 4 | 4 | zb_h1 | 8 | kept |" in table[3]
+    sliced = memory.row(4, "zb_h1", 1, 8, dataclasses.replace(config, logit_chunks=4))
+    assert sliced["temp_bytes"] < zb["temp_bytes"]  # one slice's logits at a time
+    assert "| 4 | 4 | zb_h1 | 8 | 4 slices |" in report.memory_markdown([sliced])
 
 
 def test_mesh_memory_splits_what_each_axis_promises():
