@@ -39,6 +39,7 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 
 from jpipe import models  # noqa: E402
+from jpipe._schedule_search import _spec_text  # noqa: E402  (``zbv:max_deferred_w=0``)
 from jpipe.models import gpt  # noqa: E402
 
 CONFIG = gpt.GPTConfig(vocab_size=256, num_layers=8, d_model=128, num_heads=4, seq_len=64, d_ff=512)
@@ -57,11 +58,6 @@ CASES = [
 R, M = 4, 8
 
 
-def _spec(name: str, options: dict) -> str:
-    """The command line's name for a schedule with options, e.g. ``zbv:max_deferred_w=0``."""
-    return ":".join([name] + [",".join(f"{k}={v}" for k, v in options.items())] * bool(options))
-
-
 def unit_costs(chunks: int) -> jpipe.Costs:
     """F = I = W = 1 a stage of the 1F1B split (B = 2), a half of that for a V's half stage."""
     c = 1.0 / chunks
@@ -76,7 +72,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs = {}
     for name, options, chunks, _ in CASES:
-        spec = _spec(name, options)
+        spec = _spec_text(name, options)
         schedule = jpipe.get_schedule(name, R, M, chunks if chunks > 1 else None, **options)
         model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, R * chunks))
         pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(R, 1), lowering=args.lowering)
@@ -95,7 +91,7 @@ def main(argv=None) -> int:
             seconds[name].append(time.perf_counter() - start)
     rows = []
     for name, options, _, base in CASES:
-        name = _spec(name, options)
+        name = _spec_text(name, options)
         med, base_med = statistics.median(seconds[name]), statistics.median(seconds[base])
         _, _, _, sim, lockstep = runs[name]
         _, _, _, base_sim, base_lockstep = runs[base]

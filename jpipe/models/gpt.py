@@ -60,7 +60,7 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
-    losses_in_slices,
+    head_token_losses,
     row_dropout,
     split_flax_model,
     split_layers,
@@ -286,14 +286,9 @@ class _Head(nn.Module):
                 logits_BxLxV.astype(jnp.float32), targets_BxL
             )
 
-        if c.logit_chunks > 1 and not self.is_initializing():  # init may see any length
-            losses_BxL = losses_in_slices(
-                token_losses, c.logit_chunks, unembed, y_BxLxD, targets_BxL, "GPTConfig"
-            )
-        else:
-            if c.remat_logits:
-                token_losses = nn.remat(token_losses)
-            losses_BxL = token_losses(unembed, y_BxLxD, targets_BxL)
+        losses_BxL = head_token_losses(
+            token_losses, unembed, y_BxLxD, targets_BxL, c, self.is_initializing()
+        )
         if "weights" in inputs:  # per-token weights, e.g. 0 on padding
             weights_BxL = inputs["weights"].astype(jnp.float32)
             return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())

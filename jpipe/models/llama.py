@@ -55,7 +55,7 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
-    losses_in_slices,
+    head_token_losses,
     row_dropout,
     split_flax_model,
     split_layers,
@@ -314,14 +314,9 @@ class _Head(nn.Module):
                 logits_BxLxV.astype(jnp.float32), targets_BxL
             )
 
-        if c.logit_chunks > 1 and not self.is_initializing():  # init may see any length
-            losses_BxL = losses_in_slices(
-                token_losses, c.logit_chunks, unembed, y_BxLxD, inputs["targets"], "LlamaConfig"
-            )
-        else:
-            if c.remat_logits:
-                token_losses = nn.remat(token_losses)
-            losses_BxL = token_losses(unembed, y_BxLxD, inputs["targets"])
+        losses_BxL = head_token_losses(
+            token_losses, unembed, y_BxLxD, inputs["targets"], c, self.is_initializing()
+        )
         if "weights" in inputs:
             weights_BxL = inputs["weights"].astype(jnp.float32)
             return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())

@@ -536,20 +536,32 @@ def split_flax_model(
     )
 
 
-def losses_in_slices(token_losses, slices: int, unembed, y_BxLxD, targets_BxL, owner: str):
-    """`token_losses` over `slices` slices of the sequence in turn, each rematerialized.
+def head_token_losses(token_losses, unembed, y_BxLxD, targets_BxL, config, initializing: bool):
+    """A head's per-token losses as its config's ``remat_logits`` and ``logit_chunks`` say.
 
-    For a head's ``logit_chunks`` (`GPTConfig`, `LlamaConfig`): a scan over the
-    slices whose body recomputes its logits in the backward, so that no
-    piece holds more than one slice's logits or their gradient.
-    `token_losses(unembed, y, targets)` gives the per-token losses of a
-    slice; `unembed` is the head's module (its parameters are shared by every
-    slice); `owner` names the config in the error.
+    `token_losses(unembed, y, targets)` computes the logits and their
+    per-token cross-entropy; `unembed` is the head's module; `config` a
+    `GPTConfig` or `LlamaConfig`. With ``logit_chunks`` above 1 it runs over
+    that many slices of the sequence in turn (a scan whose body recomputes
+    its logits in the backward), so that no piece holds more than one
+    slice's logits or their gradient; otherwise at once, rematerialized if
+    ``remat_logits``. Flax's init (`initializing`) runs it at once, since it
+    may see any sequence length.
     """
+    slices = config.logit_chunks
+    if slices > 1 and not initializing:
+        return _losses_in_slices(token_losses, slices, unembed, y_BxLxD, targets_BxL, config)
+    if config.remat_logits:
+        token_losses = nn.remat(token_losses)
+    return token_losses(unembed, y_BxLxD, targets_BxL)
+
+
+def _losses_in_slices(token_losses, slices: int, unembed, y_BxLxD, targets_BxL, config):
     B, L, D = y_BxLxD.shape
     if L % slices:
         raise ValueError(
-            f"{owner}.logit_chunks={slices} must divide the sequence length, got {L} tokens"
+            f"{type(config).__name__}.logit_chunks={slices} must divide the sequence length, "
+            f"got {L} tokens"
         )
 
     def one_slice(unembed, carry, slice_):
