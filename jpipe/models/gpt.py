@@ -153,6 +153,11 @@ class GPTConfig:
         object.__setattr__(self, "dropout", float(rate))
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.seq_len % self.logit_chunks:
+            raise ValueError(
+                f"GPTConfig.logit_chunks={self.logit_chunks} must divide the sequence length "
+                f"seq_len={self.seq_len}"
+            )
 
 
 # ---------------------------------------------------------------------------

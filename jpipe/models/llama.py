@@ -165,6 +165,11 @@ class LlamaConfig:
                 )
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.seq_len % self.logit_chunks:
+            raise ValueError(
+                f"LlamaConfig.logit_chunks={self.logit_chunks} must divide the sequence length "
+                f"seq_len={self.seq_len}"
+            )
 
 
 def _linear(features: int, name: str, dtype, std: float = _INIT_STD):
