@@ -226,19 +226,26 @@ def lost_processes(timeout_seconds: float | None = None) -> list[int] | None:
 _heartbeat_seconds = HEARTBEAT_TIMEOUT_SECONDS
 # How a collective or a transfer reports a peer that went away (gloo on CPU; NCCL, the
 # coordination service; the transfer API's sockets, as the per-rank lowering meets them:
-# "recv() failed errno: 107 err: Transport endpoint is not connected").
-# Matched without regard to case.
+# "recv() failed errno: 107 err: Transport endpoint is not connected"; a barrier of the
+# coordination service, as orbax's checkpoint save meets it: "Barrier failed because: task
+# is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout"). Matched without regard to case.
 _PEER_LOST_WORDS = (
     "gloo", "connection closed", "connection reset", "unhealthy", "nccl",
     "recv() failed", "send() failed", "transport endpoint is not connected", "broken pipe",
+    "heartbeat timeout",
 )  # fmt: skip
+
+
+def _says_peer_lost(message: str) -> bool:
+    """Whether an error's message is one a collective or transfer gives when a peer is gone."""
+    return any(word in message.lower() for word in _PEER_LOST_WORDS)
 
 
 def _excepthook(kind, value, tb) -> None:
     if issubclass(kind, KeyboardInterrupt):
         fail("interrupted", 130)
     text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
-    if not any(word in str(value).lower() for word in _PEER_LOST_WORDS):
+    if not _says_peer_lost(str(value)):
         fail(f"stopping after an uncaught exception:\n{text}")
     # A collective failed because a peer is gone: print what failed now, then
     # ask which peer. JAX's own heartbeat check may abort this process first,

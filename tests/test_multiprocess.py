@@ -367,3 +367,18 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
     assert "in 2 processes" in out
     assert f"resuming from the checkpoint of step {done[-1]}" in out
     assert _metrics(workdir) == one_process(2, 2)
+
+
+def test_the_messages_of_a_lost_peer_are_recognized():
+    # What a survivor has met when its peer died (each seen in a run of these
+    # tests): then it asks the coordinator which process is lost and names it.
+    from jpipe._distributed import _says_peer_lost
+
+    for message in (
+        "Gloo connectFullMesh failed with ... Connection closed by peer",
+        "recv() failed errno: 107 err: Transport endpoint is not connected",
+        "INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat "
+        "timeout. This indicates that the remote task has failed",
+    ):
+        assert _says_peer_lost(message), message
+    assert not _says_peer_lost("ValueError: shapes (4, 8) and (3, 8) do not match")
