@@ -15,7 +15,12 @@ Supervision, so that a failure is seen and nothing is left behind:
   stops the others (SIGTERM, then SIGKILL after a grace period: JAX's
   preemption service catches SIGTERM and may not exit on it); its own exit
   status is the first non-zero status (128 + N for a child killed by signal N);
-* Ctrl-C is forwarded to every child as SIGINT; the same grace period applies.
+* Ctrl-C is forwarded to every child as SIGINT; the same grace period applies;
+* with a time limit, a job still running when it is spent is stopped the same
+  way and the launcher exits with 124 (as coreutils' ``timeout``): a hung
+  collective then ends a test or a scheduled job instead of holding it;
+* whatever else ends the launcher (an exception in the caller's thread) stops
+  the children first, so none outlives it.
 
 The children run in their own sessions, so a terminal's Ctrl-C reaches only
 the launcher, which decides what each child gets.
@@ -111,6 +116,7 @@ def launch(
     cpu_devices: int | None = None,
     one_thread: bool = False,
     grace_seconds: float = 3.0,
+    timeout_seconds: float | None = None,
     env: dict | None = None,
     stdout=None,
     stderr=None,
@@ -123,13 +129,18 @@ def launch(
       cpu_devices: fake this many CPU devices in each process (and use the CPU).
       one_thread: one XLA thread per process.
       grace_seconds: after SIGTERM or SIGINT, how long a child has before SIGKILL.
+      timeout_seconds: stop every child when the job has run this long (None:
+        no limit) and return 124.
       env: the base environment (default: this process's).
       stdout, stderr: where the prefixed lines go (default: this process's).
 
     Returns:
       0 when every process exited with 0, else the first non-zero exit status
-      (128 + N for a process killed by signal N).
+      (128 + N for a process killed by signal N); 130 after Ctrl-C; 124 when
+      the time limit was spent.
     """
+    if timeout_seconds is not None and timeout_seconds <= 0:
+        raise ValueError(f"the time limit must be positive, got {timeout_seconds} s")
     if num_processes < 1:
         raise ValueError(f"-n must be at least 1, got {num_processes}")
     if cpu_devices is not None and cpu_devices < 1:
@@ -175,6 +186,7 @@ def launch(
         raise ValueError(f"cannot start {argv[0]!r}: {e}") from None
 
     status = 0
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     try:
         while True:
             codes = [c.poll() for c in children]
@@ -191,11 +203,20 @@ def launch(
                 break
             if all(c == 0 for c in codes):
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                running = [j for j, c in enumerate(codes) if c is None]
+                say(f"time limit of {timeout_seconds:g} s spent; stopping process(es) {running}")
+                _stop(children, signal.SIGTERM, grace_seconds)
+                status = 124
+                break
             time.sleep(0.05)
     except KeyboardInterrupt:
         say("interrupted; stopping every process")
         _stop(children, signal.SIGINT, grace_seconds)
         status = 130
+    except BaseException:
+        _stop(children, signal.SIGKILL, 0.0)
+        raise
     for t in pumps:
         t.join(timeout=5)
     return status

@@ -30,7 +30,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jpipe.launch",
         description=__doc__.split("\n")[0],
-        usage="python -m jpipe.launch -n N [--cpu_devices K] [--one_thread] -- PROGRAM ARGS",
+        usage=(
+            "python -m jpipe.launch -n N [--cpu_devices K] [--one_thread] [--timeout S]"
+            " -- PROGRAM ARGS"
+        ),
     )
     parser.add_argument("-n", "--num_processes", type=int, required=True, help="processes (N)")
     parser.add_argument(
@@ -39,6 +42,12 @@ def main(argv=None) -> int:
     parser.add_argument("--one_thread", action="store_true", help="one XLA CPU thread per process")
     parser.add_argument(
         "--grace", type=float, default=3.0, help="seconds a stopped process has before SIGKILL"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop every process after this many seconds and exit with 124 (default: no limit)",
     )
     args = parser.parse_args(own)
     if not command:
@@ -50,6 +59,7 @@ def main(argv=None) -> int:
             cpu_devices=args.cpu_devices,
             one_thread=args.one_thread,
             grace_seconds=args.grace,
+            timeout_seconds=args.timeout,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

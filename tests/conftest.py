@@ -1,5 +1,6 @@
 """Every multi-device test runs on 8 fake CPU devices, set up once here."""
 
+import gc
 import os
 
 # The suite compiles hundreds of small programs and runs each once or twice,
@@ -14,6 +15,44 @@ import os
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
 import jpipe  # noqa: E402
 
 jpipe.use_cpu_devices(8)
+
+# Each program XLA:CPU compiles keeps its machine code in memory maps of its
+# own until it is freed, and JAX's caches keep every program a test file
+# compiled. One test worker runs half the suite's files: test_compiler.py
+# alone leaves 18,400 maps, and a worker that had run several such files
+# passed Linux's limit of 65,530 per process (vm.max_map_count) in
+# test_train.py, where the next map XLA asked for failed and the worker died
+# ("Fatal Python error: Aborted"; reproduced with the limit set to 16,000,
+# test_compiler.py then dies in a compile). So each file's programs are
+# released when it ends (18,400 maps -> 630), and a file that alone comes
+# near the limit fails here by name instead of taking a later file down.
+MAPS = "/proc/self/maps"
+MAPS_PER_FILE = 40_000
+
+
+def _memory_maps() -> int | None:
+    try:
+        with open(MAPS) as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs(request):
+    yield
+    held = _memory_maps()
+    jax.clear_caches()
+    gc.collect()
+    if held is not None and held > MAPS_PER_FILE:
+        pytest.fail(
+            f"{request.module.__name__} ended holding {held} memory maps (XLA's compiled "
+            f"programs); past {MAPS_PER_FILE} a worker nears Linux's 65,530 and dies. "
+            "Split the file or release its programs (jax.clear_caches()) as it goes."
+        )

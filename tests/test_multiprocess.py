@@ -5,6 +5,7 @@ Each test starts its processes with `jpipe.launch` (or its environment) and
 so each launch checks as much as it can (tests/multiprocess_worker.py).
 """
 
+import _thread
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -30,11 +32,23 @@ if CHILD_XLA_FLAGS:
 ENV.pop("JAX_NUM_CPU_DEVICES", None)
 
 
+# A launch that runs longer is hung (a collective waiting on a peer): it is
+# stopped and fails its test instead of holding the suite. The longest takes
+# about 60 s on a 2-core machine with the other test worker busy.
+LAUNCH_SECONDS = 400
+
+
 def _run(command, n=2, cpu_devices=2, env=ENV):
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     status = jpipe.launch_local(
-        command, n, cpu_devices=cpu_devices, env=env, stdout=out, stderr=err
+        command,
+        n,
+        cpu_devices=cpu_devices,
+        env=env,
+        stdout=out,
+        stderr=err,
+        timeout_seconds=LAUNCH_SECONDS,
     )
     return status, out.getvalue(), err.getvalue(), time.monotonic() - start
 
@@ -72,6 +86,58 @@ def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
     assert seconds < 15, "the sleeping process should have been stopped"
     assert "[0] hello from 0 2" in out and "[1] hello from 1 2" in out
     assert "process 1 exited with status 3; stopping process(es) [0]" in err
+
+
+def test_launcher_stops_a_job_past_its_time_limit_and_on_an_exception(tmp_path):
+    # Both processes print their pid and sleep: a hung job, as a collective
+    # waiting on a peer that never comes would be.
+    code = "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
+    status, out, err, seconds = _run_with_limit([sys.executable, "-c", code], timeout_seconds=2)
+    assert status == 124
+    assert seconds < 15, "the sleeping processes should have been stopped"
+    assert "time limit of 2 s spent; stopping process(es) [0, 1]" in err
+    for line in out.splitlines():
+        assert not _alive(int(line.split()[1])), line
+
+    # An exception in the launcher's thread (a test's time limit, a bug in a
+    # caller) stops the children before it goes on: here a signal handler's,
+    # raised 3 s in.
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    out = io.StringIO()
+    previous = signal.signal(signal.SIGUSR1, stop)
+    timer = threading.Timer(3.0, _thread.interrupt_main, args=(signal.SIGUSR1,))
+    timer.start()
+    try:
+        with pytest.raises(Stop):
+            jpipe.launch_local([sys.executable, "-c", code], 2, stdout=out, env=ENV)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    pids = [int(line.split()[1]) for line in out.getvalue().splitlines()]
+    assert len(pids) == 2, out.getvalue()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _run_with_limit(command, timeout_seconds):
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    status = jpipe.launch_local(
+        command, 2, env=ENV, stdout=out, stderr=err, timeout_seconds=timeout_seconds
+    )
+    return status, out.getvalue(), err.getvalue(), time.monotonic() - start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_initialize_is_a_no_op_alone_and_names_missing_or_bad_settings(monkeypatch):

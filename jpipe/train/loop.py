@@ -340,8 +340,10 @@ def _run(
 
     run = Run(prepared, pipeline, compiled, checkpoints, metrics, lead and progress)
     loop = LoopState(state)
-    _loop(run, loop, batch, start)
-    metrics.close()
+    try:
+        _loop(run, loop, batch, start)
+    finally:
+        metrics.close()  # its TensorBoard writer's threads end with the run, however it ends
     step_seconds = statistics.median(loop.step_times) if loop.step_times else None
     tokens = c.batch_size * _tokens_per_row(batch)
     tps = tokens / step_seconds if step_seconds else None
