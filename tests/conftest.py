@@ -24,14 +24,15 @@ jpipe.use_cpu_devices(8)
 
 # Each program XLA:CPU compiles keeps its machine code in memory maps of its
 # own until it is freed, and JAX's caches keep every program a test file
-# compiled. One test worker runs half the suite's files: test_compiler.py
-# alone leaves 18,400 maps, and a worker that had run several such files
-# passed Linux's limit of 65,530 per process (vm.max_map_count) in
-# test_train.py, where the next map XLA asked for failed and the worker died
-# ("Fatal Python error: Aborted"; reproduced with the limit set to 16,000,
-# test_compiler.py then dies in a compile). So each file's programs are
-# released when it ends (18,400 maps -> 630), and a file that alone comes
-# near the limit fails here by name instead of taking a later file down.
+# compiled. One test worker runs about half the suite's files, and Linux
+# allows a process 65,530 maps (vm.max_map_count): CI runs had a worker die
+# in test_train.py ("Fatal Python error: Aborted") after it had run other
+# files, and with the limit set to 16,000 test_compiler.py dies the same way
+# in a compile. Measured over the whole suite (jax 0.10.2), the files' own
+# peaks add up to 48,000 maps on one worker, the largest test_compiler.py's
+# 18,400. So each file's programs are released when it ends (18,400 maps ->
+# 630), and a file that alone comes near the limit fails here by name
+# instead of taking a later file down.
 MAPS = "/proc/self/maps"
 MAPS_PER_FILE = 40_000
 
