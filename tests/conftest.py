@@ -25,14 +25,15 @@ jpipe.use_cpu_devices(8)
 # Each program XLA:CPU compiles keeps its machine code in memory maps of its
 # own until it is freed, and JAX's caches keep every program a test file
 # compiled. One test worker runs about half the suite's files, and Linux
-# allows a process 65,530 maps (vm.max_map_count): CI runs had a worker die
-# in test_train.py ("Fatal Python error: Aborted") after it had run other
-# files, and with the limit set to 16,000 test_compiler.py dies the same way
-# in a compile. Measured over the whole suite (jax 0.10.2), the files' own
-# peaks add up to 48,000 maps on one worker, the largest test_compiler.py's
-# 18,400. So each file's programs are released when it ends (18,400 maps ->
-# 630), and a file that alone comes near the limit fails here by name
-# instead of taking a later file down.
+# allows a process 65,530 maps (vm.max_map_count). Two runs of the suite had
+# a worker die in test_train.py ("Fatal Python error: Aborted") after it had
+# run other files; with the limit set to 16,000, test_compiler.py dies too
+# (a segfault in a compile). Measured (jax 0.10.2): test_compiler.py alone
+# peaks at 18,400 maps, and eight of the heaviest files in one process at
+# 43,000; the worker that died was not measured, so the limit is the one
+# cause reproduced, not a proven one. Each file's programs are released when
+# it ends (18,400 maps -> 630), and a file that alone comes near the limit
+# fails here by name instead of taking a later file down.
 MAPS = "/proc/self/maps"
 MAPS_PER_FILE = 40_000
 
