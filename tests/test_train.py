@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 import jpipe
 from jpipe import train as trainer
@@ -45,29 +44,6 @@ _spec.loader.exec_module(default)
 # missing from the global norm, weight decay on the wrong rows). If it fails,
 # look for such a bug before anything else; do not loosen it.
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_once(tmp_path_factory):
-    """Programs that several runs here share (same config, same shapes) compile once.
-
-    An on-disk XLA cache for this module only: a run that hits it loads the
-    executable a fresh compile would produce, so no test depends on it.
-    """
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {name: getattr(jax.config, name) for name in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update(names[1], 0)
-    jax.config.update(names[2], 0)
-    compilation_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
 
 
 def tiny_config(**overrides):
