@@ -38,7 +38,7 @@ ENV.pop("JAX_NUM_CPU_DEVICES", None)
 LAUNCH_SECONDS = 400
 
 
-def _run(command, n=2, cpu_devices=2, env=ENV):
+def _run(command, n=2, cpu_devices=2, env=ENV, timeout_seconds=LAUNCH_SECONDS):
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     status = jpipe.launch_local(
@@ -48,7 +48,7 @@ def _run(command, n=2, cpu_devices=2, env=ENV):
         env=env,
         stdout=out,
         stderr=err,
-        timeout_seconds=LAUNCH_SECONDS,
+        timeout_seconds=timeout_seconds,
     )
     return status, out.getvalue(), err.getvalue(), time.monotonic() - start
 
@@ -88,11 +88,13 @@ def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
     assert "process 1 exited with status 3; stopping process(es) [0]" in err
 
 
-def test_launcher_stops_a_job_past_its_time_limit_and_on_an_exception(tmp_path):
+def test_launcher_stops_a_job_past_its_time_limit_and_on_an_exception():
     # Both processes print their pid and sleep: a hung job, as a collective
     # waiting on a peer that never comes would be.
     code = "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
-    status, out, err, seconds = _run_with_limit([sys.executable, "-c", code], timeout_seconds=2)
+    status, out, err, seconds = _run(
+        [sys.executable, "-c", code], cpu_devices=None, timeout_seconds=2
+    )
     assert status == 124
     assert seconds < 15, "the sleeping processes should have been stopped"
     assert "time limit of 2 s spent; stopping process(es) [0, 1]" in err
@@ -121,15 +123,6 @@ def test_launcher_stops_a_job_past_its_time_limit_and_on_an_exception(tmp_path):
     pids = [int(line.split()[1]) for line in out.getvalue().splitlines()]
     assert len(pids) == 2, out.getvalue()
     assert not any(_alive(pid) for pid in pids)
-
-
-def _run_with_limit(command, timeout_seconds):
-    out, err = io.StringIO(), io.StringIO()
-    start = time.monotonic()
-    status = jpipe.launch_local(
-        command, 2, env=ENV, stdout=out, stderr=err, timeout_seconds=timeout_seconds
-    )
-    return status, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
 def _alive(pid: int) -> bool:
