@@ -10,7 +10,11 @@ process, which is the closest a single machine gets to separate accelerators.
 Supervision, so that a failure is seen and nothing is left behind:
 
 * each line a child prints comes out prefixed with its index (``[1] ...``),
-  stdout to stdout and stderr to stderr;
+  stdout to stdout and stderr to stderr, except Gloo's report of each
+  connection it makes (``[Gloo] Rank 0 is connected to 1 peer ranks. ...``,
+  printed by JAX's CPU collectives once per communicator, 8 lines a process
+  for a small training run), which says nothing when all goes well and
+  nothing a failure message does not say better (`CHATTY_LINES`);
 * when a child exits with a non-zero status, the launcher says which one and
   stops the others (SIGTERM, then SIGKILL after a grace period: JAX's
   preemption service catches SIGTERM and may not exit on it); its own exit
@@ -29,6 +33,7 @@ the launcher, which decides what each child gets.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +43,9 @@ import time
 from collections.abc import Sequence
 
 from jpipe._distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+CHATTY_LINES = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
+"""Lines of the children's output that the launcher drops (see the module docstring)."""
 
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -102,6 +110,8 @@ def _exit_status(code: int) -> int:
 
 def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
+        if CHATTY_LINES.match(raw):
+            continue
         line = raw.decode(errors="replace").rstrip("\n")
         with lock:
             out.write(f"{prefix}{line}\n")

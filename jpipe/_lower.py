@@ -97,6 +97,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jpipe._contract import check_stage_outputs
 from jpipe._manual import DeviceView
 from jpipe._pack import ParamLayout
 from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
@@ -163,7 +164,7 @@ def switch_writes_in_place(platform: str) -> bool:
     def writer(k):
         def write(buf, offset):
             value = jnp.full((k + 1, ROW), offset, buf.dtype)
-            return lax.dynamic_update_slice(buf, value, (offset, 0))
+            return lax.dynamic_update_slice_in_dim(buf, value, offset, 0)
 
         return write
 
@@ -417,7 +418,10 @@ class _Arena:
             return buf
         for leaf, row in zip(leaves, self.leaf_rows[kind][stage]):
             if leaf.size:
-                buf = lax.dynamic_update_slice(buf, _as_rows(leaf), (offset + row, 0))
+                # Every slice here is `_in_dim`: its other start index is a zero
+                # of the offset's own dtype, where a literal 0 is int64 under
+                # jax_enable_x64 and XLA refuses mixed index types.
+                buf = lax.dynamic_update_slice_in_dim(buf, _as_rows(leaf), offset + row, 0)
         return buf
 
     def load(self, buf, kind: str, stage: int, layout: FlatLayout, offset) -> list:
@@ -427,7 +431,7 @@ class _Arena:
             if not math.prod(shape):
                 out.append(jnp.zeros(shape, dt))
                 continue
-            rows = lax.dynamic_slice(buf, (offset + row, 0), (_leaf_rows(shape, dt), ROW))
+            rows = lax.dynamic_slice_in_dim(buf, offset + row, _leaf_rows(shape, dt), 0)
             out.append(_from_rows(rows, shape, dt))
         return out
 
@@ -619,29 +623,14 @@ def build_step(
     if kernels is None:
         batch = tuple(a for a in (data_axis, layout.fsdp_axis) if a is not None)
         kernels = trace_kernels(stage_fns, layout, microbatch_inputs, mesh, pipe_axis, batch)
+    check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
     last = kernels[-1]
     weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
     loss_leaves = jax.tree.leaves(last.y)
-    if (
-        len(loss_leaves) != (2 if weighted else 1)
-        or any(leaf.shape != () for leaf in loss_leaves)
-        or not all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in loss_leaves)
-    ):
-        raise ValueError(
-            "the last stage must return the microbatch's loss as a float scalar, or a "
-            f"jpipe.WeightedLoss(total, weight) of two float scalars; got {last.y}"
-        )
     loss_dtype = jnp.result_type(*(leaf.dtype for leaf in loss_leaves))
     # The loss accumulator: the sum of the microbatch losses, or of the
     # weighted losses' totals and weights.
     loss_zero = jnp.zeros((2,) if weighted else (), loss_dtype)
-    for s, k in enumerate(kernels[:-1]):
-        for leaf in jax.tree.leaves(k.y):
-            if not jnp.issubdtype(leaf.dtype, jnp.floating):
-                raise ValueError(
-                    f"stage {s} passes a {leaf.dtype} array to stage {s + 1}; activations "
-                    "between stages must be floating point so gradients can flow back"
-                )
 
     with axis_env(axis_sizes):
         classes = stage_classes(kernels, layout)
@@ -909,11 +898,11 @@ def build_step(
             before left it, so every read comes before the write it races.
             """
             for i, lane in enumerate(lanes[0]):
-                send = lax.dynamic_slice(buf, (row[col[f"lane{i}_send"]], 0), (lane.rows, ROW))
+                send = lax.dynamic_slice_in_dim(buf, row[col[f"lane{i}_send"]], lane.rows, 0)
                 arrived = lax.ppermute(send, pipe_axis, lane.perm)
 
                 def land(b, arrived=arrived, i=i):
-                    return lax.dynamic_update_slice(b, arrived, (row[col[f"lane{i}_recv"]], 0))
+                    return lax.dynamic_update_slice_in_dim(b, arrived, row[col[f"lane{i}_recv"]], 0)
 
                 buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, buf)
             for c in host_classes:
@@ -925,16 +914,16 @@ def build_step(
                 # (bound when defined): a read of an older version would keep
                 # it alive beside the new one, and XLA would copy both buffers.
                 def offload(h, rows=rows, buf=buf):
-                    v = lax.dynamic_slice(buf, (row[col["host_res_row"]], 0), (rows, ROW))
+                    v = lax.dynamic_slice_in_dim(buf, row[col["host_res_row"]], rows, 0)
                     v = jax.device_put(v, jax.memory.Space.Host)
-                    return lax.dynamic_update_slice(h, v, (row[col["host_row"]], 0))
+                    return lax.dynamic_update_slice_in_dim(h, v, row[col["host_row"]], 0)
 
                 host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
 
                 def bring_back(b, rows=rows, host_buf=host_buf):
-                    v = lax.dynamic_slice(host_buf, (row[col["host_row"]], 0), (rows, ROW))
+                    v = lax.dynamic_slice_in_dim(host_buf, row[col["host_row"]], rows, 0)
                     v = jax.device_put(v, jax.memory.Space.Device)
-                    return lax.dynamic_update_slice(b, v, (row[col["host_res_row"]], 0))
+                    return lax.dynamic_update_slice_in_dim(b, v, row[col["host_res_row"]], 0)
 
                 buf = lax.cond(here & reload, bring_back, lambda b: b, buf)
             return buf, host_buf

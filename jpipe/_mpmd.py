@@ -56,6 +56,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from jpipe._contract import check_stage_outputs
 from jpipe._lower import axis_env
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Action, Schedule
@@ -215,6 +216,7 @@ class RankPrograms:
         fused_backward: bool = False,
         meshes=None,
     ):
+        check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
         self.fused_backward = fused_backward
         self.kernels = tuple(kernels)

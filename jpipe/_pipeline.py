@@ -297,6 +297,10 @@ class Pipeline:
         (the step's loss is then the mean over microbatches), or a
         `jpipe.WeightedLoss` ``(total, weight)`` (the step's loss is then
         ``sum(total) / sum(weight)``, e.g. a token-masked mean of the batch).
+        The loss is a float scalar (each of the two, for a weighted one) and
+        every leaf a stage passes to the next is floating point; both
+        lowerings refuse a stage that breaks this before compiling, with the
+        same `ValueError` naming the stage (`jpipe._contract`).
       schedule: a `jpipe.Schedule` with one stage per function.
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count, and
         any others (`jpipe.make_mesh`); or, under ``lowering="mpmd"``, one

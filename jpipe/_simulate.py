@@ -284,6 +284,33 @@ class Simulation:
             for i, a in enumerate(self.schedule.actions(r))
         )
 
+    def peak_activations_text(self) -> str:
+        """Each rank's peak live activations in words that say what is counted.
+
+        `peak_activations` counts live ``(stage, microbatch)`` pairs. With one
+        stage a rank that is microbatches of the rank's layers; with ``V``
+        stages a rank each pair is one stage's share, so the text also gives
+        the count over ``V``: microbatches of all the rank's layers, exact
+        when its stages are of one size (as `jpipe.models.split_layers`
+        makes them). So interleaved 1F1B with 4 stages a rank reads ``[18,
+        17, 18, 19] (stage, microbatch) pairs ... [4.5, 4.25, 4.5, 4.75]``,
+        not 18 microbatches.
+        """
+        s = self.schedule
+        peaks = list(self.peak_activations)
+        held = {len(s.stages_of(r)) for r in range(s.num_ranks)} - {0}
+        if held <= {1}:
+            return f"peak live activations per rank {peaks} microbatches"
+        text = f"peak live activations per rank {peaks} (stage, microbatch) pairs"
+        if len(held) == 1:
+            (V,) = held
+            whole = ", ".join(f"{p / V:g}" for p in peaks)
+            text += (
+                f"; with {V} stages a rank, [{whole}] microbatches of a rank's layers "
+                "(if its stages are of one size)"
+            )
+        return text
+
     def summary(self) -> dict:
         """The figures as plain JSON-ready values."""
         return {

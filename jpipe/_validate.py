@@ -49,6 +49,14 @@ from collections.abc import Sequence
 
 from jpipe._schedule import MEMORY_KINDS, Action, Schedule
 
+REPLICAS_NOT_YET = (
+    "Replicated stages, one stage on several ranks with its gradients summed over them "
+    "(Chimera, DeepSeek's full DualPipe), are not in the schedule language yet (an open "
+    "issue); DualPipe folded onto one copy of the model is the built-in 'dualpipev' "
+    "(rank r holds stages r and 2R-1-r)"
+)
+"""What the refusal of a stage on two ranks offers instead (step 2)."""
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message says where and why."""
@@ -210,7 +218,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
             elif o != r:
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: stage {s} is on two ranks, "
-                    f"{o} and {r}; a stage must live on exactly one rank"
+                    f"{o} and {r}; a stage must live on exactly one rank. {REPLICAS_NOT_YET}"
                 )
             slots = where["F" if a.kind == "FC" else a.kind]
             k = s * M + a.microbatch

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jpipe._console import run_main
 from jpipe._launch import launch
 
 
@@ -67,4 +68,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

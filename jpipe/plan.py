@@ -2,7 +2,8 @@
 
 import sys
 
+from jpipe._console import run_main
 from jpipe.planner._cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

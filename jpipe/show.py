@@ -19,7 +19,9 @@ literals. For example::
 The schedule is validated and simulated (`jpipe.simulate`, costs per kind
 given by ``--cost``; ``B`` defaults to ``I + W``). The output is a text chart,
 one row per rank (see `text_chart`), then the makespan, the bubble fraction,
-and the busy time and peak live activations of each rank; with ``--bytes``
+and the busy time and peak live activations of each rank (live
+``(stage, microbatch)`` pairs; with several stages a rank, also over their
+number: microbatches of the rank's layers); with ``--bytes``
 (per-stage residual, I-to-W carry and parameter bytes) also each rank's peak
 bytes, and beside them the same without the schedule's memory actions
 (`jpipe.Schedule.without_memory_actions`; ``--bytes input=...`` sizes what an
@@ -47,6 +49,7 @@ import json
 import sys
 
 from jpipe._chart import chrome_trace, draw_gantt, text_chart
+from jpipe._console import run_main
 from jpipe._registry import add_option_argument, get_schedule, parse_options
 from jpipe._simulate import Costs, Simulation, Sizes, simulate
 from jpipe._ticks import program_shape
@@ -138,6 +141,9 @@ def _figures(sim: Simulation) -> str:
                 else ""
             )
         )
+    if any(len(s.stages_of(r)) > 1 for r in range(s.num_ranks)):
+        # Several stages a rank: say what "peak live" counts, and in which unit.
+        lines += ["", sim.peak_activations_text()]
     return "\n".join(lines)
 
 
@@ -205,4 +211,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

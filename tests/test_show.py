@@ -199,6 +199,70 @@ def test_module_entry_point_runs():
     assert "\nr1 s1  " in result.stdout
 
 
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `jpipe.show ... | head`: the reader has gone before the first write, so
+    # the write fails as it does for `head` after its lines. The command ends
+    # quietly with the shell's SIGPIPE status, as `yes | head` would.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jpipe.show", "1f1b", "-r", "4", "-m", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
+def test_a_folder_named_jpipe_in_the_working_directory_is_named(tmp_path):
+    # A clone named `jpipe`, run from its parent: Python may take the folder
+    # for the package (an editable install's hook comes after the current
+    # directory), and then only a refusal that names the folder helps. An
+    # install that the folder does not hide runs as usual.
+    (tmp_path / "jpipe").mkdir()
+    (tmp_path / "jpipe" / "README.md").write_text("a clone\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "jpipe.show", "gpipe", "-r", "2", "-m", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    if result.returncode == 0:  # this install is not hidden by the folder
+        assert result.stdout.startswith("gpipe: 2 ranks")
+    else:
+        assert result.returncode == 2, result.stderr
+        folder = tmp_path / "jpipe"
+        assert result.stderr == (
+            f"error: 'jpipe' was imported from the folder {folder}, which is not the jpipe "
+            "package (it has no __init__.py): a folder named jpipe in the directory you run "
+            "from (a clone of the repository?) hides the installed package. Run from inside "
+            "the clone or from another directory, or rename the folder\n"
+        )
+
+
+def test_peak_live_says_what_it_counts(capsys):
+    # One stage a rank: microbatches of the rank's layers.
+    sim = jpipe.simulate(jpipe.get_schedule("1f1b", 4, 8))
+    assert sim.peak_activations_text() == "peak live activations per rank [4, 3, 2, 1] microbatches"
+    # Four stages a rank: (stage, microbatch) pairs, a quarter of the rank's
+    # layers each, so 18 pairs are 4.5 microbatches of its layers.
+    sim = jpipe.simulate(jpipe.get_schedule("interleaved_1f1b", 4, 16, 4))
+    peaks = list(sim.peak_activations)
+    whole = ", ".join(f"{p / 4:g}" for p in peaks)
+    assert sim.peak_activations_text() == (
+        f"peak live activations per rank {peaks} (stage, microbatch) pairs; with 4 stages a "
+        f"rank, [{whole}] microbatches of a rank's layers (if its stages are of one size)"
+    )
+    assert max(peaks) > 8  # the old wording called these microbatches
+    # `show` prints it under its table where ranks hold several stages, not otherwise.
+    assert main(["zbv", "-r", "2", "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\npeak live activations per rank [" in out and "with 2 stages a rank" in out
+    assert main(["1f1b", "-r", "2", "-m", "4"]) == 0
+    assert "peak live activations per rank" not in capsys.readouterr().out
+
+
 # -- the charts -----------------------------------------------------------------------
 
 
