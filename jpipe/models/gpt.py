@@ -56,6 +56,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe._stage import WeightedLoss
+from jpipe.models.attention import (
+    IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    block_remat,
+    causal_attention,
+    check_choice,
+)
 from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
@@ -105,6 +112,14 @@ class GPTConfig:
       dropout: the dropout rate, in [0, 1), applied where the batch carries
         per-row ``"keys"`` (see the module docstring); 0 leaves the model
         deterministic and as before.
+      attention: how attention is computed: ``"xla"`` (the scores
+        materialized, the default), ``"blockwise"`` (flash-style, never
+        holding the L x L scores) or ``"cudnn"`` (the GPU's fused kernel);
+        see `jpipe.models.attention`.
+      attention_block: the tile of ``"blockwise"`` attention (the largest
+        divisor of the sequence length not above it).
+      remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
+        or ``"attention"`` (see `jpipe.models.attention`).
     """
 
     vocab_size: int
@@ -118,6 +133,9 @@ class GPTConfig:
     remat_logits: bool = False
     logit_chunks: int = 1
     dropout: float = 0.0
+    attention: str = "xla"
+    attention_block: int = 512
+    remat: str = "none"
 
     def __post_init__(self):
         for name in (
@@ -128,6 +146,7 @@ class GPTConfig:
             "d_model",
             "d_ff",
             "logit_chunks",
+            "attention_block",
         ):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -153,6 +172,8 @@ class GPTConfig:
         object.__setattr__(self, "dropout", float(rate))
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPTConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_choice("GPTConfig", "attention", self.attention, IMPLEMENTATIONS)
+        check_choice("GPTConfig", "remat", self.remat, REMAT_POLICIES)
         if self.seq_len % self.logit_chunks:
             raise ValueError(
                 f"GPTConfig.logit_chunks={self.logit_chunks} must divide the sequence length "
@@ -254,7 +275,7 @@ class _Block(nn.Module):
         # each device holds whole heads.
         qkv_BxLxHx3xK = _dense(3 * h * k, "qkv", dtype)(y_BxLxD).reshape(b, length, h, 3, k)
         q, kk, v = (qkv_BxLxHx3xK[:, :, :, i] for i in range(3))
-        attn_BxLxHxK = jax.nn.dot_product_attention(q, kk, v, is_causal=True)
+        attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
         y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, h * k)
         )
@@ -332,7 +353,7 @@ def make_stages(
 def _split(config: GPTConfig, layers_per_stage, tensor_axis: str | None) -> StagedModel:
     return split_flax_model(
         _Embed(config),
-        _Block(config, tensor_axis),
+        block_remat(_Block, config.remat, scanned=config.scan_layers)(config, tensor_axis),
         _Head(config),
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,

@@ -51,6 +51,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe._stage import WeightedLoss
+from jpipe.models.attention import (
+    IMPLEMENTATIONS,
+    REMAT_POLICIES,
+    block_remat,
+    causal_attention,
+    check_choice,
+)
 from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
@@ -95,6 +102,14 @@ class LlamaConfig:
       dropout: the rate of dropout on each block's attention and MLP outputs
         (drawn from the batch's per-row ``"keys"``, as the GPT's); 0, the
         default and Llama's own, is none.
+      attention: how attention is computed: ``"xla"`` (the scores
+        materialized, the default), ``"blockwise"`` (flash-style, never
+        holding the L x L scores) or ``"cudnn"`` (the GPU's fused kernel);
+        see `jpipe.models.attention`.
+      attention_block: the tile of ``"blockwise"`` attention (the largest
+        divisor of the sequence length not above it).
+      remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
+        or ``"attention"`` (see `jpipe.models.attention`).
     """
 
     vocab_size: int
@@ -111,6 +126,9 @@ class LlamaConfig:
     remat_logits: bool = False
     logit_chunks: int = 1
     dropout: float = 0.0
+    attention: str = "xla"
+    attention_block: int = 512
+    remat: str = "none"
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -133,6 +151,7 @@ class LlamaConfig:
             "d_model",
             "d_ff",
             "logit_chunks",
+            "attention_block",
         ):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -165,6 +184,8 @@ class LlamaConfig:
                 )
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_choice("LlamaConfig", "attention", self.attention, IMPLEMENTATIONS)
+        check_choice("LlamaConfig", "remat", self.remat, REMAT_POLICIES)
         if self.seq_len % self.logit_chunks:
             raise ValueError(
                 f"LlamaConfig.logit_chunks={self.logit_chunks} must divide the sequence length "
@@ -280,7 +301,7 @@ class _Block(nn.Module):
         v = _linear(kv_heads * k, "v", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
         q, kk = rotary(q, c.rope_theta), rotary(kk, c.rope_theta)
         # Fewer key/value heads than query heads: grouped-query attention.
-        attn_BxLxHxK = jax.nn.dot_product_attention(q, kk, v, is_causal=True)
+        attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
         y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, heads * k)
         )
@@ -347,7 +368,7 @@ def make_stages(
     def split(axis):
         return split_flax_model(
             _Embed(config),
-            _Block(config, axis),
+            block_remat(_Block, config.remat, scanned=config.scan_layers)(config, axis),
             _Head(config),
             num_layers=config.num_layers,
             layers_per_stage=layers_per_stage,
