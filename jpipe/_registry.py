@@ -16,6 +16,11 @@ Options for the schedule function (its keyword arguments, such as ZB-H1's
 literals: ``zb_h1:lag=3``, ``my.py:my_1f1b:warmup=6``, ``x:a=1,b=(2, 3)``. A
 bare word is a string (``mode=fast``). The command lines also take them one
 at a time, ``--option lag=3`` (`parse_options`).
+
+A ``file.py:function`` SPEC runs that file's code (`names_code`): the
+trainer refuses one that comes from a plan file unless told the plan is
+trusted (docs/trust.md). Sizes past `jpipe._schedule.MAX_RANKS` ranks or
+`MAX_ACTIONS` actions are refused before the function runs (`check_size`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jpipe._schedule import Schedule
+from jpipe._schedule import MAX_ACTIONS, MAX_RANKS, Schedule, check_size
 
 ScheduleFn = Callable[..., Any]
 
@@ -150,6 +155,12 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return spec, {}
 
 
+def names_code(spec) -> bool:
+    """Whether a schedule SPEC is ``path/to/file.py:function``, whose file would be run."""
+    # The rule `get_schedule` follows: options only ever follow the function's name.
+    return isinstance(spec, str) and ":" in spec and spec.split(":")[0].endswith(".py")
+
+
 def _load_builtins() -> None:
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
@@ -226,6 +237,8 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
         if not ok:
             raise ValueError(f"the number of {what} must be a positive integer, got {value!r}")
     num_ranks, num_microbatches = operator.index(num_ranks), operator.index(num_microbatches)
+    chunks = num_chunks if isinstance(num_chunks, int) and not isinstance(num_chunks, bool) else 1
+    check_size(num_ranks, num_microbatches, chunks, f"schedule {name!r}")
     kwargs = dict(options)
     if num_chunks is not None:
         if "num_chunks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -242,15 +255,30 @@ def _call(fn: ScheduleFn, name: str, num_ranks, num_microbatches, num_chunks, op
             f"microbatches: {type(e).__name__}: {e}"
         ) from e
     if isinstance(rows, Schedule):
-        return dataclasses.replace(rows, name=rows.name or name)
+        schedule = dataclasses.replace(rows, name=rows.name or name)
+        _check_built(schedule, name)
+        return schedule
     if rows is None or isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
         raise ValueError(
             f"schedule {name!r} must return one list of actions per rank, got {type(rows).__name__}"
         )
     try:
-        return Schedule.of(rows, name=name)
+        schedule = Schedule.of(rows, name=name)
     except TypeError as e:
         raise ValueError(f"schedule {name!r} returned something that is not a schedule: {e}") from e
+    _check_built(schedule, name)
+    return schedule
+
+
+def _check_built(schedule: Schedule, name: str) -> None:
+    """A function's schedule is held to the limits its arguments were (it may add actions)."""
+    actions = sum(len(row) for row in schedule.ranks)
+    if schedule.num_ranks > MAX_RANKS or actions > MAX_ACTIONS:
+        raise ValueError(
+            f"schedule {name!r} returned {schedule.num_ranks} ranks and {actions:,} actions, "
+            f"past jpipe's limits MAX_RANKS={MAX_RANKS}, MAX_ACTIONS={MAX_ACTIONS:,} "
+            "(jpipe._schedule)"
+        )
 
 
 def get_schedule(

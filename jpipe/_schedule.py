@@ -41,6 +41,12 @@ like ``SEND_F``, ``{stage}{KIND}{microbatch}``):
   copy back, whose end the residuals' reader waits for.
 
 A cell that is neither PyTorch's nor one of these is refused by name.
+
+Sizes are bounded (`check_size`): at most `MAX_RANKS` ranks and
+`MAX_ACTIONS` actions, so that a typo such as 10^9 microbatches is refused
+at once, naming the limit, instead of building lists for minutes. Building,
+checking and simulating a schedule costs some microseconds per action on
+one core, so the largest one allowed takes under a minute.
 """
 
 from __future__ import annotations
@@ -77,6 +83,37 @@ _OVERLAP_RE = re.compile(r"^\s*\((.+?);(.+?)\)\s*OVERLAP_F_B\s*$")
 DROPPED_CSV_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
 _DROPPED_RE = re.compile(rf"^\s*(\d+)\s*({'|'.join(DROPPED_CSV_KINDS)})\s*(\d*)\s*$")
 _ANY_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
+
+# Sizes past which a schedule is refused (see the module docstring). A pipeline axis of
+# 4096 ranks is far beyond any machine's; 2^22 actions is, for example, 8 ranks x
+# 262,144 microbatches of 1F1B, or 512 ranks x 4096 microbatches.
+MAX_RANKS = 4096
+MAX_ACTIONS = 2**22
+
+
+def check_size(num_ranks: int, num_microbatches: int, num_chunks: int = 1, what: str = "") -> None:
+    """Refuses a schedule too large to build in reasonable time, naming the limit.
+
+    A schedule of R ranks, V stages per rank and M microbatches has at least
+    ``2 R V M`` actions (a forward and a backward of each stage on each
+    microbatch); that must stay within `MAX_ACTIONS`, and R within `MAX_RANKS`.
+    """
+    where = f"{what}: " if what else ""
+    if num_ranks > MAX_RANKS:
+        raise ValueError(
+            f"{where}{num_ranks} ranks is more than jpipe's limit of MAX_RANKS={MAX_RANKS} "
+            "(jpipe._schedule.MAX_RANKS); a pipeline axis that long is surely a typo"
+        )
+    actions = 2 * num_ranks * max(num_chunks, 1) * num_microbatches
+    if actions > MAX_ACTIONS:
+        raise ValueError(
+            f"{where}{num_ranks} ranks x "
+            + (f"{num_chunks} stages per rank x " if num_chunks > 1 else "")
+            + f"{num_microbatches} microbatches make at least {actions:,} actions, more than "
+            f"jpipe's limit of MAX_ACTIONS={MAX_ACTIONS:,} (jpipe._schedule.MAX_ACTIONS; "
+            "building and checking that many takes minutes); use fewer microbatches "
+            "(larger ones) or fewer ranks"
+        )
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -389,16 +426,49 @@ class Schedule:
     @classmethod
     def from_csv_text(cls, text: str, name: str = "") -> Schedule:
         """Reads PyTorch's CSV form from a string; see `from_csv`."""
-        rows = []
-        for lineno, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+        where = name or "CSV"
+        commas = text.count(",")  # cells less one a row: a bound found without parsing
+        if commas >= MAX_ACTIONS:
+            raise ValueError(
+                f"{where}: at least {commas + 1:,} cells, past jpipe's limit of MAX_ACTIONS="
+                f"{MAX_ACTIONS:,} (jpipe._schedule.MAX_ACTIONS)"
+            )
+        # Any line end (\n, \r\n or a lone \r) ends a row; a leading BOM is not a cell.
+        lines = io.StringIO(text.removeprefix("\ufeff"), newline=None)
+        rows, num_actions = [], 0
+        reader = csv.reader(lines, strict=True)
+        while True:
+            try:
+                row = next(reader, None)
+            except csv.Error as e:
+                raise ValueError(
+                    f"{where} row {reader.line_num}: not CSV ({e}); write one rank per "
+                    "line and one action per cell, such as 0F0,0F1,0B0"
+                ) from None
+            if row is None:
+                break
+            lineno = reader.line_num
+            if lineno > MAX_RANKS and any(c.strip() for c in row):
+                raise ValueError(
+                    f"{where} row {lineno}: more than jpipe's limit of MAX_RANKS={MAX_RANKS} "
+                    "ranks (jpipe._schedule.MAX_RANKS; one row a rank)"
+                )
+            num_actions += len(row)
+            if num_actions > MAX_ACTIONS:
+                raise ValueError(
+                    f"{where} row {lineno}: more than jpipe's limit of MAX_ACTIONS="
+                    f"{MAX_ACTIONS:,} cells (jpipe._schedule.MAX_ACTIONS)"
+                )
             cells, dropped = [], []
             for col, cell in enumerate(row, start=1):
                 if not cell.strip():
                     continue
                 try:
                     step, names = _read_csv_cell(cell)
+                    for a in () if step is None else step.parts:
+                        _check_index(a)
                 except ValueError as e:
-                    raise ValueError(f"{name or 'CSV'} row {lineno} column {col}: {e}") from None
+                    raise ValueError(f"{where} row {lineno} column {col}: {e}") from None
                 if step is not None:
                     cells.append(step)
                 dropped.extend((col, stage, text) for stage, text in names)
@@ -406,7 +476,7 @@ class Schedule:
             for col, stage, cell in dropped:
                 if stage not in held:
                     raise ValueError(
-                        f"{name or 'CSV'} row {lineno} column {col}: {cell!r} names stage "
+                        f"{where} row {lineno} column {col}: {cell!r} names stage "
                         f"{stage}, which this rank does not compute (its stages: "
                         f"{', '.join(map(str, held)) or 'none'}); PyTorch writes a rank's "
                         "transfer, FSDP and gradient cells for its own stages"
@@ -427,7 +497,7 @@ class Schedule:
         their rank, so positions in errors count compute cells only.
         """
         try:
-            with open(path, newline="", encoding="utf-8") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 text = f.read()
         except UnicodeDecodeError as e:
             raise ValueError(f"{os.fspath(path)} is not a UTF-8 text file: {e}") from None
@@ -462,6 +532,20 @@ def _read_csv_cell(text: str) -> tuple[Step | None, list[tuple[int, str]]]:
                 return parse_action(kept[0]), dropped
             return parse_action(f"({';'.join(kept)})OVERLAP_F_B"), dropped
     return parse_action(text), []
+
+
+def _check_index(a: Action) -> None:
+    """Refuses a stage, microbatch or partner index no schedule within the limits has."""
+    for what, value, limit in (
+        ("stage", a.stage, MAX_ACTIONS // 2),
+        ("microbatch", a.microbatch, MAX_ACTIONS // 2),
+        ("partner rank", a.partner, MAX_RANKS),
+    ):
+        if value is not None and value >= limit:
+            raise ValueError(
+                f"{a}: {what} {value:,} is past what a schedule within jpipe's limits has "
+                f"(MAX_RANKS={MAX_RANKS}, MAX_ACTIONS={MAX_ACTIONS:,}; jpipe._schedule)"
+            )
 
 
 def _undo_legacy_b(rows: Sequence[Sequence[Step]]) -> list[list[Step]]:

@@ -40,6 +40,9 @@ Profiles default to the published Sailor ones inside jpipe; ``--profiles``
 takes another Sailor data folder or a jpipe profile JSON file. Sailor times
 are made non-decreasing in microbatch size unless ``--raw-profiles``.
 Bad input exits with status 2 and one line ``error: ...`` naming the flag.
+The printed text gives memory in GiB (2^30 bytes; an A100-40 holds 40 GiB);
+``--json`` and plan files give bytes. ``--memory`` takes bytes and refuses a
+figure no device has (``cpu:8`` for 8 GiB, say).
 """
 
 from __future__ import annotations
@@ -57,11 +60,18 @@ from jpipe.planner._partition import (
     speed_costs,
     uniform_partition,
 )
-from jpipe.planner._profiles import SAILOR_DIR, load_profile, load_sailor_profile, monotone_in_batch
+from jpipe.planner._profiles import (
+    SAILOR_DIR,
+    check_plausible,
+    load_profile,
+    load_sailor_profile,
+    monotone_in_batch,
+)
 from jpipe.planner._search import (
     LAYOUTS,
     MEMORY_MARGIN,
     evaluate,
+    gib,
     load_sailor_plan,
     memory_footprint,
     parse_devices,
@@ -181,7 +191,10 @@ def _load(args, model: str):
                 nbytes = 0.0
             if not kind or not nbytes > 0:
                 raise _Usage(f"--memory: cannot read {item!r}; expected TYPE:BYTES like cpu:8e9")
-            memory[kind] = nbytes
+            try:
+                memory[kind] = check_plausible(nbytes, "device_bytes", f"{kind}'s memory")
+            except ValueError as e:
+                raise _Usage(f"--memory: {e}") from None
         profile = dataclasses.replace(profile, memory=memory, derived=set(), _links={})
     return profile
 
@@ -303,13 +316,14 @@ def _plan(args) -> tuple[dict, str]:
     text = [
         f"{profile.model} on {args.devices}, global batch {args.global_batch}: "
         f"{result.considered} candidates, {result.simulated} simulated, "
-        f"{len(result.skipped)} skipped{unsplit}, {result.seconds:.2f} s",
+        f"{len(result.skipped)} skipped{unsplit}, {result.seconds:.2f} s; "
+        "memory in GiB (2^30 bytes)",
         "",
     ]
     for i, c in enumerate(result.best):
         ev = c.evaluation
         text.append(
-            f"#{i + 1}  {ev.step_seconds:.4g} s/step, {ev.max_peak_bytes / 1e9:.2f} GB on the "
+            f"#{i + 1}  {ev.step_seconds:.4g} s/step, {gib(ev.max_peak_bytes)} on the "
             f"fullest device ({ev.plan.memory_layout} layout)"
         )
         text += [f"    {line}" for line in c.reasons]

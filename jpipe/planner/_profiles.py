@@ -70,6 +70,93 @@ DEVICE_MEMORY = {
 # (simulations/validation/validate.py passes fp16=False: float_size 4).
 SAILOR_ELEMENT_BYTES = 4
 
+# What a figure of a profile may be, per unit: the smallest non-zero value, the largest,
+# whether 0 is allowed (an unmeasured figure), and what a figure below or above usually
+# is. The ranges are far wider than any device's, so that only a figure in another unit
+# (GiB given as bytes, TFLOP as FLOP, milliseconds as seconds) falls outside.
+PLAUSIBLE = {
+    # one layer's bytes for one sequence (activations, outputs)
+    "bytes": (
+        1.0,
+        2.0**40,
+        True,
+        "a size in KiB, MiB or GiB given as bytes",
+        "bits, or a total rather than one layer's for one sequence",
+    ),
+    # a device's memory
+    "device_bytes": (
+        2.0**20,
+        2.0**48,
+        False,
+        "a memory in GiB or GB given as bytes (write 8e9, not 8)",
+        "more than any device has",
+    ),
+    # parameters of one layer (a count, not bytes)
+    "params": (
+        1.0,
+        1e13,
+        True,
+        "a count in millions or billions",
+        "more than any layer has: bytes rather than a count?",
+    ),
+    # seconds one layer takes for one microbatch
+    "seconds": (
+        1e-9,
+        3600.0,
+        True,
+        "hours given as seconds, or a rate rather than a time",
+        "milliseconds or microseconds given as seconds",
+    ),
+    # a link's bandwidth
+    "bytes_per_s": (
+        1e5,
+        1e14,
+        False,
+        "GB/s or MB/s given as bytes/s",
+        "faster than any link: bits/s rather than bytes/s?",
+    ),
+    # a device's compute rate
+    "flops_per_s": (
+        1e8,
+        1e17,
+        False,
+        "TFLOP/s or GFLOP/s given as FLOP/s",
+        "faster than any device",
+    ),
+    # the work of one stage or layer for one microbatch
+    "flops": (1.0, 1e20, True, "TFLOP or GFLOP given as FLOP", "more than any stage does"),
+}
+
+
+def check_plausible(value, unit: str, field: str, where: str = "") -> float:
+    """`value` as a float, refused with one line naming `where` and `field` unless plausible.
+
+    It must be a finite number (not a string or a boolean) at least 0 and,
+    where not 0 (0 only for units that allow an unmeasured figure), within
+    `PLAUSIBLE` ``[unit]``'s range. ``bytes_per_s`` may also be infinite (a
+    link whose transfers are free, as an unmeasured profile writes it).
+
+    Raises:
+      ValueError: ``WHERE: FIELD is VALUE; ...`` saying what is accepted.
+    """
+    lo, hi, zero_ok, low, high = PLAUSIBLE[unit]
+    at = f"{where}: {field}" if where else field
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{at} is {value!r}; it must be a number ({unit})")
+    if unit == "bytes_per_s" and value == math.inf:
+        return math.inf
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{at} is {value!r}; it must be a finite number >= 0 ({unit})")
+    if value == 0 and zero_ok:
+        return 0.0
+    if not lo <= value <= hi:
+        raise ValueError(
+            f"{at} is {value:g}, outside the plausible {lo:g} to {hi:g} {unit}"
+            f"{' (or 0, unmeasured)' if zero_ok else ''}: "
+            f"{low if value < lo else high}?"
+        )
+    return float(value)
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTerms:
@@ -157,12 +244,19 @@ class MemoryTerms:
         if unknown:
             raise ValueError(f"unknown memory terms {unknown}; the terms are {names}")
 
+        def number(k, v):
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                raise ValueError(f"memory term {k} is {v!r}; it must be a number")
+            return float(v)
+
         def read(k, v):
             if k == "source" or (k == "single_gpu_overhead_bytes" and v is None):
                 return v
             if k == "device_overhead_bytes":
-                return {str(kind): float(b) for kind, b in dict(v).items()}
-            return float(v)
+                if not isinstance(v, dict):
+                    raise ValueError(f"memory term {k} is {v!r}; it must be an object")
+                return {str(kind): number(f"{k}[{kind!r}]", b) for kind, b in v.items()}
+            return number(k, v)
 
         return cls(**{k: read(k, v) for k, v in d.items()})
 
@@ -428,9 +522,32 @@ class Profile:
         raise ValueError(f"the {self.model} profile has no link between {a!r} and {b!r} nodes")
 
 
-def _sailor_link(entry) -> Link:
+def _sailor_json(path: str):
+    """One of Sailor's JSON files, or one line naming it."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read Sailor file {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
+    return d
+
+
+def _sailor_link(entry, field: str = "link", where: str = "") -> Link:
+    """A ``[coefficients, peak bytes/s]`` pair of Sailor's network files, checked."""
+    if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], list):
+        raise ValueError(f"{where}: {field} must be [coefficients, peak bytes/s], got {entry!r}")
     coeffs, peak = entry
-    return Link(float(peak), tuple(float(c) for c in coeffs))
+    for i, c in enumerate(coeffs):
+        if not isinstance(c, int | float) or isinstance(c, bool) or not math.isfinite(c):
+            raise ValueError(f"{where}: {field} coefficient {i} is {c!r}; it must be a number")
+    return Link(
+        check_plausible(peak, "bytes_per_s", f"{field} peak", where),
+        tuple(float(c) for c in coeffs),
+    )
 
 
 # A flaw of Sailor's network fits: the Titan-RTX <-> RTX-2080 links of nodes using 1 and
@@ -475,59 +592,82 @@ def load_sailor_profile(
     if not os.path.isdir(model_dir):
         have = sorted(os.listdir(os.path.join(directory, "profiles")))
         raise ValueError(f"no Sailor profile for model {model!r} in {directory}; have {have}")
-    with open(os.path.join(directory, "llm_info.json")) as f:
-        info = json.load(f)
+    info_path = os.path.join(directory, "llm_info.json")
+    info = _sailor_json(info_path)
     if model not in info:
-        raise ValueError(f"{directory}/llm_info.json has no model {model!r}")
+        raise ValueError(f"{info_path} has no model {model!r}")
     # llm_info is keyed by the tensor-parallel degree T, and its values are for one
     # sequence: parameters per GPU halve as T doubles, a layer's output is the same
     # under every T but the head's (never sent), and Sailor's own planner reads it so
     # and multiplies activations by B.
-    by_tp = {int(t): layers for t, layers in info[model].items()}
-    num_layers = len(next(iter(by_tp.values())))
-    order = [str(i) for i in range(num_layers)]
-    element = SAILOR_ELEMENT_BYTES
-    params = {t: tuple(float(v[i]["params_floats"]) for i in order) for t, v in by_tp.items()}
-    activation = {
-        t: tuple(element * float(v[i]["act_mem_floats"]) for i in order) for t, v in by_tp.items()
-    }
-    output = tuple(element * float(by_tp[min(by_tp)][i]["act_output_floats"]) for i in order)
+    read = _Reader(info_path)
+    try:
+        by_tp = {read.whole(t, f"{model} key {t!r}"): layers for t, layers in info[model].items()}
+        num_layers = len(next(iter(by_tp.values())))
+        order = [str(i) for i in range(num_layers)]
+
+        def floats(t, name, scale=1):  # Sailor's counts of floats (of `scale` bytes each)
+            where = f"{model}.{t}.{{}}.{name}"
+            return tuple(
+                scale * check_plausible(by_tp[t][i][name], "params", where.format(i), info_path)
+                for i in order
+            )
+
+        params = {t: floats(t, "params_floats") for t in by_tp}
+        activation = {t: floats(t, "act_mem_floats", SAILOR_ELEMENT_BYTES) for t in by_tp}
+        output = floats(min(by_tp), "act_output_floats", SAILOR_ELEMENT_BYTES)
+    except (KeyError, TypeError, AttributeError, StopIteration) as e:
+        raise ValueError(
+            f"{info_path}: {model} is not in Sailor's llm_info form ({type(e).__name__}: {e})"
+        ) from None
     times, missing = {}, {}
     for device in sorted(os.listdir(model_dir)):
-        with open(os.path.join(model_dir, device, "profile.json")) as f:
-            raw = json.load(f)
+        path = os.path.join(model_dir, device, "profile.json")
+        raw, read = _sailor_json(path), _Reader(path)
         table = {}
         for b, by_tp in raw.items():
+            read.typed(by_tp, f"{b}", dict)
             for t, layers in by_tp.items():
-                if len(layers) != num_layers:
+                if len(read.typed(layers, f"{b}.{t}", dict)) != num_layers:
                     # The known flaw: GPT-Neo-2.7 on GH-96 is the 26-layer OPT-350 profile.
                     missing[device] = (
                         f"its Sailor file has {len(layers)} layers, the model {num_layers}"
                     )
                     continue
-                rows = [layers[i] for i in order]
-                table[(int(b), int(t))] = LayerTimes(
-                    forward=tuple(float(r[0]) for r in rows),
-                    backward=tuple(float(r[1]) for r in rows),
-                    update=tuple(float(r[2]) for r in rows),
-                )
+                rows = [read.typed(layers.get(i), f"{b}.{t}.{i}", list) for i in order]
+
+                def column(k, rows=rows, b=b, t=t, path=path):  # forward, backward, update s
+                    return tuple(
+                        check_plausible(
+                            r[k] if len(r) > k else None, "seconds", f"{b}.{t}.{i}[{k}]", path
+                        )
+                        for i, r in zip(order, rows)
+                    )
+
+                key = (read.whole(b, f"key {b!r}"), read.whole(t, f"{b} key {t!r}"))
+                table[key] = LayerTimes(forward=column(0), backward=column(1), update=column(2))
         if table:
             times[device] = table
             missing.pop(device, None)
     network = os.path.join(directory, "network")
     intra, inter = {}, {}
-    with open(os.path.join(network, "intra_node_bandwidths.json")) as f:
-        for device, by_n in json.load(f).items():
-            intra[device] = {int(n): _sailor_link(e) for n, e in by_n.items()}
+    path = os.path.join(network, "intra_node_bandwidths.json")
+    for device, by_n in _sailor_json(path).items():
+        intra[device] = {
+            _Reader(path).whole(n, f"{device} key {n!r}"): _sailor_link(e, f"{device}.{n}", path)
+            for n, e in by_n.items()
+        }
     for name in ("multizone_bandwidths.json", "multizone_bandwidths_het.json"):
-        with open(os.path.join(network, name)) as f:
-            raw = json.load(f)
+        path = os.path.join(network, name)
+        raw = _sailor_json(path)
         zone = "us-central1-a"  # every measured plan ran in one zone
         for a, by_na in raw.get(zone, {}).items():
             for na, to in by_na.items():
                 for b, by_nb in to.get(zone, {}).items():
                     for nb, e in by_nb.items():
-                        inter.setdefault((a, int(na), b, int(nb)), _sailor_link(e))
+                        key = (a, int(na), b, int(nb))
+                        where = f"{zone}.{a}.{na}.{zone}.{b}.{nb}"
+                        inter.setdefault(key, _sailor_link(e, where, path))
     link_notes = _repair_sailor_links(inter) if repair_links else {}
     kinds = tuple(
         "embedding" if i == 0 else "head" if i == num_layers - 1 else "block"
@@ -594,8 +734,107 @@ def _floats(xs, what: str, n: int | None = None) -> tuple[float, ...]:
     return out
 
 
-def profile_from_json(d: dict) -> Profile:
-    """Reads a profile written by `profile_to_json`; errors name the bad field.
+_PROFILE_FIELDS = (
+    "format",
+    "model",
+    "layer_kinds",
+    "layer_blocks",
+    "params",
+    "activation_bytes",
+    "output_bytes",
+    "memory_terms",
+    "devices",
+    "intra_node",
+    "inter_node",
+)
+_TIMES_FIELDS = (
+    "microbatch_size",
+    "tensor_parallel",
+    "forward",
+    "backward",
+    "update",
+    "input_grad",
+    "weight_grad",
+)
+_LAYER_KINDS = ("embedding", "block", "head")
+
+
+class _Reader:
+    """Strict reads of one profile's fields; every error is one line naming file and field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def error(self, field: str, problem: str) -> ValueError:
+        return ValueError(f"{self.where}: {field} {problem}")
+
+    def get(self, d: dict, key: str, field: str, kind: type):
+        if key not in d:
+            raise ValueError(f"{self.where}: the profile is missing the field {field!r}")
+        return self.typed(d[key], field, kind)
+
+    def typed(self, value, field: str, kind: type):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            names = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+            name = names.get(kind, "a number")
+            raise self.error(field, f"must be {name}, got {value!r}")
+        return value
+
+    def known(self, d: dict, fields, field: str) -> None:
+        for key in d:
+            if key not in fields:
+                name = f"{field}.{key}" if field else key
+                raise self.error(
+                    name, f"is not a field of a jpipe profile (the fields: {', '.join(fields)})"
+                )
+
+    def whole(self, value, field: str, minimum: int = 1) -> int:
+        if isinstance(value, str) and value.strip().isdigit():  # a JSON object's key
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self.error(field, f"must be a whole number of at least {minimum}, got {value!r}")
+        return value
+
+    def figures(self, xs, field: str, unit: str, n: int) -> tuple[float, ...]:
+        self.typed(xs, field, list)
+        if len(xs) != n:
+            raise self.error(field, f"has {len(xs)} values, expected {n} (one per layer)")
+        return tuple(
+            check_plausible(x, unit, f"{field}[{i}]", self.where) for i, x in enumerate(xs)
+        )
+
+    def by_tp(self, d: dict, key: str, unit: str, n: int) -> dict[int, tuple[float, ...]]:
+        table = self.get(d, key, key, dict)
+        if not table:
+            raise self.error(key, "is empty; it needs the figures at some tensor degree T")
+        return {
+            self.whole(t, f"{key} key {t!r}"): self.figures(v, f"{key}[{t}]", unit, n)
+            for t, v in table.items()
+        }
+
+    def link(self, e, field: str, fields) -> Link:
+        self.typed(e, field, dict)
+        self.known(e, fields, field)
+        peak = check_plausible(
+            self.get(e, "max_bytes_per_s", f"{field}.max_bytes_per_s", float | int),
+            "bytes_per_s",
+            f"{field}.max_bytes_per_s",
+            self.where,
+        )
+        coeffs = self.typed(e.get("coeffs", []), f"{field}.coeffs", list)
+        for i, c in enumerate(coeffs):
+            if not isinstance(c, int | float) or isinstance(c, bool) or not math.isfinite(c):
+                raise self.error(f"{field}.coeffs[{i}]", f"must be a finite number, got {c!r}")
+        return Link(peak, tuple(float(c) for c in coeffs))
+
+
+def profile_from_json(d: dict, where: str = "the profile") -> Profile:
+    """Reads a profile written by `profile_to_json`; errors name `where` and the bad field.
+
+    Strict: fields of a JSON type other than the format's, numbers that are
+    not finite, negative, or outside `PLAUSIBLE` (a figure in another unit),
+    zero microbatch sizes, degrees or device memories, and fields the format
+    does not have are refused, each in one line.
 
     A ``"jpipe-profile/1"`` file (bytes keyed by the microbatch size, parameters
     as the bytes of all tensor-parallel shards in fp32, no memory terms) is
@@ -603,84 +842,139 @@ def profile_from_json(d: dict) -> Profile:
     T = 1, its parameters are its bytes over 4, and its memory terms are
     `JPIPE_RUNTIME`'s.
     """
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is not a jpipe profile: it holds a JSON {type(d).__name__}")
     if d.get("format") in OLD_FORMATS:
-        d = _from_format_1(d)
+        d = _from_format_1(d, where)
     if d.get("format") != FORMAT:
-        raise ValueError(f"not a jpipe profile: 'format' is {d.get('format')!r}, not {FORMAT!r}")
-    try:
-        kinds = tuple(d["layer_kinds"])
-        n = len(kinds)
-        times, memory = {}, {}
-        for device, dev in d["devices"].items():
-            table = {}
-            for e in dev["times"]:
-                key = (int(e["microbatch_size"]), int(e["tensor_parallel"]))
-                where = f"devices.{device}.times[B={key[0]}, T={key[1]}]"
-                split = "input_grad" in e and e["input_grad"] is not None
-                table[key] = LayerTimes(
-                    forward=_floats(e["forward"], f"{where}.forward", n),
-                    backward=_floats(e["backward"], f"{where}.backward", n),
-                    update=_floats(e["update"], f"{where}.update", n),
-                    input_grad=_floats(e["input_grad"], f"{where}.input_grad", n)
-                    if split
-                    else None,
-                    weight_grad=_floats(e["weight_grad"], f"{where}.weight_grad", n)
-                    if split
-                    else None,
-                )
-            times[device] = table
-            if dev.get("memory_bytes") is not None:
-                memory[device] = float(dev["memory_bytes"])
-        return Profile(
-            model=str(d["model"]),
-            layer_kinds=kinds,
-            params={int(t): _floats(v, f"params[{t}]", n) for t, v in d["params"].items()},
-            activation_bytes={
-                int(t): _floats(v, f"activation_bytes[{t}]", n)
-                for t, v in d["activation_bytes"].items()
-            },
-            output_bytes=_floats(d["output_bytes"], "output_bytes", n),
-            times=times,
-            memory=memory,
-            memory_terms=MemoryTerms.from_json(d["memory_terms"]),
-            intra=_intra(d.get("intra_node", [])),
-            layer_blocks=None
-            if d.get("layer_blocks") is None
-            else tuple(int(b) for b in d["layer_blocks"]),
-            inter={
-                (e["device_a"], int(e["gpus_a"]), e["device_b"], int(e["gpus_b"])): Link.from_json(
-                    e
-                )
-                for e in d.get("inter_node", [])
-            },
+        raise ValueError(
+            f"{where} is not a jpipe profile: 'format' is {d.get('format')!r}, not {FORMAT!r}"
         )
-    except KeyError as e:
-        raise ValueError(f"the profile is missing the field {e.args[0]!r}") from None
+    read = _Reader(where)
+    read.known(d, _PROFILE_FIELDS, "")
+    kinds = tuple(read.get(d, "layer_kinds", "layer_kinds", list))
+    for i, k in enumerate(kinds):
+        if k not in _LAYER_KINDS:
+            raise read.error(f"layer_kinds[{i}]", f"is {k!r}; accepted: {', '.join(_LAYER_KINDS)}")
+    n = len(kinds)
+    if not n:
+        raise read.error("layer_kinds", "is empty; a profile has at least one layer")
+    times, memory = {}, {}
+    for device, dev in read.get(d, "devices", "devices", dict).items():
+        field = f"devices.{device}"
+        read.typed(dev, field, dict)
+        read.known(dev, ("memory_bytes", "times"), field)
+        table = {}
+        for i, e in enumerate(read.get(dev, "times", f"{field}.times", list)):
+            at = f"{field}.times[{i}]"
+            read.typed(e, at, dict)
+            read.known(e, _TIMES_FIELDS, at)
+            key = (
+                read.whole(
+                    read.get(e, "microbatch_size", f"{at}.microbatch_size", int),
+                    f"{at}.microbatch_size",
+                ),
+                read.whole(
+                    read.get(e, "tensor_parallel", f"{at}.tensor_parallel", int),
+                    f"{at}.tensor_parallel",
+                ),
+            )
+            if key in table:
+                raise read.error(at, f"repeats B={key[0]}, T={key[1]}")
+            at = f"{field}.times[B={key[0]}, T={key[1]}]"
+            split = e.get("input_grad") is not None
+
+            def row(name, at=at, e=e):
+                return read.figures(
+                    read.get(e, name, f"{at}.{name}", list), f"{at}.{name}", "seconds", n
+                )
+
+            table[key] = LayerTimes(
+                forward=row("forward"),
+                backward=row("backward"),
+                update=row("update"),
+                input_grad=row("input_grad") if split else None,
+                weight_grad=row("weight_grad") if split else None,
+            )
+        times[device] = table
+        if dev.get("memory_bytes") is not None:
+            memory[device] = check_plausible(
+                dev["memory_bytes"], "device_bytes", f"{field}.memory_bytes", where
+            )
+    blocks = d.get("layer_blocks")
+    if blocks is not None:
+        read.typed(blocks, "layer_blocks", list)
+        if len(blocks) != n:
+            raise read.error("layer_blocks", f"has {len(blocks)} values, expected {n}")
+        blocks = tuple(read.whole(b, f"layer_blocks[{i}]", 0) for i, b in enumerate(blocks))
+    terms = read.get(d, "memory_terms", "memory_terms", dict)
+    try:
+        memory_terms = MemoryTerms.from_json(terms)
+    except (TypeError, ValueError) as e:
+        raise read.error("memory_terms", f"cannot be read: {e}") from None
+    intra: dict[str, dict[int, Link]] = {}
+    for i, e in enumerate(read.typed(d.get("intra_node", []), "intra_node", list)):
+        at = f"intra_node[{i}]"
+        link = read.link(e, at, ("device", "gpus", "max_bytes_per_s", "coeffs"))
+        device = read.get(e, "device", f"{at}.device", str)
+        intra.setdefault(device, {})[read.whole(e.get("gpus"), f"{at}.gpus")] = link
+    inter = {}
+    for i, e in enumerate(read.typed(d.get("inter_node", []), "inter_node", list)):
+        at = f"inter_node[{i}]"
+        link = read.link(
+            e, at, ("device_a", "gpus_a", "device_b", "gpus_b", "max_bytes_per_s", "coeffs")
+        )
+        key = (
+            read.get(e, "device_a", f"{at}.device_a", str),
+            read.whole(e.get("gpus_a"), f"{at}.gpus_a"),
+            read.get(e, "device_b", f"{at}.device_b", str),
+            read.whole(e.get("gpus_b"), f"{at}.gpus_b"),
+        )
+        inter[key] = link
+    return Profile(
+        model=read.get(d, "model", "model", str),
+        layer_kinds=kinds,
+        params=read.by_tp(d, "params", "params", n),
+        activation_bytes=read.by_tp(d, "activation_bytes", "bytes", n),
+        output_bytes=read.figures(
+            read.get(d, "output_bytes", "output_bytes", list), "output_bytes", "bytes", n
+        ),
+        times=times,
+        memory=memory,
+        memory_terms=memory_terms,
+        intra=intra,
+        layer_blocks=blocks,
+        inter=inter,
+    )
 
 
-def _from_format_1(d: dict) -> dict:
+def _from_format_1(d: dict, where: str = "the profile") -> dict:
     """A ``jpipe-profile/1`` object in the ``/2`` form (see `profile_from_json`)."""
     try:
         per_b = {int(b): v for b, v in d["activation_bytes"].items()}
         out_b = {int(b): v for b, v in d["output_bytes"].items()}
         b_act, b_out = min(per_b), min(out_b)
+        if b_act < 1 or b_out < 1:
+            raise ValueError(f"a microbatch size key {min(b_act, b_out)} below 1")
+        for field, xs in (
+            ("params_bytes", d["params_bytes"]),
+            ("activation_bytes", per_b[b_act]),
+            ("output_bytes", out_b[b_out]),
+        ):
+            for i, x in enumerate(xs):
+                check_plausible(x, "bytes", f"{field}[{i}]", where)
         return {
-            **d,
+            **{k: v for k, v in d.items() if k != "params_bytes"},
             "format": FORMAT,
             "params": {"1": [float(x) / 4 for x in d["params_bytes"]]},
             "activation_bytes": {"1": [float(x) / b_act for x in per_b[b_act]]},
             "output_bytes": [float(x) / b_out for x in out_b[b_out]],
             "memory_terms": JPIPE_RUNTIME.to_json(),
         }
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ValueError(f"cannot read this jpipe-profile/1 file: {e!r}") from None
-
-
-def _intra(entries) -> dict[str, dict[int, Link]]:
-    out: dict[str, dict[int, Link]] = {}
-    for e in entries:
-        out.setdefault(e["device"], {})[int(e["gpus"])] = Link.from_json(e)
-    return out
+    except KeyError as e:
+        raise ValueError(f"{where}: this jpipe-profile/1 file has no field {e.args[0]!r}") from None
+    except (TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read this jpipe-profile/1 file: {e}") from None
 
 
 def save_profile(profile: Profile, path: str) -> None:
@@ -689,13 +983,13 @@ def save_profile(profile: Profile, path: str) -> None:
 
 
 def load_profile(path: str) -> Profile:
-    """Reads a jpipe profile file."""
-    with open(path) as f:
-        try:
+    """Reads a jpipe profile file (strictly: `profile_from_json`)."""
+    try:
+        with open(path) as f:
             d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
-    return profile_from_json(d)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    return profile_from_json(d, path)
 
 
 def profile_from_stage_times(

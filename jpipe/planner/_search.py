@@ -109,6 +109,14 @@ PLAN_FORMAT = "jpipe-plan/1"
 LAYOUTS = ("spmd", "per_rank")
 SEARCH = "search"  # the schedule SPEC that has `jpipe.search_schedule` pick one per shape
 MEMORY_MARGIN = 0.10  # kept free on every device until validated on jpipe's own runs
+# The planner's text gives bytes in one unit, GiB (2^30 bytes): the unit of the device
+# names (an A100-40 holds 40 GiB), of jpipe.search and of the trainer's MiB.
+GIB = 1024**3
+
+
+def gib(nbytes: float) -> str:
+    """``"37.3 GiB"``: bytes as the planner's text writes them."""
+    return f"{nbytes / GIB:.3g} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,21 +312,21 @@ class MemoryFootprint:
         return m.usable_bytes is None or m.footprint_bytes <= m.usable_bytes * (1 - margin)
 
     def why(self, layout: str, margin: float = 0.0) -> str:
-        """One line: which device binds, its footprint and what it may use."""
+        """One line: which device binds, its footprint and what it may use (in GiB)."""
         m = self.binding(layout, margin)
-        parts = ", ".join(f"{k} {v / 1e9:.3g}" for k, v in m.parts.items())
+        parts = ", ".join(f"{k} {v / GIB:.3g}" for k, v in m.parts.items())
         if m.usable_bytes is None:
             return (
                 f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) holds "
-                f"the most, {m.footprint_bytes / 1e9:.3g} GB ({parts}); the profile does not "
+                f"the most, {gib(m.footprint_bytes)} ({parts}); the profile does not "
                 "give the devices' memory"
             )
         room = m.usable_bytes * (1 - margin)
         verdict = "fits" if m.footprint_bytes <= room else "does not fit"
         return (
             f"memory ({layout} layout): rank {m.rank} replica {m.replica} ({m.kind}) binds, "
-            f"{m.footprint_bytes / 1e9:.3g} GB ({parts}) of {room / 1e9:.3g} GB usable "
-            f"({m.memory_bytes / 1e9:.3g} GB x {m.usable_bytes / m.memory_bytes:.2f} usable "
+            f"{gib(m.footprint_bytes)} ({parts}) of {gib(room)} usable "
+            f"({gib(m.memory_bytes)} x {m.usable_bytes / m.memory_bytes:.2f} usable "
             f"x {1 - margin:.2f} margin): {verdict}"
         )
 
@@ -1406,7 +1414,7 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
     fitting = sum(c.fits for c in result.candidates)
     why = (
         f"schedule chosen by jpipe.search_schedule: {w.label}, the fastest of {fitting} that "
-        f"fit {budget / 1e9:.3g} GB besides the overhead ({shape.memory_layout} layout) among "
+        f"fit {gib(budget)} besides the overhead ({shape.memory_layout} layout) among "
         f"{len(result.candidates)} simulated"
     )
     return plan_, w.schedule, why
@@ -1578,57 +1586,288 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
     }
 
 
+# The fields of a plan file (`plan_file` writes them all): those the trainer reads, and
+# those it only checks, the planner's record of what it planned. Any other is refused.
+_PLAN_FIELDS = {
+    "format": "the format name, 'jpipe-plan/1'",
+    "model": "the profile's model name",
+    "mesh": "pipe, data, tensor (and tensor_per_rank)",
+    "blocks_per_stage": "transformer blocks per stage",
+    "schedule": "the schedule SPEC",
+    "num_chunks": "stages per rank, or null",
+    "num_microbatches": "M",
+    "microbatch_size": "B",
+    "global_batch": "sequences per step",
+    "memory_layout": "spmd or per_rank",
+    "ranks": "the device group of each rank and replica",
+    "stage_layers": "the profile layers of each stage",
+    "predicted_seconds": "the predicted step time",
+    "predicted_max_mem_bytes": "the predicted footprint of the fullest device",
+    "devices": "each device's predicted memory",
+}
+_MESH_FIELDS = ("pipe", "data", "tensor", "tensor_per_rank")
+_GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceGroup))
+_DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceMemory))
+# More devices than any machine has: a plan past it is a typo (train.py would try to
+# fake that many CPU devices).
+MAX_PLAN_DEVICES = 2**17
+
+
+def _plan_error(where: str, field: str, problem: str) -> ValueError:
+    return ValueError(f"{where}: {field} {problem}")
+
+
+def _whole(value, where: str, field: str, minimum: int = 1) -> int:
+    """A JSON integer of at least `minimum` (not a float, a string or a boolean)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _plan_error(
+            where, field, f"must be a JSON integer of at least {minimum}, got {value!r}"
+        )
+    return value
+
+
+def _size(value, where: str, field: str, optional: bool = False) -> float | None:
+    """A finite number of bytes or seconds, at least 0 (`None` where `optional`)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise _plan_error(where, field, f"must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _finite(value, where: str, field: str) -> None:
+    """Refuses Infinity and NaN anywhere in the file, naming the field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _plan_error(where, field or "the file", f"is {value}; a plan holds finite numbers")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite(v, where, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(v, where, f"{field}[{i}]")
+
+
+def _unknown(d: dict, known, where: str, field: str) -> None:
+    import difflib
+
+    for key in d:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            name = f"{field}.{key}" if field else str(key)
+            raise _plan_error(
+                where,
+                name,
+                f"is not a field of a plan file{hint} (the fields: {', '.join(known)})",
+            )
+
+
+def known_device_kind(kind: str) -> bool:
+    """Whether jpipe knows `kind`: a device type of Sailor's profiles, or a name JAX gives
+    (``cpu``, ``NVIDIA ...``, ``AMD ...``, ``TPU ...``, as measured profiles record it)."""
+    from jpipe.planner._profiles import DEVICE_MEMORY
+
+    return (
+        kind in DEVICE_MEMORY
+        or kind.lower() == "cpu"
+        or kind.split(" ")[0]
+        in (
+            "NVIDIA",
+            "AMD",
+            "TPU",
+            "Intel",
+        )
+    )
+
+
+def _check_devices(d: dict, pipe: int, data: int, stages: int, where: str) -> None:
+    """The planner's record (`ranks`, `stage_layers`, `devices`), where present, checked."""
+    import warnings
+
+    kinds = {}
+    if "ranks" in d:
+        ranks = d["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != pipe:
+            raise _plan_error(where, "ranks", f"must list mesh.pipe={pipe} ranks, got {ranks!r}")
+        for r, row in enumerate(ranks):
+            if not isinstance(row, list) or len(row) != data:
+                raise _plan_error(where, f"ranks[{r}]", f"must list mesh.data={data} device groups")
+            for i, g in enumerate(row):
+                field = f"ranks[{r}][{i}]"
+                if not isinstance(g, dict):
+                    raise _plan_error(where, field, f"must be an object, got {g!r}")
+                _unknown(g, _GROUP_FIELDS, where, field)
+                if not isinstance(g.get("kind"), str) or not g["kind"].strip():
+                    raise _plan_error(where, f"{field}.kind", "must name a device type")
+                kinds.setdefault(g["kind"], f"{field}.kind")
+                for name in ("tensor_parallel", "gpus_per_node", "node"):
+                    if name in g:
+                        _whole(g[name], where, f"{field}.{name}", 0 if name == "node" else 1)
+    if "stage_layers" in d:
+        layers = d["stage_layers"]
+        if (
+            not isinstance(layers, list)
+            or len(layers) != stages
+            or not all(isinstance(s, list) for s in layers)
+        ):
+            raise _plan_error(
+                where, "stage_layers", f"must list the layers of each of the {stages} stages"
+            )
+        for s, row in enumerate(layers):
+            for i, l in enumerate(row):
+                _whole(l, where, f"stage_layers[{s}][{i}]", 0)
+    if "devices" in d:
+        devices = d["devices"]
+        if not isinstance(devices, list) or len(devices) != pipe * data:
+            raise _plan_error(
+                where,
+                "devices",
+                f"must list one entry per device, mesh.pipe x mesh.data = {pipe * data}",
+            )
+        for i, m in enumerate(devices):
+            field = f"devices[{i}]"
+            if not isinstance(m, dict):
+                raise _plan_error(where, field, f"must be an object, got {m!r}")
+            _unknown(m, _DEVICE_FIELDS, where, field)
+            for name in ("rank", "replica", "kind", "footprint_bytes"):
+                if name not in m:
+                    raise _plan_error(where, f"{field}.{name}", "is missing")
+            _whole(m["rank"], where, f"{field}.rank", 0)
+            _whole(m["replica"], where, f"{field}.replica", 0)
+            if m["rank"] >= pipe or m["replica"] >= data:
+                raise _plan_error(
+                    where,
+                    field,
+                    f"is rank {m['rank']} replica {m['replica']}, outside mesh.pipe={pipe} x "
+                    f"mesh.data={data}",
+                )
+            if not isinstance(m["kind"], str) or not m["kind"].strip():
+                raise _plan_error(where, f"{field}.kind", "must name a device type")
+            kinds.setdefault(m["kind"], f"{field}.kind")
+            _size(m["footprint_bytes"], where, f"{field}.footprint_bytes")
+            for name in ("memory_bytes", "usable_bytes"):
+                _size(m.get(name), where, f"{field}.{name}", optional=True)
+            parts = m.get("parts", {})
+            if not isinstance(parts, dict):
+                raise _plan_error(where, f"{field}.parts", f"must be an object, got {parts!r}")
+            for k, v in parts.items():
+                _size(v, where, f"{field}.parts.{k}")
+    for kind, field in kinds.items():
+        if not known_device_kind(kind):
+            warnings.warn(
+                f"{where}: {field} {kind!r} is neither a device type of jpipe's profiles nor "
+                "a name JAX gives a device (cpu, NVIDIA ..., TPU ...); the plan's memory "
+                "figures are for that device, unchecked against the devices this run has",
+                stacklevel=3,
+            )
+
+
 def read_plan_file(source: str | dict) -> TrainerSettings:
-    """Reads a plan file (path or parsed JSON) into `TrainerSettings`; errors say what to fix."""
+    """Reads a plan file (path or parsed JSON) into `TrainerSettings`; errors say what to fix.
+
+    Strict: every field has its JSON type (integers are integers, not ``2.7``,
+    ``true`` or ``"2"``), numbers are finite, sizes within jpipe's limits
+    (`jpipe._schedule.MAX_RANKS`, `MAX_ACTIONS`, `MAX_PLAN_DEVICES`), and a
+    field that is not one of a plan's is refused; each error is one line
+    naming the file and the field. A device kind jpipe does not know
+    (`known_device_kind`) is warned about. The ``schedule`` is returned as
+    written: a ``file.py:function`` runs code, which the trainer refuses from
+    a plan unless told to trust it (``config.trust_plan``, docs/trust.md).
+    """
+    from jpipe._schedule import MAX_RANKS, check_size
+
     if isinstance(source, str):
         try:
             with open(source) as f:
                 d = json.load(f)
         except OSError as e:
             raise ValueError(f"cannot read plan file {source!r}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"plan file {source!r} is not JSON: {e}") from None
         where = source
     else:
         d, where = source, "the plan"
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"{where} is not a jpipe plan: it holds a JSON {type(d).__name__}, not an object "
+            "(write one with python -m jpipe.plan ... --save plan.json)"
+        )
     if d.get("format") != PLAN_FORMAT:
         raise ValueError(
             f"{where} is not a jpipe plan: 'format' is {d.get('format')!r}, not {PLAN_FORMAT!r} "
             "(write one with python -m jpipe.plan ... --save plan.json)"
         )
-    try:
-        mesh = d["mesh"]
-        pipe, data, tensor = int(mesh["pipe"]), int(mesh["data"]), int(mesh.get("tensor", 1))
-        blocks = tuple(int(b) for b in d["blocks_per_stage"])
-        schedule = str(d["schedule"])
-        chunks = int(d.get("num_chunks") or 0)
-        M = int(d["num_microbatches"])
-        batch = int(d["global_batch"])
-        mbs = int(d["microbatch_size"])
-    except KeyError as e:
-        raise ValueError(f"{where} has no field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where} has a field of the wrong type: {e}") from None
+    _finite(d, where, "")
+    _unknown(d, _PLAN_FIELDS, where, "")
+    for name in ("mesh", "blocks_per_stage", "schedule", "num_microbatches", "global_batch"):
+        if name not in d:
+            raise ValueError(f"{where} has no field {name!r}")
+    if "microbatch_size" not in d:
+        raise ValueError(f"{where} has no field 'microbatch_size'")
+    mesh = d["mesh"]
+    if not isinstance(mesh, dict):
+        raise _plan_error(where, "mesh", f"must be an object {{pipe, data, tensor}}, got {mesh!r}")
+    _unknown(mesh, _MESH_FIELDS, where, "mesh")
+    for name in ("pipe", "data"):
+        if name not in mesh:
+            raise ValueError(f"{where} has no field 'mesh.{name}'")
+    pipe = _whole(mesh["pipe"], where, "mesh.pipe")
+    data = _whole(mesh["data"], where, "mesh.data")
+    tensor = _whole(mesh.get("tensor", 1), where, "mesh.tensor")
+    blocks = d["blocks_per_stage"]
+    if not isinstance(blocks, list) or not blocks:
+        raise _plan_error(
+            where,
+            "blocks_per_stage",
+            f"must be a list of whole numbers such as [3, 3], got {blocks!r}",
+        )
+    blocks = tuple(_whole(b, where, f"blocks_per_stage[{i}]", 0) for i, b in enumerate(blocks))
+    schedule = d["schedule"]
+    if not isinstance(schedule, str) or not schedule.strip():
+        raise _plan_error(
+            where, "schedule", f"must be a schedule SPEC (a string), got {schedule!r}"
+        )
+    chunks = d.get("num_chunks")
+    chunks = 0 if chunks is None else _whole(chunks, where, "num_chunks")
+    M = _whole(d["num_microbatches"], where, "num_microbatches")
+    batch = _whole(d["global_batch"], where, "global_batch")
+    mbs = _whole(d["microbatch_size"], where, "microbatch_size")
+    if not isinstance(d.get("model", ""), str):
+        raise _plan_error(where, "model", f"must be a string, got {d['model']!r}")
+    for name in ("predicted_seconds", "predicted_max_mem_bytes"):
+        if name in d:
+            _size(d[name], where, name, optional=True)
     layout = d.get("memory_layout", "spmd")
     lowerings = {"spmd": "spmd", "per_rank": "mpmd"}  # the lowering that holds that memory
-    if layout not in lowerings:
+    if not isinstance(layout, str) or layout not in lowerings:
         raise ValueError(
             f"{where}: memory_layout {layout!r} is not one the trainer runs; accepted: "
             f"{', '.join(lowerings)}"
         )
-    for name, v in (
-        ("mesh.pipe", pipe),
-        ("mesh.data", data),
-        ("mesh.tensor", tensor),
-        ("num_microbatches", M),
-        ("global_batch", batch),
-    ):
-        if v < 1:
-            raise ValueError(f"{where}: {name} must be at least 1, got {v}")
     tensor_per_rank = _tensor_per_rank(mesh, pipe, tensor, layout, where)
+    devices = sum(tensor_per_rank or (tensor,) * pipe) * data
+    if devices > MAX_PLAN_DEVICES:
+        raise _plan_error(
+            where,
+            "mesh",
+            f"takes {devices:,} devices, more than jpipe's limit of MAX_PLAN_DEVICES="
+            f"{MAX_PLAN_DEVICES:,} (jpipe.planner._search)",
+        )
     stages = len(blocks)
     if stages % pipe:
         raise ValueError(f"{where}: {stages} stages do not divide over mesh.pipe={pipe} ranks")
+    if chunks and stages != pipe * chunks:
+        raise _plan_error(
+            where,
+            "num_chunks",
+            f"is {chunks} but blocks_per_stage has {stages} stages over mesh.pipe={pipe} "
+            f"ranks, {stages // pipe} per rank",
+        )
+    try:
+        check_size(pipe, M, stages // pipe)
+    except ValueError as e:
+        field = "mesh.pipe" if pipe > MAX_RANKS else "num_microbatches"
+        raise _plan_error(where, field, f"is too large: {e}") from None
     if any(b < 1 for b in blocks):
         raise ValueError(
             f"{where}: blocks_per_stage {list(blocks)} has a stage without a transformer block; "
@@ -1639,6 +1878,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             f"{where}: num_microbatches {M} x microbatch_size {mbs} x mesh.data {data} "
             f"!= global_batch {batch}"
         )
+    _check_devices(d, pipe, data, stages, where)
     return TrainerSettings(
         pipe, data, tensor, blocks, schedule, chunks, M, batch, lowerings[layout], tensor_per_rank
     )
