@@ -51,6 +51,7 @@ _EXPORTS = {
     "Sizes": ("jpipe._simulate", "Sizes"),
     "StageFigures": ("jpipe._schedule_search", "StageFigures"),
     "StageKernels": ("jpipe._stage", "StageKernels"),
+    "LayerProfile": ("jpipe._schedule_search", "LayerProfile"),
     "StageProfile": ("jpipe._schedule_search", "StageProfile"),
     "TICK_LAYOUTS": ("jpipe._ticks", "LAYOUTS"),
     "Transfers": ("jpipe._ticks", "Transfers"),

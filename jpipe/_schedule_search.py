@@ -1,10 +1,16 @@
 """Search: the fastest schedule whose per-device bytes fit a memory budget.
 
-Given each stage's costs and bytes (`StageFigures`, or a `StageProfile` that
-holds them for several splits of one model), the number of ranks R, one or
-more microbatch counts M and a budget of bytes per device, `search_schedule`
-returns the candidate with the lowest simulated step time (`jpipe.simulate`'s
-makespan) whose simulated bytes fit on every device, with why it won.
+Given each stage's costs and bytes (`StageFigures`; a `StageProfile` that
+holds them for several splits of one model, read from ``jpipe-stages/1``; or
+a `LayerProfile`, figures per layer that form any split, read from the
+``jpipe-profile/2`` that ``train.py --config.profile=True`` writes), the
+number of ranks R, one or more microbatch counts M and a budget of bytes
+per device, `search_schedule` returns the candidate with the lowest
+simulated step time (`jpipe.simulate`'s makespan) whose simulated bytes fit
+on every device, with why it won. Steps that tie go to the candidate with
+fewer memory actions (`rank_candidates`). Profiles are read strictly
+(`load_stage_profile`): a number of the wrong type or sign, or in another
+unit than the format's, is refused in one line naming the file and field.
 
 Candidates, all validated by `jpipe.validate` (the simulator validates
 first):
@@ -75,6 +81,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -105,6 +112,27 @@ MARGIN = 0.10
 LOWERING_OF = {"spmd": "spmd", "per_rank": "mpmd"}  # the Pipeline(lowering=...) of each layout
 STAGE_PROFILE_FORMAT = "jpipe-stages/1"
 GIB = 2**30
+# Two simulated steps within this share of each other tie (`rank_candidates`).
+TIE = 1e-9
+_BYTE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def byte_unit(nbytes: float) -> tuple[str, float]:
+    """The unit that suits `nbytes`: the largest of B, KiB, MiB, GiB, TiB it fills once."""
+    for name, size in _BYTE_UNITS:
+        if abs(nbytes) >= size:
+            return name, size
+    return "B", 1
+
+
+def format_bytes(nbytes: float, unit: tuple[str, float] | None = None) -> str:
+    """``"8.09 GiB"``, ``"52.30 KiB"``, ``"96 B"``: bytes in the unit that suits them (or
+    `unit`, a `byte_unit`, so that a column shares one); the search's text uses no other."""
+    name, size = unit or byte_unit(nbytes)
+    if name == "B":
+        return f"{nbytes:.4g} B"
+    return f"{nbytes / size:.2f} {name}"
+
 
 # The built-ins the search tries, with the options it tries for each: (name, chunks per
 # rank, {option: values}); a callable of (R, M) gives values that depend on them.
@@ -249,6 +277,7 @@ class StageProfile:
       splits: ``{number of stages: StageFigures}``.
       blocks: ``{number of stages: blocks per stage}``, the split each is for.
       source: how the figures were made, for reports.
+      warnings: what reading the file found doubtful but took (one line each).
     """
 
     model: str
@@ -256,6 +285,7 @@ class StageProfile:
     splits: dict[int, StageFigures]
     blocks: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     source: str = ""
+    warnings: tuple[str, ...] = ()
 
     def for_schedule(self, schedule: Schedule) -> StageFigures:
         S = schedule.num_stages
@@ -273,6 +303,108 @@ class StageProfile:
         )
 
 
+# -- reading profiles strictly ---------------------------------------------------------------
+
+# What a number in a profile may be before it is taken for a unit other than the one the
+# format says. Wide on purpose: they catch a profile written in GiB, TFLOP or GB/s (a
+# factor of 1e9 or more off), not a slow or a large device.
+FLOPS_PER_SECOND_RANGE = (1e8, 1e17)  # below a CPU core's GFLOP/s to 100 times an H100's
+BYTES_PER_SECOND_RANGE = (1e5, 1e14)  # 100 kB/s to 100 TB/s
+MOST_BYTES = 2.0**50  # a PiB: no stage keeps more for one microbatch
+SECONDS_RANGE = (1e-9, 3600.0)  # a nanosecond to an hour: one piece, one microbatch
+BYTES_PER_PARAM_RANGE = (1.0, 64.0)  # an 8-bit weight alone to fp32 with every copy
+
+
+class _Reader:
+    """Reads a profile's numbers strictly; errors and warnings name the field.
+
+    A number must be an int or a float (not a string, not a bool), finite and
+    non-negative; `plausible` checks say where it is off by a unit. The
+    caller (`load_stage_profile`) puts the file's name in front of each line.
+    """
+
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def number(self, value, where: str, *, positive: bool = False) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} is {value!r}; expected a number")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            need = "positive" if positive else "finite and non-negative"
+            raise ValueError(f"{where} is {value!r}; it must be {need}")
+        return float(value)
+
+    def numbers(self, values, where: str, n: int | None = None, *, what: str = "value"):
+        if not isinstance(values, (list, tuple)):
+            raise ValueError(f"{where} is {values!r}; expected a list of numbers")
+        if n is not None and len(values) != n:
+            raise ValueError(f"{where} has {len(values)} values, expected {n} (one per {what})")
+        return [self.number(v, f"{where}[{i}]") for i, v in enumerate(values)]
+
+    def integer(self, value, where: str, least: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{where} is {value!r}; expected a whole number >= {least}")
+        return value
+
+    def rate(self, value: float, where: str, unit: str, bounds) -> float:
+        low, high = bounds
+        if not low <= value <= high:
+            raise ValueError(
+                f"{where} is {value:.4g} {unit}, outside any device's range ({low:.0e} to "
+                f"{high:.0e}); the format wants {unit}, not a multiple such as T{unit} or G{unit}"
+            )
+        return value
+
+    def bytes_(
+        self, values, where: str, per: str = "microbatch", scale: float = 1.0
+    ) -> list[float]:
+        """Bytes of one `per` (each value times `scale`, for a file that keeps them per
+        sequence): none under one byte or over a PiB; a fraction of a byte warned about."""
+        for i, v in enumerate(values):
+            was = "" if scale == 1 else f" ({v * scale:.4g} for a {per})"
+            if 0 < v * scale < 1:
+                raise ValueError(
+                    f"{where}[{i}] is {v!r}{was}: under one byte for a {per}; the format "
+                    "wants bytes (is it in GiB or MB?)"
+                )
+            if v * scale > MOST_BYTES:
+                raise ValueError(f"{where}[{i}] is {v:.4g}{was}: over a PiB for a {per}")
+        whole = lambda x: abs(x - round(x)) <= max(1e-6, 1e-9 * x)  # noqa: E731  (float error)
+        fractions = [i for i, v in enumerate(values) if not whole(v * scale)]
+        if fractions:
+            i = fractions[0]
+            self.warnings.append(
+                f"{where}[{i}] is {values[i]!r}, not a whole number of bytes for a {per} "
+                "(read as bytes; is it in another unit?)"
+            )
+        return [v * scale for v in values]
+
+    def seconds(self, values, where: str, *, positive: bool = False) -> list[float]:
+        low, high = SECONDS_RANGE
+        for i, v in enumerate(values):
+            if v > high:
+                raise ValueError(
+                    f"{where}[{i}] is {v:.4g} s for one microbatch, over an hour; the format "
+                    "wants seconds (is it in milliseconds?)"
+                )
+            if 0 < v < low:
+                raise ValueError(
+                    f"{where}[{i}] is {v:.4g} s for one microbatch, under a nanosecond; the "
+                    "format wants seconds (is it in hours, or a rate?)"
+                )
+            if positive and v == 0:
+                raise ValueError(f"{where}[{i}] is 0; every forward takes some time")
+        return values
+
+
+def _field(d, key, where: str = ""):
+    if not isinstance(d, dict):
+        raise ValueError(f"{where or 'the profile'} is {type(d).__name__}; expected an object")
+    if key not in d:
+        raise ValueError(f"the field {where + '.' if where else ''}{key} is missing")
+    return d[key]
+
+
 def stage_profile_from_json(d: dict, rates: dict | None = None) -> StageProfile:
     """Reads a ``jpipe-stages/1`` object (see docs/search.md); errors name the bad field.
 
@@ -281,97 +413,542 @@ def stage_profile_from_json(d: dict, rates: dict | None = None) -> StageProfile:
     ``rates.flops_per_second``, transfers bytes over ``partner_bytes_per_s``
     (an eviction, and the activation sent to the next stage) and
     ``host_bytes_per_s`` (an offload). `rates` overrides any of the three.
+    Numbers are read strictly (`_Reader`): a FLOP count under one, bytes
+    under one or over a PiB, a rate outside any device's range, or a stage
+    whose forward takes nothing is refused; a fraction of a byte is kept in
+    `StageProfile.warnings`.
     """
-    if d.get("format") != STAGE_PROFILE_FORMAT:
+    if not isinstance(d, dict) or d.get("format") != STAGE_PROFILE_FORMAT:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ValueError(
-            f"not a jpipe stage profile: 'format' is {d.get('format')!r}, "
-            f"not {STAGE_PROFILE_FORMAT!r}"
+            f"not a jpipe stage profile: 'format' is {found!r}, not {STAGE_PROFILE_FORMAT!r}"
         )
-    try:
-        file_rates = {k: float(v) for k, v in d["rates"].items()}
-        unknown = sorted(set(rates or ()) - set(file_rates))
-        if unknown:
-            raise ValueError(f"unknown rates {unknown}; the rates are {sorted(file_rates)}")
-        r = {**file_rates, **(rates or {})}
-        flops, partner, host = (
-            r["flops_per_second"],
-            r["partner_bytes_per_s"],
-            r["host_bytes_per_s"],
+    read = _Reader()
+    raw_rates = _field(d, "rates")
+    if not isinstance(raw_rates, dict):
+        raise ValueError(f"rates is {raw_rates!r}; expected an object of named rates")
+    file_rates = {k: read.number(v, f"rates.{k}", positive=True) for k, v in raw_rates.items()}
+    unknown = sorted(set(rates or ()) - set(file_rates))
+    if unknown:
+        raise ValueError(f"unknown rates {unknown}; the rates are {sorted(file_rates)}")
+    r = {**file_rates, **{k: read.number(v, f"--rate {k}", positive=True)
+                          for k, v in (rates or {}).items()}}  # fmt: skip
+    for key in ("flops_per_second", "partner_bytes_per_s", "host_bytes_per_s"):
+        _field(r, key, "rates")
+    flops = read.rate(r["flops_per_second"], "rates.flops_per_second", "FLOP/s",
+                      FLOPS_PER_SECOND_RANGE)  # fmt: skip
+    partner = read.rate(r["partner_bytes_per_s"], "rates.partner_bytes_per_s", "B/s",
+                        BYTES_PER_SECOND_RANGE)  # fmt: skip
+    host = read.rate(r["host_bytes_per_s"], "rates.host_bytes_per_s", "B/s",
+                     BYTES_PER_SECOND_RANGE)  # fmt: skip
+    model = _field(d, "model")
+    microbatch_size = read.integer(_field(d, "microbatch_size"), "microbatch_size")
+    entries = _field(d, "splits")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"splits is {entries!r}; expected a list of splits")
+    splits, blocks = {}, {}
+    for k, entry in enumerate(entries):
+        S = read.integer(_field(entry, "stages", f"splits[{k}]"), f"splits[{k}].stages")
+        where = f"splits[stages={S}]"
+        if S in splits:
+            raise ValueError(f"{where} comes twice")
+
+        def per_stage(key, entry=entry, S=S, where=where):
+            return read.numbers(_field(entry, key, where), f"{where}.{key}", S, what="stage")
+
+        fl = _field(entry, "flops", where)
+        counts = {}
+        for kind in ("F", "I", "W", "recompute"):
+            values = read.numbers(_field(fl, kind, f"{where}.flops"), f"{where}.flops.{kind}", S,
+                                  what="stage")  # fmt: skip
+            for i, v in enumerate(values):
+                if 0 < v < 1:
+                    raise ValueError(
+                        f"{where}.flops.{kind}[{i}] is {v!r}: under one FLOP; the format wants "
+                        "FLOPs (is it in TFLOP or GFLOP?)"
+                    )
+                if v / flops > SECONDS_RANGE[1]:
+                    raise ValueError(
+                        f"{where}.flops.{kind}[{i}] is {v:.4g} FLOPs, over an hour at "
+                        f"{flops:.4g} FLOP/s"
+                    )
+            counts[kind] = values
+        if not all(counts["F"]):
+            i = counts["F"].index(0.0)
+            raise ValueError(f"{where}.flops.F[{i}] is 0; every stage's forward does some work")
+        act = read.bytes_(per_stage("activation"), f"{where}.activation")
+        out = read.bytes_(per_stage("output"), f"{where}.output")
+        costs = Costs(
+            F=[x / flops for x in counts["F"]],
+            I=[x / flops for x in counts["I"]],
+            W=[x / flops for x in counts["W"]],
+            recompute=[x / flops for x in counts["recompute"]],
+            comm=[x / partner for x in out[:-1]] if S > 1 else 0.0,
+            evict=[x / partner for x in act],
+            offload=[x / host for x in act],
         )
-        for name, v in r.items():
-            if not v > 0:
-                raise ValueError(f"rate {name} must be positive, got {v!r}")
-        splits, blocks = {}, {}
-        for entry in d["splits"]:
-            S = int(entry["stages"])
-            where = f"splits[stages={S}]"
-
-            def per_stage(key, entry=entry, S=S, where=where):
-                values = [float(x) for x in entry[key]]
-                if len(values) != S:
-                    raise ValueError(f"{where}.{key} has {len(values)} values, expected {S}")
-                return values
-
-            fl = entry["flops"]
-            act = per_stage("activation")
-            out = per_stage("output")
-            costs = Costs(
-                F=[x / flops for x in fl["F"]],
-                I=[x / flops for x in fl["I"]],
-                W=[x / flops for x in fl["W"]],
-                recompute=[x / flops for x in fl["recompute"]],
-                comm=[x / partner for x in out[:-1]] if S > 1 else 0.0,
-                evict=[x / partner for x in act],
-                offload=[x / host for x in act],
-            )
-            sizes = Sizes(
-                activation=act,
-                carry=per_stage("carry"),
-                input=per_stage("input"),
-                params=per_stage("params"),
-            )
-            splits[S] = StageFigures(
-                costs,
-                sizes,
-                working=tuple(per_stage("working")),
-                grad_output=tuple(per_stage("grad_output")) if "grad_output" in entry else 0.0,
-                num_stages=S,
-                source=str(d.get("source", "")),
-            )
-            blocks[S] = tuple(int(b) for b in entry.get("blocks_per_stage", ()))
-        return StageProfile(
-            model=str(d["model"]),
-            microbatch_size=int(d["microbatch_size"]),
-            splits=splits,
-            blocks=blocks,
+        sizes = Sizes(
+            activation=act,
+            carry=read.bytes_(per_stage("carry"), f"{where}.carry"),
+            input=read.bytes_(per_stage("input"), f"{where}.input"),
+            params=read.bytes_(per_stage("params"), f"{where}.params", "stage"),
+        )
+        grads = (
+            tuple(read.bytes_(per_stage("grad_output"), f"{where}.grad_output", "stage"))
+            if "grad_output" in entry
+            else 0.0
+        )
+        splits[S] = StageFigures(
+            costs,
+            sizes,
+            working=tuple(read.bytes_(per_stage("working"), f"{where}.working")),
+            grad_output=grads,
+            num_stages=S,
             source=str(d.get("source", "")),
         )
-    except KeyError as e:
-        raise ValueError(f"the stage profile is missing the field {e.args[0]!r}") from None
+        if "blocks_per_stage" in entry:
+            got = _field(entry, "blocks_per_stage", where)
+            if not isinstance(got, list) or len(got) != S:
+                raise ValueError(f"{where}.blocks_per_stage is {got!r}; expected {S} counts")
+            blocks[S] = tuple(
+                read.integer(b, f"{where}.blocks_per_stage[{i}]", 0) for i, b in enumerate(got)
+            )
+    return StageProfile(
+        model=str(model),
+        microbatch_size=microbatch_size,
+        splits=splits,
+        blocks=blocks,
+        source=str(d.get("source", "")),
+        warnings=tuple(read.warnings),
+    )
+
+
+# -- the trainer's profile: figures per layer, any split -----------------------------------
+
+# The planner's profile format (`jpipe.planner`'s FORMAT), which ``train.py
+# --config.profile=True`` writes; named here, not imported, since the planner imports this
+# module. tests/test_search_profile.py checks that the two agree.
+TRAINER_PROFILE_FORMAT = "jpipe-profile/2"
+# Links a profile does not measure (the trainer's are "unmeasured", infinitely fast): the
+# rates gpt2_small.json assumes, NVLink 4 between ranks and pinned host memory.
+ASSUMED_PARTNER_BYTES_PER_S = 200e9
+ASSUMED_HOST_BYTES_PER_S = 25e9
+_PART_KEYS = ("F", "I", "W", "activation", "output", "params", "grad_output")
+
+
+def balanced_blocks(num_blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Blocks per stage as the trainer splits them (`jpipe.models.split_layers`, balanced):
+    ``num_blocks // num_stages`` each, the remainder one each to the middle stages, then
+    the first, then the last (they hold the embedding and the head); `ValueError` where a
+    middle stage would get none."""
+    base, extra = divmod(num_blocks, num_stages)
+    counts = [base] * num_stages
+    for s in (list(range(1, num_stages - 1)) + [0, num_stages - 1])[:extra]:
+        counts[s] += 1
+    if any(c == 0 for c in counts[1:-1]):
+        raise ValueError(
+            f"{num_blocks} blocks cannot make {num_stages} stages (a middle stage would hold "
+            f"none; at most {num_blocks + 2})"
+        )
+    return tuple(counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    """Figures of one model per layer, from which each split into stages is formed.
+
+    Read from the planner's profile format (``jpipe-profile/2``), which
+    ``train.py --config.profile=True`` writes. A stage of blocks ``a..b``
+    gets the sums of their figures, the first stage the embedding's too, the
+    last the head's (`balanced_blocks`: the trainer's split), so that any
+    number of stages, and so every V schedule, has figures.
+
+    Attributes:
+      model: what was measured.
+      microbatch_size: sequences per microbatch the figures are for.
+      first, last: the embedding's and the head's figures (``_PART_KEYS``: F,
+        I, W seconds; activation, output, params, grad_output bytes). From a
+        trainer's profile, which measures whole stages, they are its first
+        (last) stage less its blocks, and may be negative in a term (on the
+        small GPT the first stage keeps fewer residual bytes than a middle
+        stage of as many blocks; noisy times do the same). A stage's sum
+        is never below 0. Of the measured split, the first and last stages come
+        back exactly, the middle ones at their mean.
+      block_figures: each block's figures, in order.
+      working_factor: a stage's working memory in units of its residual
+        bytes (the runtime's measured term).
+      partner_bytes_per_s, host_bytes_per_s: link rates (evictions and sends;
+        offloads).
+      only_stages: the one number of stages the figures hold when blocks
+        cannot be told from the embedding and head (a profile of one or two
+        measured stages); None otherwise.
+      source, warnings: how the figures were made; what reading found doubtful.
+      factor: the scale of every per-microbatch figure against the measured
+        one (`scaled`: ``--batch`` with another microbatch size; linear).
+    """
+
+    model: str
+    microbatch_size: int
+    first: dict
+    block_figures: tuple[dict, ...]
+    last: dict
+    working_factor: float
+    partner_bytes_per_s: float
+    host_bytes_per_s: float
+    only_stages: int | None = None
+    source: str = ""
+    warnings: tuple[str, ...] = ()
+    factor: float = 1.0
+    _cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_figures)
+
+    def split(self, num_stages: int) -> tuple[int, ...]:
+        """Blocks per stage of the split into `num_stages` (`balanced_blocks`)."""
+        if self.only_stages is not None and num_stages != self.only_stages:
+            raise ValueError(
+                f"the {self.model} profile measured {self.only_stages} stage"
+                f"{'s' if self.only_stages > 1 else ''} and no middle one, so a block's own "
+                f"figures are unknown and it has no split into {num_stages}; profile a run "
+                "with 3 or more stages (train.py --config.mesh.pipe=4 --config.profile=True)"
+            )
+        return balanced_blocks(self.num_blocks, num_stages)
+
+    def stage_figures(self, num_stages: int) -> StageFigures:
+        """The figures of the split into `num_stages` stages (see the class docstring)."""
+        if num_stages not in self._cache:
+            self._cache[num_stages] = self._form(num_stages)
+        fig = self._cache[num_stages]
+        return fig if self.factor == 1.0 else fig.scaled(self.factor, params=False)
+
+    def _form(self, S: int) -> StageFigures:
+        counts = self.split(S)
+        stages, at = [], 0
+        for s, k in enumerate(counts):
+            parts = list(self.block_figures[at : at + k])
+            at += k
+            if s == 0:
+                parts.insert(0, self.first)
+            if s == S - 1:
+                parts.append(self.last)
+            total = {key: max(0.0, sum(p[key] for p in parts)) for key in _PART_KEYS}
+            total["output"] = max(0.0, parts[-1]["output"])  # its last layer's, not a sum
+            stages.append(total)
+        col = lambda key: [st[key] for st in stages]  # noqa: E731
+        act, out = col("activation"), col("output")
+        costs = Costs(
+            F=col("F"),
+            I=col("I"),
+            W=col("W"),
+            recompute=col("F"),
+            comm=[x / self.partner_bytes_per_s for x in out[:-1]] if S > 1 else 0.0,
+            evict=[x / self.partner_bytes_per_s for x in act],
+            offload=[x / self.host_bytes_per_s for x in act],
+        )
+        sizes = Sizes(
+            activation=act,
+            # W needs its layers' inputs: the carry is taken as large as the residuals, as
+            # the planner takes it (the profile does not measure it; conservative)
+            carry=act,
+            input=[0.0] + out[:-1],  # an FC keeps its input: the stage before's output
+            params=col("params"),
+        )
+        return StageFigures(
+            costs,
+            sizes,
+            working=tuple(self.working_factor * a for a in act),
+            grad_output=tuple(col("grad_output")),
+            num_stages=S,
+            source=self.source,
+        )
+
+    def for_schedule(self, schedule: Schedule) -> StageFigures:
+        return self.stage_figures(schedule.num_stages)
+
+    def scaled(self, factor: float, *, params: bool = True) -> LayerProfile:
+        """Every per-microbatch cost and byte times `factor`; parameters stay (`params`
+        must be False: a model's parameters do not scale with its microbatch)."""
+        if params:
+            raise ValueError("a layer profile scales its per-microbatch figures only")
+        return dataclasses.replace(self, factor=self.factor * factor, _cache=self._cache)
+
+
+def layer_profile_from_json(
+    d: dict, rates: dict | None = None, device: str | None = None
+) -> LayerProfile:
+    """Reads a ``jpipe-profile/2`` object into per-layer figures; errors name the bad field.
+
+    Two shapes of that format are read:
+
+    - per layer (``layer_kinds`` ``embedding``, ``block``..., ``head``; the
+      planner's own and Sailor's profiles): each layer's figures as they are;
+    - per measured stage (``layer_kinds`` all ``block`` with
+      ``layer_blocks``, as ``train.py --config.profile=True`` writes it, one
+      "layer" a stage): a block's figures are the middle stages' sums over
+      their blocks (their median would hide a slow stage), the embedding's
+      the first stage less its blocks, the head's the last stage less its
+      blocks. With one or two stages there is no middle stage: only the
+      measured split is formed.
+
+    Times are the device's (`device`, or the only one) at T = 1 and the
+    smallest microbatch size measured there; a backward not split into I and
+    W is halved. Bytes: ``params`` (parameters at T = 1) times the memory
+    terms' bytes per parameter, ``grad_output`` the gradients' share of it,
+    residual and output bytes per sequence times the microbatch size, the
+    working memory ``working_factor`` times a stage's residuals. Transfers
+    use the profile's own link (``intra_node``, among the most GPUs of a node
+    it has) when it is measured, else
+    `ASSUMED_PARTNER_BYTES_PER_S` and `ASSUMED_HOST_BYTES_PER_S`; `rates`
+    (``partner_bytes_per_s``, ``host_bytes_per_s``) overrides them.
+    """
+    if not isinstance(d, dict) or d.get("format") != TRAINER_PROFILE_FORMAT:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"not a jpipe profile: 'format' is {found!r}, not "
+                         f"{TRAINER_PROFILE_FORMAT!r}")  # fmt: skip
+    read = _Reader()
+    kinds = _field(d, "layer_kinds")
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"layer_kinds is {kinds!r}; expected a list of layer kinds")
+    n = len(kinds)
+    layer_blocks = d.get("layer_blocks")
+    if layer_blocks is not None:
+        if not isinstance(layer_blocks, list) or len(layer_blocks) != n:
+            raise ValueError(f"layer_blocks is {layer_blocks!r}; expected {n} counts")
+        layer_blocks = [
+            read.integer(b, f"layer_blocks[{i}]", 0) for i, b in enumerate(layer_blocks)
+        ]
+    per_stage = layer_blocks is not None and all(k == "block" for k in kinds)
+    if not per_stage and not (
+        n >= 2 and kinds[0] == "embedding" and kinds[-1] == "head"
+        and all(k == "block" for k in kinds[1:-1]) and layer_blocks is None
+    ):  # fmt: skip
+        raise ValueError(
+            f"layer_kinds is {kinds!r}: the search reads either layers (embedding, block..., "
+            "head) or measured stages (all block, with layer_blocks)"
+        )
+    # the device and its times at T = 1
+    devices = _field(d, "devices")
+    if not isinstance(devices, dict) or not devices:
+        raise ValueError(f"devices is {devices!r}; expected an object of device types")
+    if device is None:
+        if len(devices) > 1:
+            raise ValueError(f"devices has {', '.join(sorted(devices))}; say which (--device)")
+        device = next(iter(devices))
+    if device not in devices:
+        raise ValueError(f"devices has no {device!r} (it has {', '.join(sorted(devices))})")
+    entries = _field(devices[device], "times", f"devices.{device}")
+    if not isinstance(entries, list):
+        raise ValueError(f"devices.{device}.times is {entries!r}; expected a list")
+    at_t1 = []
+    for i, e in enumerate(entries):
+        where = f"devices.{device}.times[{i}]"
+        b = read.integer(_field(e, "microbatch_size", where), f"{where}.microbatch_size")
+        t = read.integer(_field(e, "tensor_parallel", where), f"{where}.tensor_parallel")
+        if t == 1:
+            at_t1.append((b, i, e))
+    if not at_t1:
+        raise ValueError(
+            f"devices.{device}.times has no entry at tensor_parallel 1 (the search's stages "
+            "run on one device each)"
+        )
+    mbs, i, e = min(at_t1, key=lambda x: x[:2])
+    where = f"devices.{device}.times[{i}]"
+    seconds = lambda key, positive=False: read.seconds(  # noqa: E731
+        read.numbers(_field(e, key, where), f"{where}.{key}", n, what="layer"),
+        f"{where}.{key}",
+        positive=positive,
+    )
+    F = seconds("forward", positive=True)
+    if e.get("input_grad") is not None and e.get("weight_grad") is not None:
+        I, W = seconds("input_grad"), seconds("weight_grad")
+    else:
+        back = seconds("backward")
+        I = W = [x / 2 for x in back]
+    # bytes
+    params_by_t = _field(d, "params")
+    acts_by_t = _field(d, "activation_bytes")
+    for name, table in (("params", params_by_t), ("activation_bytes", acts_by_t)):
+        if not isinstance(table, dict) or "1" not in table:
+            raise ValueError(f"{name} has no entry for tensor_parallel 1 ('1')")
+    counts = read.numbers(params_by_t["1"], "params[1]", n, what="layer")
+    for j, c in enumerate(counts):
+        if 0 < c < 1:
+            raise ValueError(
+                f"params[1][{j}] is {c!r}: under one parameter; the format wants a count of "
+                "parameters (is it in millions?)"
+            )
+        if c > MOST_BYTES:
+            raise ValueError(f"params[1][{j}] is {c:.4g} parameters, implausibly many")
+    # bytes per sequence in the file; checked per microbatch
+    per = f"microbatch of {mbs} sequences"
+    act = read.numbers(acts_by_t["1"], "activation_bytes[1]", n, what="layer")
+    act = read.bytes_(act, "activation_bytes[1]", per, scale=mbs)
+    out = read.numbers(_field(d, "output_bytes"), "output_bytes", n, what="layer")
+    out = read.bytes_(out, "output_bytes", per, scale=mbs)
+    terms = _field(d, "memory_terms")
+    per_param = {
+        k: read.number(_field(terms, k, "memory_terms"), f"memory_terms.{k}")
+        for k in ("weight_bytes", "gradient_bytes", "optimizer_bytes", "buffer_bytes")
+    }
+    total = sum(per_param.values())
+    low, high = BYTES_PER_PARAM_RANGE
+    if not low <= total <= high:
+        raise ValueError(
+            f"memory_terms: {total:.4g} bytes per parameter (weights, gradients, optimizer "
+            f"state, buffers), outside {low:g} to {high:g}; the format wants bytes"
+        )
+    working_factor = read.number(
+        _field(terms, "working_factor", "memory_terms"), "memory_terms.working_factor"
+    )
+    if working_factor > 100:
+        read.warnings.append(
+            f"memory_terms.working_factor is {working_factor:.4g}: a piece's working memory "
+            "over 100 times its stage's residuals"
+        )
+    layers = [
+        {"F": F[j], "I": I[j], "W": W[j], "activation": act[j], "output": out[j],
+         "params": total * counts[j], "grad_output": per_param["gradient_bytes"] * counts[j]}
+        for j in range(n)
+    ]  # fmt: skip
+    # links: the profile's own where measured, else assumed; `rates` over both
+    unknown = sorted(set(rates or ()) - {"partner_bytes_per_s", "host_bytes_per_s"})
+    if unknown:
+        raise ValueError(
+            f"unknown rates {unknown}; a jpipe-profile/2 takes partner_bytes_per_s and "
+            "host_bytes_per_s (its times are measured, not FLOPs over a rate)"
+        )
+    partner, links = ASSUMED_PARTNER_BYTES_PER_S, "assumed"
+    mine = [(k, link) for k, link in enumerate(d.get("intra_node") or ())
+            if isinstance(link, dict) and link.get("device") == device]  # fmt: skip
+    if mine:  # the link among the most GPUs of one node the profile has
+        gpus = lambda x: x[1]["gpus"] if isinstance(x[1].get("gpus"), int) else 0  # noqa: E731
+        k, link = max(mine, key=lambda x: (gpus(x), -x[0]))
+        v = _field(link, "max_bytes_per_s", f"intra_node[{k}]")
+        if v != math.inf:  # infinite: not measured (the trainer's)
+            v = read.number(v, f"intra_node[{k}].max_bytes_per_s", positive=True)
+            partner = read.rate(v, f"intra_node[{k}].max_bytes_per_s", "B/s",
+                                BYTES_PER_SECOND_RANGE)  # fmt: skip
+            links = "measured"
+    host = ASSUMED_HOST_BYTES_PER_S
+    for key, value in (rates or {}).items():
+        value = read.rate(read.number(value, f"--rate {key}", positive=True), f"--rate {key}",
+                          "B/s", BYTES_PER_SECOND_RANGE)  # fmt: skip
+        if key == "partner_bytes_per_s":
+            partner, links = value, "given"
+        else:
+            host = value
+    source = (
+        f"{d.get('model', 'a model')} on {device}, microbatches of {mbs}, "
+        f"{'measured stages' if per_stage else 'layers'} of a jpipe-profile/2; links "
+        f"{links} ({partner / 1e9:.4g} GB/s between ranks, {host / 1e9:.4g} GB/s to the host)"
+    )
+    model = str(_field(d, "model"))
+    common = dict(
+        model=model, microbatch_size=mbs, working_factor=working_factor,
+        partner_bytes_per_s=partner, host_bytes_per_s=host, source=source,
+    )  # fmt: skip
+    if not per_stage:
+        return LayerProfile(first=layers[0], block_figures=tuple(layers[1:-1]), last=layers[-1],
+                            warnings=tuple(read.warnings), **common)  # fmt: skip
+    return _from_measured_stages(layers, layer_blocks, read, common)
+
+
+def _from_measured_stages(stages, blocks_per_stage, read: _Reader, common) -> LayerProfile:
+    """Per-layer figures from the trainer's measured stages (`layer_profile_from_json`)."""
+    S = len(stages)
+    zero = {key: 0.0 for key in _PART_KEYS}
+    middle = [s for s in range(1, S - 1) if blocks_per_stage[s]]
+    if S > 1 and middle:
+        n = sum(blocks_per_stage[s] for s in middle)
+        block = {key: sum(stages[s][key] for s in middle) / n for key in _PART_KEYS}
+        block["output"] = stages[middle[0]]["output"]  # a block's output is not a sum
+    else:  # no middle stage: a block's figures cannot be told from the embedding's
+        block = None
+    if block is None:
+        # Blocks of zero figures, the stages' own as the embedding and head: this forms
+        # the measured split (and only it: `only_stages`).
+        block = dict(zero, output=stages[0]["output"])
+        first, last = dict(stages[0]), dict(stages[-1])
+        if S == 1:
+            last = dict(zero, output=stages[0]["output"])
+        return LayerProfile(
+            first=first, block_figures=(block,) * sum(blocks_per_stage), last=last,
+            only_stages=S, warnings=tuple(read.warnings), **common,
+        )  # fmt: skip
+    k0, kl = blocks_per_stage[0], blocks_per_stage[-1]
+    first = {key: stages[0][key] - k0 * block[key] for key in _PART_KEYS}
+    first["output"] = block["output"]  # the embedding's output is a block's input
+    last = {key: stages[-1][key] - kl * block[key] for key in _PART_KEYS}
+    last["output"] = stages[-1]["output"]
+    for name, part, s in (("embedding", first, 0), ("head", last, S - 1)):
+        short = [key for key in ("F", "I", "W") if part[key] < 0]
+        if short:  # noise, or blocks that differ: a stage without blocks then costs 0 there
+            read.warnings.append(
+                f"stage {s} measured less {'/'.join(short)} time than its "
+                f"{blocks_per_stage[s]} block(s) at the middle stages' rate, so the "
+                f"{name}'s own is taken as 0 where a stage holds it alone"
+            )
+    return LayerProfile(
+        first=first, block_figures=(block,) * sum(blocks_per_stage), last=last,
+        warnings=tuple(read.warnings), **common,
+    )  # fmt: skip
 
 
 PROFILES_DIR = os.path.join(os.path.dirname(__file__), "_data", "profiles")
 
 
-def load_stage_profile(path: str | dict, rates: dict | None = None) -> StageProfile:
-    """Reads a stage profile file, one shipped with jpipe by name (``gpt2_small``), or a
-    ``jpipe-stages/1`` object already parsed; `rates` overrides the file's."""
-    if isinstance(path, dict):
-        return stage_profile_from_json(path, rates)
-    if not os.path.exists(path) and os.sep not in path and not path.endswith(".json"):
-        shipped = os.path.join(PROFILES_DIR, path + ".json")
-        if not os.path.exists(shipped):
-            have = sorted(f[:-5] for f in os.listdir(PROFILES_DIR) if f.endswith(".json"))
-            raise ValueError(f"no profile file {path!r} and none shipped by that name ({have})")
-        path = shipped
+def load_stage_profile(
+    path: str | dict, rates: dict | None = None, *, device: str | None = None
+) -> StageProfile | LayerProfile:
+    """Reads a profile for the search: a file, one shipped with jpipe by name
+    (``gpt2_small``), or an object already parsed.
+
+    A ``jpipe-stages/1`` profile (figures per split, `stage_profile_from_json`)
+    gives a `StageProfile`; a ``jpipe-profile/2`` one (the planner's format,
+    which ``train.py --config.profile=True`` writes; `layer_profile_from_json`)
+    a `LayerProfile`, which forms any split. `rates` overrides the file's
+    rates; `device` picks a device type of a ``jpipe-profile/2``. Errors are
+    one line naming the file and the field; what the reading found doubtful
+    but took is issued as `warnings.warn` and kept in the result's `warnings`.
+    """
+    name = "the profile"
+    d = path
+    if not isinstance(path, dict):
+        if not os.path.exists(path) and os.sep not in path and not path.endswith(".json"):
+            shipped = os.path.join(PROFILES_DIR, path + ".json")
+            if not os.path.exists(shipped):
+                have = sorted(f[:-5] for f in os.listdir(PROFILES_DIR) if f.endswith(".json"))
+                raise ValueError(f"no profile file {path!r} and none shipped by that name ({have})")
+            path = shipped
+        name = path
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read profile {path!r}: {e.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+    kind = d.get("format") if isinstance(d, dict) else None
     try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read profile {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
-    return stage_profile_from_json(d, rates)
+        if kind == TRAINER_PROFILE_FORMAT:
+            profile = layer_profile_from_json(d, rates, device)
+        else:
+            if device is not None:
+                raise ValueError(f"a device is picked only in a {TRAINER_PROFILE_FORMAT} profile")
+            if kind != STAGE_PROFILE_FORMAT:
+                raise ValueError(
+                    f"'format' is {kind!r}; the search reads {STAGE_PROFILE_FORMAT!r} (stage "
+                    f"figures per split) and {TRAINER_PROFILE_FORMAT!r} (what train.py "
+                    "--config.profile=True writes)"
+                )
+            profile = stage_profile_from_json(d, rates)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    for line in profile.warnings:
+        warnings.warn(f"{name}: {line}", stacklevel=2)
+    return dataclasses.replace(profile, warnings=tuple(f"{name}: {w}" for w in profile.warnings))
 
 
 # -- what the lowerings run ------------------------------------------------------------------
@@ -683,6 +1260,15 @@ class Candidate:
         return self.simulation.makespan
 
     @property
+    def memory_actions(self) -> int:
+        """Its memory actions (recomputes, evictions, offloads and their ways back)."""
+        return sum(a.is_memory for _, _, a in self.schedule.all_actions())
+
+    @property
+    def num_actions(self) -> int:
+        return sum(1 for _ in self.schedule.all_actions())
+
+    @property
     def label(self) -> str:
         chunks = f" (V={self.chunks})" if self.chunks > 1 else ""
         return f"{self.spec}{chunks}, M={self.microbatches}"
@@ -699,7 +1285,7 @@ class Candidate:
             "fits": self.fits,
             "device_bytes": list(self.memory.device),
             "memory": self.memory.to_json(),
-            "memory_actions": sum(a.is_memory for _, _, a in self.schedule.all_actions()),
+            "memory_actions": self.memory_actions,
         }
 
 
@@ -1041,8 +1627,8 @@ def _local_search(base, evaluate, allowed, deadline, log):
         steps += 1
         if log and steps % 10 == 0:
             log(
-                f"    {base.name}: {len(moves)} pairs moved, {current[1].peak_over / GIB:.2f} GiB "
-                f"over, step {current[0].makespan:.4g}"
+                f"    {base.name}: {len(moves)} pairs moved, "
+                f"{format_bytes(current[1].peak_over)} over, step {current[0].makespan:.4g}"
             )
     # Take back what is not needed, then try each move as another.
     improved = True
@@ -1067,6 +1653,34 @@ def _local_search(base, evaluate, allowed, deadline, log):
 
 
 # -- the search ----------------------------------------------------------------------------
+
+
+def rank_candidates(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates fastest first; those whose simulated steps tie, simplest first.
+
+    Steps within `TIE` of each other (relative) tie. Among them the one with
+    fewer memory actions comes first, then the one with fewer actions in
+    all, then the one with fewer bytes on its fullest device, then a
+    built-in: a memory action that does not shorten the step is only traffic
+    and a chance to go wrong (ZB-H1 with 120 offloads ties plain ZB-H1 when
+    the host link hides every copy; ZB-H1 wins). Bytes come after actions
+    because a candidate either fits the budget or not, and both fit here.
+    """
+    ordered = sorted(candidates, key=lambda c: c.time)
+    out, group = [], []
+
+    def flush():
+        group.sort(key=lambda c: (c.memory_actions, c.num_actions, c.memory.most, not c.builtin,
+                                  c.time))  # fmt: skip
+        out.extend(group)
+        group.clear()
+
+    for c in ordered:
+        if group and c.time > group[0].time + TIE * max(abs(group[0].time), 1e-300):
+            flush()
+        group.append(c)
+    flush()
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1106,9 +1720,10 @@ class ScheduleSearch:
         """What a device may hold: the budget less the margin."""
         return self.budget * (1 - self.margin)
 
-    def reasons(self, unit: float = GIB, unit_name: str = "GiB") -> list[str]:
-        """Why the winner won, in lines (see `search_schedule`)."""
-        b = lambda x: f"{x / unit:.2f} {unit_name}"  # noqa: E731
+    def reasons(self) -> list[str]:
+        """Why the winner won, in lines (see `search_schedule`); bytes in units that suit
+        them (`format_bytes`)."""
+        b = format_bytes
         out = []
         w = self.winner
         of = f"{b(self.budget)}" + (
@@ -1327,7 +1942,7 @@ def search_schedule(
                 )
                 continue
             if log:
-                log(f"  local search on {cand.label} ({cand.memory.most / GIB:.2f} GiB)")
+                log(f"  local search on {cand.label} ({format_bytes(cand.memory.most)})")
             found = local_search(
                 cand.schedule, fig, usable, layout, deadline=deadline, log=log,
                 memory_actions=memory_moves, max_simulations=left,
@@ -1351,7 +1966,7 @@ def search_schedule(
                     moves=tuple(map(str, moves)),
                 )
             )
-    candidates.sort(key=lambda c: (c.time, c.memory.most, not c.builtin))
+    candidates = rank_candidates(candidates)
     fitting = [c for c in candidates if c.fits]
     return ScheduleSearch(
         winner=fitting[0] if fitting else None,

@@ -3,6 +3,8 @@
 Usage::
 
     python -m jpipe.search --profile gpt2_small --ranks 4 --microbatches 16 --budget 9GiB
+    python -m jpipe.search --profile WORKDIR/profile.json --ranks 4 --microbatches 8 --budget 2MiB
+        [--device NAME] [--rate partner_bytes_per_s=2e11,host_bytes_per_s=2.5e10] [...]
         [--layout spmd|per_rank] [--schedules 1f1b,zb_h1,vmin,...] [--no-local]
         [--batch N] [--rate flops_per_second=4e14,...] [--margin 0.1] [--max-simulations 20000]
         [--json] [--png FILE] [--svg FILE] [--csv FILE] [--width 120]
@@ -10,10 +12,15 @@ Usage::
         --bytes activation=1e9,carry=5e8,params=2e9,input=6e6,working=1.5e9 \\
         --ranks 4 --microbatches 16 --budget 6e9
 
-The figures are each stage's costs and bytes for one microbatch: a stage
-profile (``--profile``: a ``jpipe-stages/1`` file, or ``gpt2_small``, the one
-shipped with jpipe, made from GPT-2 small's shapes by ``python -m
-bench.stage_profile``), or ``--cost`` and ``--bytes`` (one value for all
+The figures are each stage's costs and bytes for one microbatch: a
+profile (``--profile``): the one ``train.py --config.profile=True`` writes
+(``WORKDIR/profile.json``, ``jpipe-profile/2``: measured stages, from which
+per-layer figures form every split, so schedules with V stages per rank
+compete), a ``jpipe-stages/1`` file (figures per split), or ``gpt2_small``,
+the one shipped with jpipe, made from GPT-2 small's shapes by ``python -m
+bench.stage_profile``; a profile is read strictly, and a number in the
+wrong unit (GiB for bytes, TFLOP/s for FLOP/s) is refused naming the file
+and the field. Or ``--cost`` and ``--bytes`` (one value for all
 stages, standing for one rank's share at one stage per rank, or one per
 stage separated by ``/``, as in ``F=1/1/1/2``; ``working`` is the largest
 piece's working memory, ``grad_output`` the gradients an SPMD step returns
@@ -36,7 +43,10 @@ the best built-in that fits, a chart of the winner, and the fastest
 candidates. ``--csv`` saves the winner in PyTorch's CSV form (``train.py
 --config.schedule=FILE.csv`` runs it; a winner with memory actions needs
 ``--config.lowering=mpmd`` today), ``--png``/``--svg`` draw it, ``--json``
-prints one JSON object instead. Bad input exits with status 2 and one line
+prints one JSON object instead. Bytes print in the unit that suits them
+(B, KiB, MiB, GiB, TiB); candidates whose simulated steps tie are listed
+with the fewest memory actions first, and the winner is the first that
+fits (`jpipe._schedule_search.rank_candidates`). Bad input exits with status 2 and one line
 ``error: ...``; no schedule that fits exits with status 1.
 """
 
@@ -46,13 +56,16 @@ import argparse
 import json
 import re
 import sys
+import warnings
 
 from jpipe._chart import draw_gantt, text_chart
+from jpipe._console import run_main
 from jpipe._schedule_search import (
-    GIB,
     LAYOUTS,
     MARGIN,
     StageFigures,
+    byte_unit,
+    format_bytes,
     load_stage_profile,
     search_schedule,
 )
@@ -150,7 +163,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jpipe.search",
         description="Find the fastest schedule whose simulated bytes per device fit a budget.",
     )
-    p.add_argument("--profile", metavar="FILE|NAME", help="a stage profile (or gpt2_small)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE|NAME",
+        help="a profile: what train.py --config.profile=True writes "
+        "(WORKDIR/profile.json, jpipe-profile/2), a jpipe-stages/1 file, or gpt2_small",
+    )
+    p.add_argument("--device", help="the device type to read from a jpipe-profile/2 that has "
+                   "several")  # fmt: skip
     p.add_argument("--cost", default=None, metavar="F=1,I=1,W=1,...", help="costs per stage")
     p.add_argument("--bytes", default=None, metavar="activation=...,working=...",
                    help="bytes per stage: activation, carry, params, input, working")  # fmt: skip
@@ -169,7 +189,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="sequences per step: each M gets figures scaled to batch/M sequences",
     )
-    p.add_argument("--rate", help="a stage profile's rates to override, NAME=NUMBER,...")
+    p.add_argument("--rate", help="a profile's rates to override, NAME=NUMBER,... "
+                   "(jpipe-stages/1: flops_per_second, partner_bytes_per_s, host_bytes_per_s; "
+                   "jpipe-profile/2: the two bandwidths)")  # fmt: skip
     p.add_argument("--margin", type=float, default=MARGIN,
                    help="share of the budget kept free (default %(default)s)")  # fmt: skip
     p.add_argument(
@@ -210,8 +232,14 @@ def _run(args):
     if (args.profile is None) == (args.cost is None and args.bytes is None):
         raise ValueError("give the figures either as --profile or as --cost and --bytes")
     if args.profile is not None:
-        figures = load_stage_profile(args.profile, _rates(args.rate))
+        with warnings.catch_warnings():  # printed below, one line each
+            warnings.simplefilter("ignore")
+            figures = load_stage_profile(args.profile, _rates(args.rate), device=args.device)
+        for line in figures.warnings:
+            print(f"warning: {line}", file=sys.stderr)
     else:
+        if args.device:
+            raise ValueError("--device picks a device type of a --profile")
         if args.rate:
             raise ValueError("--rate applies to a --profile's rates; --cost gives times directly")
         figures = figures_from_flags(args.cost or "", args.bytes or "")
@@ -250,22 +278,26 @@ def _run(args):
 
 
 def _table(result, top: int) -> list[str]:
-    gib = lambda x: f"{x / GIB:8.2f}"  # noqa: E731
-    lines = [f"{'candidate':<52} {'step':>10} {'GiB':>8}  fits"]
-    for c in result.candidates[:top]:
-        lines.append(f"{c.label[:52]:<52} {c.time:>10.4g} {gib(c.memory.most)}  "
-                     f"{'yes' if c.fits else 'no'}")  # fmt: skip
+    shown = result.candidates[:top]
+    unit = byte_unit(max((c.memory.most for c in shown), default=0.0))
+    size = lambda x: format_bytes(x, unit).split()[0]  # noqa: E731  (one unit a column)
+    lines = [f"{'candidate':<52} {'step':>10} {unit[0]:>8} {'memory actions':>15}  fits"]
+    for c in shown:
+        lines.append(f"{c.label[:52]:<52} {c.time:>10.4g} {size(c.memory.most):>8} "
+                     f"{c.memory_actions:>15}  {'yes' if c.fits else 'no'}")  # fmt: skip
     return lines
 
 
 def _winner_bytes(w) -> list[str]:
     m = w.memory
-    lines = ["rank  stages      params    values   working    device (GiB)"]
+    unit = byte_unit(m.most)
+    size = lambda x: format_bytes(x, unit).split()[0]  # noqa: E731  (one unit for the table)
+    lines = [f"rank  stages      params    values   working    device ({unit[0]})"]
     for r in range(len(m.device)):
         stages = ",".join(map(str, w.schedule.stages_of(r))) or "-"
         lines.append(
-            f"{r:>4}  {stages:<8}{m.params[r] / GIB:>10.2f}{m.values[r] / GIB:>10.2f}"
-            f"{m.working[r] / GIB:>10.2f}{m.device[r] / GIB:>11.2f}"
+            f"{r:>4}  {stages:<8}{size(m.params[r]):>10}{size(m.values[r]):>10}"
+            f"{size(m.working[r]):>10}{size(m.device[r]):>11}"
         )
     if m.layout == "spmd":
         lines.append(
@@ -298,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps({"figures": getattr(figures, "model", figures.source),
+                          "warnings": list(getattr(figures, "warnings", ())),
                           **result.to_json()}))  # fmt: skip
     else:
         print(
             f"{result.simulated} schedules simulated in {result.seconds:.1f} s; budget "
-            f"{result.budget / GIB:.2f} GiB per device, {result.layout} layout; memory actions "
+            f"{format_bytes(result.budget)} per device, {result.layout} layout; memory actions "
             f"the {result.lowering} lowering runs: {', '.join(result.memory_moves) or 'none'}"
         )
         print()
@@ -322,4 +355,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -679,3 +679,21 @@ def test_the_planner_writes_memory_in_gib_only(tmp_path, capsys):
     assert plan_main([*argv, "--profiles", str(path)]) == 0
     out = capsys.readouterr().out
     assert "memory in GiB (2^30 bytes)" in out and not re.search(r"\bGB\b", out), out
+
+
+def test_a_loss_stage_passing_on_a_fraction_of_a_byte_a_sequence_is_read():
+    # The last stage passes on its 4-byte loss per microbatch: with 8
+    # sequences a microbatch that is half a byte a sequence, which the
+    # trainer's profile writes and the planner must read.
+    import json
+    import pathlib
+
+    from jpipe.planner import _profiles
+
+    path = pathlib.Path(__file__).parent / "data" / "train_profile.json"
+    data = json.loads(path.read_text())
+    data["output_bytes"][-1] = 4 / 8
+    assert _profiles.profile_from_json(data).output_bytes[-1] == 0.5
+    data["output_bytes"][-1] = 1e-9  # not a size in any unit
+    with pytest.raises(ValueError, match=r"output_bytes\[3\]"):
+        _profiles.profile_from_json(data)

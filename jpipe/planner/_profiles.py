@@ -83,6 +83,15 @@ PLAUSIBLE = {
         "a size in KiB, MiB or GiB given as bytes",
         "bits, or a total rather than one layer's for one sequence",
     ),
+    # what one layer passes on for one sequence: a stage that returns the loss passes
+    # on 4 bytes a microbatch, a fraction of a byte a sequence
+    "output_bytes": (
+        1e-6,
+        2.0**40,
+        True,
+        "a size in KiB, MiB or GiB given as bytes",
+        "bits, or a total rather than one layer's for one sequence",
+    ),
     # a device's memory
     "device_bytes": (
         2.0**20,
@@ -937,7 +946,7 @@ def profile_from_json(d: dict, where: str = "the profile") -> Profile:
         params=read.by_tp(d, "params", "params", n),
         activation_bytes=read.by_tp(d, "activation_bytes", "bytes", n),
         output_bytes=read.figures(
-            read.get(d, "output_bytes", "output_bytes", list), "output_bytes", "bytes", n
+            read.get(d, "output_bytes", "output_bytes", list), "output_bytes", "output_bytes", n
         ),
         times=times,
         memory=memory,
@@ -961,8 +970,9 @@ def _from_format_1(d: dict, where: str = "the profile") -> dict:
             ("activation_bytes", per_b[b_act]),
             ("output_bytes", out_b[b_out]),
         ):
+            unit = "output_bytes" if field == "output_bytes" else "bytes"
             for i, x in enumerate(xs):
-                check_plausible(x, "bytes", f"{field}[{i}]", where)
+                check_plausible(x, unit, f"{field}[{i}]", where)
         return {
             **{k: v for k, v in d.items() if k != "params_bytes"},
             "format": FORMAT,
