@@ -78,10 +78,18 @@ def main(argv):
         trainer.train(config, _WORKDIR.value)
     except (trainer.ConfigError, trainer.DivergedError) as e:
         jpipe.exit_distributed(f"error: {e}")  # in a multi-process run: at once, naming the process
-    except trainer.Interrupted as e:
-        print(f"interrupted at step {e.step}, checkpoint saved; resume with: {_command()}")
+    except trainer.Interrupted as e:  # Ctrl-C, served at a safe point (jpipe.train.loop)
+        if e.saved:
+            print(f"interrupted at step {e.step}, checkpoint saved; resume with: {_command()}")
+        elif e.step:
+            print(
+                f"interrupted before training on from step {e.step} (its checkpoint is in "
+                f"{e.directory}); resume with: {_command()}"
+            )
+        else:
+            print(f"interrupted before the first step; nothing was saved; start with: {_command()}")
         sys.exit(130)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C's usual meaning: a run of several processes
         print(
             "interrupted before a checkpoint could be saved; the same command resumes from the "
             f"newest one in {_WORKDIR.value}, if any: {_command()}"
@@ -103,4 +111,5 @@ if __name__ == "__main__":
     try:
         app.run(main)
     except KeyboardInterrupt:  # before the run started (importing, parsing)
+        print("interrupted before the run started; nothing was saved")
         sys.exit(130)

@@ -14,9 +14,24 @@ running the same code on one global mesh. `initialize` joins them:
   flaky networks, not failing fast: with them a killed peer is noticed after
   about 100 s and a peer that raised holds the others for 300 s. Measured on
   0.10.2 (docs in /work/shared/docs/jax-notes.md): a dead or hung (SIGSTOP'd)
-  peer is detected after about the heartbeat timeout, and the survivors are
-  aborted from C++ (exit status -6) with a message listing the "unhealthy"
-  task, i.e. the lost process's index.
+  peer is detected after about the heartbeat timeout, and by default the
+  survivors are then aborted from C++ (exit status -6) with JAX's own words
+  ("The following tasks are unhealthy"), and a peer that never joins leaves
+  the others waiting for the initialisation timeout and aborting without a
+  name.
+* So the tasks are "recoverable" (``jax_enable_recoverability``: a lost task
+  does not abort the others) and jpipe names the lost process itself: a
+  thread (`_watch_peers`) asks the service which processes are alive, as
+  JAX's C++ heartbeats tell it, and `fail`s on every survivor with
+  ``lost: process N (...)``; before joining, a timer names the process that
+  did not join (`_name_who_did_not_join`), ahead of JAX's own limit. A
+  Python callback for JAX's errors (``missed_heartbeat_callback``) is not
+  usable on 0.10.2: the status it is given cannot be converted
+  (``std::bad_cast``, which terminates the process). Recoverable tasks no
+  longer wait for each other in JAX's shutdown, so a normal exit waits at a
+  barrier of jpipe's (`_leave_together`), process 0 (the service) last. Not
+  covered: a lost process 0 takes the service with it, and JAX aborts the
+  others from C++ at once.
 * A Python exception in one process does not reach the others: its atexit
   `jax.distributed.shutdown()` waits for them at a barrier they never reach.
   `initialize` therefore installs an exception hook that prints the traceback
@@ -29,8 +44,11 @@ Every process must start JAX's backend (any `jax.devices()` call) after
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
+import time
 import traceback
 
 # Environment variables the launcher sets; JAX itself reads only the first and last.
@@ -41,7 +59,13 @@ ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 
 HEARTBEAT_TIMEOUT_SECONDS = 10
 SHUTDOWN_TIMEOUT_SECONDS = 30
-INITIALIZATION_TIMEOUT_SECONDS = 120
+# How long a process waits for all the others to join before it names who is missing;
+# JPIPE_JOIN_TIMEOUT (seconds) changes it, for clusters that start hosts minutes apart.
+INITIALIZATION_TIMEOUT_SECONDS = 30
+ENV_JOIN_TIMEOUT = "JPIPE_JOIN_TIMEOUT"
+# JAX's own limits sit past jpipe's, so that jpipe's line comes first: JAX aborts from
+# C++ with words of its own ("task 1") where jpipe names the process in one line.
+_JAX_MARGIN_SECONDS = 30
 
 
 def _env_int(name: str) -> int | None:
@@ -94,7 +118,9 @@ def initialize(
       heartbeat_timeout_seconds: a process silent this long counts as lost,
         and the others stop.
       shutdown_timeout_seconds: how long a finishing process waits for the others.
-      initialization_timeout: how long to wait for every process to connect.
+      initialization_timeout: how long to wait for every process to connect
+        before naming the missing one and exiting (the default, 30 s, or
+        ``JPIPE_JOIN_TIMEOUT``).
 
     Returns:
       True when this is a multi-process run (`jax.distributed` is initialised),
@@ -143,17 +169,168 @@ def initialize(
             )
     global _heartbeat_seconds
     _heartbeat_seconds = heartbeat_timeout_seconds
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-        shutdown_timeout_seconds=shutdown_timeout_seconds,
-        initialization_timeout=initialization_timeout,
-    )
+    if initialization_timeout == INITIALIZATION_TIMEOUT_SECONDS and _env_int(ENV_JOIN_TIMEOUT):
+        initialization_timeout = _env_int(ENV_JOIN_TIMEOUT)
+    # A process that is lost does not take the others down from C++ (JAX's
+    # "recoverable" tasks): jpipe's watcher names it and stops them instead.
+    jax.config.update("jax_enable_recoverability", True)
+    joined = threading.Event()
+    if num_processes is not None and process_id is not None:  # else a cluster fills them in
+        threading.Thread(
+            target=_name_who_did_not_join,
+            args=(joined, initialization_timeout, coordinator_address, num_processes, process_id),
+            daemon=True,
+            name="jpipe-join-timeout",
+        ).start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            shutdown_timeout_seconds=shutdown_timeout_seconds,
+            initialization_timeout=initialization_timeout + _JAX_MARGIN_SECONDS,
+        )
+    finally:
+        joined.set()
     install_exit_on_error()
+    _start_watching_peers()
+    atexit.register(_leave_together, shutdown_timeout_seconds)
     return True
+
+
+def _name_who_did_not_join(
+    joined: threading.Event, seconds: int, address: str | None, n: int, me: int
+) -> None:
+    """After `seconds` without every process joined: says who is missing, and exits.
+
+    Process 0 listens; a process that never connects cannot be told from one
+    that has not started yet, so only the time tells. With two processes the
+    missing one is the other; with more, JAX's service does not say which
+    have connected, so the line names how many are awaited.
+    """
+    if joined.wait(seconds):
+        return
+    label = f"process {me} of {n}"
+    if me == 0:
+        who = "process 1" if n == 2 else f"some of processes 1 to {n - 1}"
+        text = f"{who} did not join within {seconds} s (it was killed, failed or never started)"
+    elif not _answers(address):
+        text = (
+            f"process 0 (the coordinator, {address}) did not answer within {seconds} s (it was "
+            "killed, failed or never started, or the address is not reachable from here)"
+        )
+    else:
+        text = f"not every one of the {n} processes joined within {seconds} s"
+    print(
+        f"[{label}] lost before joining: {text}; start every process of the run, or give more "
+        f"time with {ENV_JOIN_TIMEOUT}=SECONDS",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
+
+
+def _answers(address: str | None) -> bool:
+    """Whether something listens at ``host:port``."""
+    import socket
+
+    try:
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+# Set when this process leaves normally: the watcher then stops judging.
+_leaving = threading.Event()
+_watcher: threading.Thread | None = None
+
+
+def _start_watching_peers() -> None:
+    """Starts the thread that names a lost peer (`_watch_peers`), once per process."""
+    global _watcher
+    if _watcher is None:
+        _watcher = threading.Thread(target=_watch_peers, daemon=True, name="jpipe-peer-watcher")
+        _watcher.start()
+
+
+def _watch_peers() -> None:
+    """Asks the coordination service, again and again, which processes are alive.
+
+    `get_live_nodes` answers once every live process has asked (so a busy or
+    slow process only delays the answer) and leaves out a process whose
+    heartbeats stopped for the heartbeat timeout: killed, stopped (SIGSTOP)
+    or cut off. Liveness is judged by JAX's heartbeats, sent from C++, so a
+    process whose Python is busy is never taken for lost. A process left out
+    is named by `fail` on every process that asked, which then exits.
+    """
+    from jax._src import distributed
+
+    state = distributed.global_state
+    client, n = state.client, state.num_processes
+    while not _leaving.is_set():
+        try:
+            live = client.get_live_nodes(list(range(n)))
+        except Exception as e:  # noqa: BLE001 (the service is gone, or this process leaves)
+            if _leaving.is_set() or state.client is None:
+                return
+            fail(f"lost: process 0 (the coordinator) or the connection to it ({_first_line(e)})")
+        if _leaving.is_set() or state.client is None:
+            return
+        gone = [i for i in range(n) if i not in live]
+        if gone:
+            fail(
+                f"lost: process {', '.join(map(str, gone))} (no heartbeat for "
+                f"{_heartbeat_seconds} s: it was killed, stopped or hung)",
+                survivors=[i for i in range(n) if i in live],
+            )
+        _leaving.wait(1.0)
+
+
+def _leave_together(timeout_seconds: int) -> None:
+    """At a normal exit: waits for the others, then lets JAX shut down, process 0 last.
+
+    With recoverable tasks JAX's shutdown no longer waits for the others, and
+    process 0 leaving first would take the coordination service from those
+    still finishing (JAX then aborts them: "Failed to disconnect from
+    coordination service").
+    """
+    from jax._src import distributed
+
+    _leaving.set()
+    client = distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.wait_at_barrier("jpipe/leave", timeout_seconds * 1000)
+    except Exception:  # noqa: BLE001 (a peer that failed: JAX's shutdown reports it)
+        return
+    state = distributed.global_state
+    if state.process_id != 0:
+        # The watcher may be waiting in `get_live_nodes` for process 0's next
+        # call (below): let it return before the client goes.
+        if _watcher is not None:
+            _watcher.join(timeout=5)
+        return
+    # Process 0 holds the service: it shuts down last. `get_live_nodes` answers
+    # once every live process has asked, and a process that has shut down is no
+    # longer live, so it returns {0} when the others are gone.
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        try:
+            if set(client.get_live_nodes(list(range(state.num_processes)))) <= {0}:
+                return
+        except Exception:  # noqa: BLE001
+            return
+        time.sleep(0.05)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def num_processes() -> int:
@@ -177,18 +354,71 @@ def process_label() -> str:
     return f"process {state.process_id} of {state.num_processes}"
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1, survivors: list[int] | None = None) -> None:
     """Prints `message` naming this process, flushes, and exits at once.
 
     `sys.exit` would run JAX's atexit shutdown, which waits (up to the
     shutdown timeout) for peers that are blocked in a collective; `os._exit`
     lets the coordination service's heartbeats tell them instead.
+
+    Args:
+      message: one line.
+      code: the exit status.
+      survivors: the processes known to be failing with the same message
+        (a lost peer named by each): process 0 waits for them to print
+        before it exits, as after `failing_together`.
     """
+    _leaving.set()
     try:
         print(f"[{process_label()}] {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        _said_and_wait_for_the_others(survivors)
     finally:
         os._exit(code)
+
+
+# Set by `failing_together`: every process is about to fail with the same message.
+_failing_together = False
+# How long process 0 waits, then, for the others to have printed theirs.
+FAILING_TOGETHER_GRACE_SECONDS = 10
+
+
+def failing_together() -> None:
+    """Tells `fail` that every process is about to fail alike (a config they disagree on).
+
+    Process 0 holds the coordination service: when it exits, JAX aborts every
+    other process from C++ ("Terminating process because the JAX distributed
+    service detected fatal errors") at once, often before that process has
+    printed its own line. After this call, process 0's `fail` waits (up to
+    `FAILING_TOGETHER_GRACE_SECONDS`) until each other process has printed
+    before it exits.
+    """
+    global _failing_together
+    _failing_together = True
+
+
+def _said_and_wait_for_the_others(survivors: list[int] | None = None) -> None:
+    """Marks this process's message printed; process 0, failing with others, waits for theirs."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return
+    try:
+        state.client.key_value_set(f"jpipe/failed/{state.process_id}", "1", allow_overwrite=True)
+        if state.process_id != 0 or not (_failing_together or survivors):
+            return
+        others = range(1, state.num_processes) if survivors is None else survivors
+        deadline = time.monotonic() + FAILING_TOGETHER_GRACE_SECONDS
+        for p in others:
+            if p == 0:
+                continue
+            left = int((deadline - time.monotonic()) * 1000)
+            if left <= 0:
+                return
+            state.client.blocking_key_value_get(f"jpipe/failed/{p}", left)
+    except Exception:  # noqa: BLE001 (a lost service or peer: nothing left to wait for)
+        return
 
 
 def lost_processes(timeout_seconds: float | None = None) -> list[int] | None:
@@ -221,6 +451,17 @@ def lost_processes(timeout_seconds: float | None = None) -> list[int] | None:
     if not found or isinstance(found[0], Exception):
         return None
     return [i for i in range(n) if i not in found[0]]
+
+
+def _lost_from_the_watcher() -> list[int]:
+    """Waits for the watcher to name a lost peer (it exits the process when it does).
+
+    Asking the service here as well would pair this call with the others'
+    watchers in `get_live_nodes`, which answers once every live process asked.
+    Returns an empty list when no one was named within the heartbeat timeout.
+    """
+    time.sleep(_heartbeat_seconds + 5)
+    return []
 
 
 _heartbeat_seconds = HEARTBEAT_TIMEOUT_SECONDS
@@ -258,7 +499,7 @@ def _excepthook(kind, value, tb) -> None:
         file=sys.stderr,
         flush=True,
     )
-    gone = lost_processes()
+    gone = _lost_from_the_watcher() if _watcher is not None else lost_processes()
     if gone:
         fail(f"lost: process {', '.join(map(str, gone))} (no longer reachable)")
     if gone is None:

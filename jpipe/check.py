@@ -4,6 +4,7 @@ Usage::
 
     python -m jpipe.check SPEC --ranks R --microbatches M [--chunks V] [--data D] [--json]
     python -m jpipe.check SPEC -r R -m M --tensor 2 [--fsdp 2] --model my_model.py:build
+    python -m jpipe.check SPEC -r R -m M --model my_model.py:build [--config my_config.py]
 
 Under ``python -m jpipe.launch -n N --cpu_devices K`` the mesh spans the N
 processes (N x K devices) and each process checks the result.
@@ -18,11 +19,19 @@ and every gradient with the model without a pipeline, prints the largest
 absolute and relative error and PASS or FAIL, and exits 0 only on PASS.
 ``--json`` prints one JSON object instead (see `jpipe.testing.CheckResult`).
 
-``--model path/to/file.py:function`` runs your own stages instead: the
-function takes the number of stages and returns a `jpipe.testing.CheckModel`
-(your stage functions, their whole parameters, their `PartitionSpec`s, a
-batch maker, and the unsplit reference stages or None for your stages under
-`jax.shard_map`). ``--model tensor:BLOCK`` runs a built-in one whose stages
+``--model path/to/file.py:function`` runs your own stages instead, built
+by the same function ``train.py --config.model=`` names:
+``build(args: jpipe.models.BuildArgs) -> jpipe.models.StagedModel``, given
+the schedule's number of stages and ``config.model``'s fields from
+``--config FILE`` (a ``train.py`` config; by default the file's own
+``get_config()``, as in ``examples/``), its weights from ``init(0)`` and its
+batch from that config's ``config.data`` (the first training batch). The
+checker's own form still works: a function of the number of stages
+returning a `jpipe.testing.CheckModel` (your stage functions, their whole
+parameters, their `PartitionSpec`s, a batch maker, and the unsplit reference
+stages or None for your stages under `jax.shard_map`); see
+`jpipe.testing.load_model` for how the two are told apart. ``--model
+tensor:BLOCK`` runs a built-in one whose stages
 write their own collectives over ``tensor`` (`jpipe.testing.TENSOR_BLOCKS`).
 ``--tensor`` and ``--fsdp`` add those mesh axes.
 """
@@ -33,6 +42,7 @@ import argparse
 import json
 import sys
 
+from jpipe._console import run_main
 from jpipe._registry import add_option_argument, get_schedule, parse_options
 from jpipe._validate import ScheduleError
 
@@ -75,8 +85,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--model",
         default=None,
-        help="path/to/file.py:function returning a jpipe.testing.CheckModel, or tensor:BLOCK "
+        help="path/to/file.py:build, the train.py model builder (build(BuildArgs) -> "
+        "StagedModel; or build(num_stages) -> jpipe.testing.CheckModel), or tensor:BLOCK "
         "(mlp, attention, two_blocks, sequence); default: the built-in small model",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="with --model FILE.py:build (the trainer's builder): the train.py config whose "
+        "config.model builds it and whose config.data gives the batch; default: the file's "
+        "own get_config()",
     )
     parser.add_argument(
         "--layout",
@@ -99,6 +117,8 @@ def main(argv=None) -> int:
         schedule = get_schedule(
             args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
         )
+        if args.config is not None and args.model is None:
+            raise ValueError("--config is a model builder's config: give --model FILE.py:build")
         for flag in ("data", "fsdp", "tensor"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -123,6 +143,7 @@ def main(argv=None) -> int:
             rtol=args.rtol,
             tick_layout=args.layout,
             compute_dtype=args.compute_dtype,
+            config=args.config,
         )
     except (ScheduleError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -153,4 +174,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

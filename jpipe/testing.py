@@ -460,26 +460,178 @@ def tensor_model(num_stages: int, block: str = "mlp", seed: int = 0) -> CheckMod
     )
 
 
-def load_model(spec: CheckModel | str, num_stages: int, seed: int = 0) -> CheckModel:
-    """A `CheckModel` as `check_schedule`'s `model` names it (see there)."""
+def load_model(
+    spec: CheckModel | str,
+    num_stages: int,
+    seed: int = 0,
+    *,
+    config=None,
+    tensor: int = 1,
+) -> CheckModel:
+    """A `CheckModel` as `check_schedule`'s `model` names it.
+
+    ``"path/to/file.py:function"`` takes either form of builder, so that the
+    file ``train.py --config.model=`` names serves here too:
+
+    - the trainer's, ``build(args: jpipe.models.BuildArgs) ->
+      jpipe.models.StagedModel``: called with `config`'s ``config.model``
+      fields and `num_stages` stages (split over ``tensor`` when `tensor` >
+      1), its weights from ``init(seed)``, its batches from `config`'s
+      ``config.data`` (the training batches ``train.py`` would read);
+    - the checker's own, ``build(num_stages) -> CheckModel``.
+
+    Which one a function is: its parameter's annotation says (``BuildArgs``
+    or ``int``), or its name (``num_stages``: the checker's); otherwise it is
+    called as the trainer's, and as the checker's if that raises a
+    `TypeError` or `AttributeError`.
+
+    Args:
+      spec: a `CheckModel`, ``"tensor:BLOCK"`` or ``"path/to/file.py:function"``.
+      num_stages: S.
+      seed: the weights' seed.
+      config: for the trainer's builder, its config: a ``train.py`` config
+        (`ml_collections.ConfigDict`, a mapping or a `jpipe.train.TrainConfig`)
+        or the path of a config file; None uses the file's own ``get_config()``
+        when it has one (as the examples do).
+      tensor: the size of the ``tensor`` axis the check runs on.
+    """
     if isinstance(spec, CheckModel):
         return spec
     spec = str(spec)
     if spec.startswith("tensor:"):
         return tensor_model(num_stages, spec.removeprefix("tensor:"), seed)
     if ":" in spec and spec.split(":")[0].endswith(".py"):
-        from jpipe._registry import _load_file_function
+        # The trainer's loader: the file is imported under its own name, so its
+        # classes are those of the user's `import`.
+        from jpipe.models.registry import load_function
 
-        built = _load_file_function(spec, "model")(num_stages)
+        build = load_function(spec, "model file")
+        built = _build(build, spec, num_stages, config, tensor, seed)
         if not isinstance(built, CheckModel):
             raise ValueError(
                 f"{spec} returned a {type(built).__name__}; it must return a "
-                "jpipe.testing.CheckModel(stages, params, make_batch, specs, reference)"
+                "jpipe.models.StagedModel (build(args: BuildArgs), as train.py calls it) or a "
+                "jpipe.testing.CheckModel (build(num_stages))"
             )
         return dataclasses.replace(built, name=spec) if built.name == "model" else built
     raise ValueError(
-        f"unknown model {spec!r}: give path/to/file.py:function (returning a "
-        f"jpipe.testing.CheckModel) or tensor:BLOCK with BLOCK one of {', '.join(TENSOR_BLOCKS)}"
+        f"unknown model {spec!r}: give path/to/file.py:function (build(BuildArgs) -> "
+        "StagedModel as for train.py, or build(num_stages) -> jpipe.testing.CheckModel) or "
+        f"tensor:BLOCK with BLOCK one of {', '.join(TENSOR_BLOCKS)}"
+    )
+
+
+def _contract(build) -> str:
+    """``"trainer"``, ``"checker"`` or ``"either"``: which form `build` says it is."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(build).parameters.values()), None)
+    except (TypeError, ValueError):
+        return "either"
+    if first is None:
+        return "either"
+    annotation = first.annotation
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if text.endswith("BuildArgs"):
+        return "trainer"
+    if annotation is int or text == "int" or first.name == "num_stages":
+        return "checker"
+    return "either"
+
+
+def _build(build, spec: str, num_stages: int, config, tensor: int, seed: int):
+    """Calls `build` in its own form (see `load_model`); a `StagedModel` becomes a `CheckModel`."""
+    contract = _contract(build)
+    if contract == "checker":
+        return build(num_stages)
+    train_config, where = _train_config(build, spec, config)
+    from jpipe.models import BuildArgs, StagedModel
+
+    if train_config is None and contract == "trainer":
+        raise ValueError(
+            f"the model builder {spec} takes BuildArgs, whose config.model and batches come "
+            "from a train.py config: give one (--config FILE, or config= in jpipe.testing), or "
+            "a get_config() in the file"
+        )
+    model_config = train_config.model if train_config is not None else _empty_config()
+    layers = ""
+    if train_config is not None and len(train_config.layers_per_stage.split(",")) == num_stages:
+        layers = train_config.layers_per_stage
+    args = BuildArgs(model_config, num_stages, layers, "tensor" if tensor > 1 else None)
+    try:
+        built = build(args)
+    except (TypeError, AttributeError) as e:
+        if contract == "trainer":
+            raise
+        try:
+            return build(num_stages)
+        except Exception:
+            raise ValueError(
+                f"the model builder {spec}, called as build(BuildArgs) with config.model from "
+                f"{where}, raised {type(e).__name__}: {e}; give the config whose config.model "
+                "has its fields (--config FILE), or write build(num_stages) -> CheckModel"
+            ) from e
+    if not isinstance(built, StagedModel):
+        return built
+    if train_config is None:
+        raise ValueError(
+            f"the model builder {spec} returned a StagedModel, whose batches come from a "
+            "train.py config: give one (--config FILE, or config= in jpipe.testing), or a "
+            "get_config() in the file"
+        )
+    return _check_model_of(built, spec, train_config, seed, tensor)
+
+
+def _empty_config():
+    import ml_collections
+
+    return ml_collections.FrozenConfigDict({})
+
+
+def _train_config(build, spec: str, config):
+    """``(TrainConfig, where it came from)`` for a trainer's builder, or ``(None, why)``."""
+    import sys
+
+    from jpipe.train.config import ConfigError, TrainConfig, config_from_file
+
+    where = "the file's get_config()"
+    if config is None:
+        get_config = getattr(sys.modules.get(build.__module__), "get_config", None)
+        if get_config is None:
+            return None, "nowhere (no --config, and the file has no get_config())"
+        config = get_config()
+    elif isinstance(config, str):
+        where = config
+        config = config_from_file(config)
+    else:
+        where = "the config given"
+    if isinstance(config, TrainConfig):
+        return config, where
+    try:
+        return TrainConfig.from_config(config), where
+    except ConfigError as e:
+        raise ValueError(f"the config for {spec} ({where}): {e}") from None
+
+
+def _check_model_of(model, spec: str, config, seed: int, tensor: int) -> CheckModel:
+    """A trainer's `StagedModel` as a `CheckModel`, its batches from ``config.data``."""
+    from jpipe.train.prepare import make_data
+
+    params = model.init(seed)
+    specs = model.specs(params) if model.specs is not None and tensor > 1 else None
+
+    def make_batch(rows: int, seed: int = 1):
+        del seed  # the data source's batches are a function of config.seed and the step
+        return make_data(config, rows)[0].batch_at(0)
+
+    return CheckModel(
+        stages=tuple(model.stages),
+        params=params,
+        make_batch=make_batch,
+        specs=specs,
+        reference=None if specs is not None else tuple(model.stages),
+        name=spec,
     )
 
 
@@ -603,6 +755,7 @@ def check_schedule(
     activations: str | Sequence[str] = "array",
     compute_dtype: str = "float32",
     lowering: str = "spmd",
+    config=None,
     **options,
 ) -> CheckResult:
     """Runs a schedule on fake CPU devices and compares it with the unpipelined model.
@@ -619,9 +772,14 @@ def check_schedule(
       model: the model to run instead of the built-in one (`small_model`):
         a `CheckModel` (your own stage functions, whole parameters, specs
         and reference), ``"path/to/file.py:function"`` for a function of the
-        number of stages that returns one, or ``"tensor:BLOCK"`` for
+        number of stages that returns one, or the trainer's builder,
+        ``build(BuildArgs) -> StagedModel``, the one ``train.py
+        --config.model=`` names (`load_model`), or ``"tensor:BLOCK"`` for
         `tensor_model` with a `TENSOR_BLOCKS` block. `scan_layers`,
         `activations` and `compute_dtype` then do not apply.
+      config: for the trainer's builder, the ``train.py`` config (or its
+        file) whose ``config.model`` it is built from and whose
+        ``config.data`` gives the batch; None: the file's own ``get_config()``.
       rows_per_microbatch: rows per microbatch per data (and fsdp) shard.
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       seed: for the model's weights and the batch.
@@ -672,7 +830,7 @@ def check_schedule(
         stages, params, make_batch = small_model(S, seed, scan_layers, activations, compute_dtype)
         model = CheckModel(stages, params, make_batch, reference=stages, name="small_model")
     else:
-        model = load_model(model, S, seed)
+        model = load_model(model, S, seed, config=config, tensor=tensor)
         if len(model.stages) != S:
             raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {S}")
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
@@ -746,6 +904,7 @@ def check_model(
     rtol: float = 1e-5,
     tick_layout: str = "auto",
     control: str = "auto",
+    config=None,
     **options,
 ) -> CheckResult:
     """Checks your own stages the way `check_schedule` checks a schedule.
@@ -757,10 +916,15 @@ def check_model(
     Args:
       model: a `jpipe.models.StagedModel` (from `split_flax_model`,
         `split_nnx_model`, a trainer's model builder or your own), whose
-        weights come from ``model.init(seed)``, or a `CheckModel`.
+        weights come from ``model.init(seed)``, or a `CheckModel`, or
+        ``"path/to/file.py:build"``, the builder ``train.py
+        --config.model=`` names (built for the schedule's stages with
+        `config`'s ``config.model``; see `load_model`).
       batch: one global batch, a dict of arrays whose leading axis is cut
         into `num_microbatches` x `data` x `fsdp` equal parts (for a
-        `CheckModel`, None uses its ``make_batch``).
+        `CheckModel` or a builder's file, None uses its ``make_batch``:
+        for the trainer's builder, the first training batch of
+        ``config.data``).
       schedule: a `jpipe.Schedule`, a registered name, a ``.csv`` file or
         ``path/to/file.py:function``.
       num_microbatches: M.
@@ -772,6 +936,8 @@ def check_model(
       seed: the weights' seed.
       rtol: the largest accepted per-array relative error (see `CheckResult`).
       tick_layout, control: see `jpipe.Pipeline`.
+      config: for a builder's file, the ``train.py`` config (a ConfigDict or
+        the path of its file); None: the file's own ``get_config()``.
       **options: passed to the schedule function.
 
     An array whose gradient is zero in exact arithmetic (a key bias in
@@ -789,6 +955,12 @@ def check_model(
     import jax
 
     ways = num_microbatches * data * fsdp
+    if isinstance(model, str):  # a builder's file: built for the schedule's stages
+        if num_ranks is None:
+            raise ValueError(f"give num_ranks to check the model builder {model}")
+        built = get_schedule(schedule, num_ranks, num_microbatches, num_chunks, **options)
+        S = analyze(built).num_stages
+        model = load_model(model, S, seed, config=config, tensor=tensor)
     if isinstance(model, CheckModel):
         checked = model
         if batch is not None:

@@ -255,6 +255,17 @@ def test_resuming_with_another_split_is_refused(interrupted, tmp_path):
     assert count[0] == before
 
 
+def test_resuming_under_another_optimizer_is_refused_naming_it(interrupted, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(interrupted, workdir)
+    count = _count_compiles()
+    before = count[0]
+    config = tiny_config(**{"optimizer.name": "sgd"})
+    with pytest.raises(trainer.ConfigError, match=r"config.optimizer.name='adamw', not 'sgd'"):
+        trainer.train(config, str(workdir), progress=False)
+    assert count[0] == before
+
+
 def test_metrics_jsonl(reference):
     _, workdir = reference
     records = read_metrics(workdir)

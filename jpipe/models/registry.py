@@ -17,6 +17,7 @@ they are, in a `ml_collections.FrozenConfigDict`.
 from __future__ import annotations
 
 import importlib.util
+import keyword
 import os
 import sys
 from collections.abc import Callable
@@ -125,9 +126,24 @@ def build_model(spec: str, args: BuildArgs) -> StagedModel:
 def load_function(spec: str, what: str) -> Callable:
     """The function ``name`` of the Python file ``path`` in ``"path:name"``.
 
-    The file is executed as a fresh module each time (under a name made from
-    its absolute path), so a file that was imported or loaded before loads
-    again, with its current contents.
+    The file is imported under its own module name, its stem (``mine.py``
+    is module ``mine``), as ``import mine`` would import it, so the classes
+    it defines (a model's dataclasses, Equinox or NNX modules) are the
+    classes of the user's ``import mine``, and pytrees made by jpipe compare
+    equal, in structure and type, with pytrees the user makes:
+
+    - a module already imported from this same file, under any name but
+      ``__main__`` (``mine``, ``pkg.mine``), is used as it is, not run again
+      (edit the file and ``importlib.reload`` it to see the change);
+    - otherwise the file runs once and is kept as ``sys.modules["mine"]``,
+      so a later ``import mine`` gets this module;
+    - where the stem is not a module name (``my-model.py``), is taken by
+      another module already imported (two files ``a/model.py`` and
+      ``b/model.py``: the first loaded keeps ``model``), or would shadow
+      another importable module (a file named ``json.py``), the file runs
+      under a private name made from its path instead,
+      ``_jpipe_user_<path>``, as ``import`` could not reach it by its stem
+      either (and a later load finds it there, by its file, as above).
 
     Raises:
       ValueError: the file does not exist, or has no such function.
@@ -135,16 +151,7 @@ def load_function(spec: str, what: str) -> Callable:
     path, _, name = spec.rpartition(":")
     if not os.path.isfile(path):
         raise ValueError(f"{what} {spec!r}: the file {path!r} does not exist")
-    full = os.path.abspath(path)
-    module_name = "_jpipe_user_" + "".join(c if c.isalnum() else "_" for c in full)
-    module_spec = importlib.util.spec_from_file_location(module_name, full)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
+    module = _import_file(os.path.realpath(path))
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -153,3 +160,43 @@ def load_function(spec: str, what: str) -> Callable:
             + (f" (it has {', '.join(found)})" if found else "")
         )
     return fn
+
+
+def _module_file(module) -> str | None:
+    """The real path of the file `module` was loaded from, or None."""
+    file = getattr(module, "__file__", None)
+    try:
+        return os.path.realpath(file) if isinstance(file, str) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _import_file(full: str):
+    """The module of the file `full` (a real path), imported as `load_function` says."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name != "__main__" and module is not None and _module_file(module) == full:
+            return module  # imported before, by the user or by an earlier load
+    stem = os.path.splitext(os.path.basename(full))[0]
+    private = "_jpipe_user_" + "".join(c if c.isalnum() else "_" for c in full)
+    module_name = stem if _stem_is_free(stem, full) else private
+    module_spec = importlib.util.spec_from_file_location(module_name, full)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses, pickling and `import` look the module up
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def _stem_is_free(stem: str, full: str) -> bool:
+    """Whether `full` may be imported as module `stem` without hiding another module."""
+    if not stem.isidentifier() or keyword.iskeyword(stem) or stem in sys.modules:
+        return False
+    try:
+        found = importlib.util.find_spec(stem)
+    except (ImportError, ValueError):
+        return False
+    # Nothing else answers to the name, or `import stem` would find this very file.
+    return found is None or (found.origin is not None and os.path.realpath(found.origin) == full)

@@ -3,7 +3,10 @@
 One module per concern, in the order a run uses them: `config` (the
 config's dataclasses and their checks), `prepare` (step 1), `optimizer`
 (step 2), `step` (step 3, the one jit), `data` (the corpus and batches on
-devices), `checkpoint`, `metrics`, `profile`, and `loop` (step 4).
+devices), `checkpoint`, `metrics`, `profile`, and `loop` (step 4); `export`
+takes a checkpoint's parameters out as the model's own pytrees
+(`load_params`, `save_params`) and brings them in (``config.init_from``),
+docs/checkpoints.md.
 
 `train(config, workdir)` is what ``train.py`` calls. It goes in one direction:
 
@@ -16,8 +19,10 @@ devices), `checkpoint`, `metrics`, `profile`, and `loop` (step 4).
    accepted. Nothing has been compiled yet.
 2. **Build.** The model is cut into ``schedule.num_stages`` stages, the
    `jpipe.Pipeline` packs each rank's parameters, and the
-   optimizer is built on the packed dict: optax AdamW with linear warm-up and
-   cosine decay, weight decay masked off norms and biases (per bucket row:
+   optimizer is built on the packed dict: the optax optimizer
+   ``config.optimizer.name`` names (AdamW by default) with the learning-rate
+   schedule ``config.optimizer.lr_schedule`` names (linear warm-up and
+   cosine decay by default), weight decay masked off norms and biases (per bucket row:
    a bucket holds arrays of one size, whatever their shape), and
    `optax.clip_by_global_norm` over all the packed gradients. The packed
    arrays are sharded over ``pipe``, so that norm is taken over every stage's
@@ -36,15 +41,19 @@ devices), `checkpoint`, `metrics`, `profile`, and `loop` (step 4).
    gives the same losses, bit for bit. A NaN or infinite loss (or gradient
    norm) stops the run with `DivergedError` before any later checkpoint.
    Ctrl-C (SIGINT) lets the step in flight finish, saves its checkpoint and
-   raises `Interrupted` (``train.py`` prints the command that resumes).
+   raises `Interrupted` (``train.py`` prints the command that resumes); at
+   any other moment (compiling, say) it stops once that part ends; a second
+   Ctrl-C stops at once; ``train.py``'s exit status is 130.
 
 Reported: before the first step the schedule's chart, its simulated bubble
 and peak live activations, and the compiled step's memory; during training a
-progress bar (loss, tokens/s, step time); every ``eval_every`` steps the
+progress bar (loss, tokens/s, or rows/s where the data does not state its
+tokens per row, step time); every ``eval_every`` steps the
 held-out loss. ``DIR/metrics.jsonl`` gets one JSON object per logged step:
 ``step`` (optimizer steps done), ``loss`` (the training loss of that step's
-batch), ``grad_norm``, ``lr``, ``step_time``, ``tokens_per_s``, and
-``eval_loss`` on evaluated steps; a fresh run starts with a ``step: 0`` line
+batch), ``grad_norm``, ``lr``, ``step_time``, ``tokens_per_s`` (or
+``rows_per_s``), and ``eval_loss`` on evaluated steps (with ``eval_NAME``
+for each figure of ``config.eval_fn``); a fresh run starts with a ``step: 0`` line
 that holds only ``eval_loss``, the held-out loss before training. TensorBoard
 event files in ``DIR/tensorboard/`` get the same (tensorboardX, a dependency).
 
@@ -63,6 +72,7 @@ from jpipe.train.config import (
     config_from_file,
     use_cpu_devices,
 )
+from jpipe.train.export import load_params, save_params
 from jpipe.train.loop import DivergedError, Interrupted, TrainResult, train
 from jpipe.train.prepare import Prepared, prepare
 
@@ -77,7 +87,9 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "config_from_file",
+    "load_params",
     "prepare",
+    "save_params",
     "train",
     "use_cpu_devices",
 ]

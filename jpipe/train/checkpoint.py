@@ -19,14 +19,37 @@ Saving is synchronous: `save` returns once the state is on disk, so the next
 train step may donate (overwrite) the arrays just saved, and a checkpoint that
 `latest_step` reports is whole. Every process calls `save` and `restore`;
 orbax decides which process writes what.
+
+Damage. A complete step can still be damaged later (a data file truncated by
+a full disk or a bad copy, a file deleted), and orbax then fails deep inside
+TensorStore naming neither the step nor the file. So once a save has
+finished, process 0 records every file of the step with its size
+(``<step>/jpipe_files.json``); at the start of a run (`remove_incomplete`)
+the newest steps are checked against their record (a `stat` per file, no
+data read) and for orbax's own metadata files, and a damaged one is moved
+aside, never deleted, to ``<step>.damaged`` beside it (orbax ignores the
+name), with one line naming the step, the file and the new name; the run
+then resumes from the newest step that passes. Damage the sizes cannot see
+(a file overwritten in place) still fails in `restore` or `metadata`: that
+step is moved aside the same way and `CheckpointError` says so in one line,
+so the next start resumes from the step before. A save that fails for lack
+of space is one line too, naming the directory and the bytes it needed; the
+previous checkpoints are untouched (orbax writes into a temporary directory
+and deletes old steps only after a save succeeds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import gc
 import json
+import logging
 import os
+import re
 import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -36,6 +59,53 @@ from jpipe.train.config import ConfigError
 from jpipe.train.prepare import Prepared
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step
+# What every complete step of this trainer holds, besides `_METADATA_FILE`: orbax's
+# metadata of the state (without it the arrays cannot be read) and the `meta` record.
+_REQUIRED_FILES = ("state/_METADATA", "meta/metadata")
+FILES_RECORD = "jpipe_files.json"  # written by `save`: each file of the step and its size
+DAMAGED_SUFFIX = ".damaged"
+# How an error says the disk is full, where it is not an OSError (TensorStore's are not).
+_NO_SPACE_WORDS = ("no space left", "disk quota exceeded", "resource_exhausted")
+# How TensorStore and orbax say a file is short, missing or garbled (TensorStore's
+# status codes, as its errors print them).
+_DAMAGE_WORDS = (
+    "out_of_range", "data_loss", "error reading", "not_found", "no such file", "corrupt",
+    "checksum", "truncated", "unexpected end", "failed to decode", "expecting value",
+)  # fmt: skip
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be restored or saved, said in one line.
+
+    A `ConfigError`, so that callers that print those in one line (``train.py``)
+    print these so too.
+    """
+
+
+def _say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _first_line(error: BaseException) -> str:
+    """The line of `error` that says what failed.
+
+    Orbax wraps TensorStore's error (``OUT_OF_RANGE: Error reading "params/0"
+    in OCDBT database at local file ...``) in one that prints a page of
+    TensorStore's spec: the line with a status code, anywhere in the chain,
+    is the one to show.
+    """
+    seen, chain = set(), []
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in chain:
+        for line in str(e).splitlines():
+            if re.match(r"[A-Z][A-Z_]+: ", line.strip()):
+                return line.strip()[:400]
+    text = str(chain[0]).strip()
+    return text.splitlines()[0][:400] if text else type(chain[0]).__name__
 
 
 class Checkpoints:
@@ -72,33 +142,203 @@ class Checkpoints:
         return steps[-1] if steps else None
 
     def remove_incomplete(self) -> list[int]:
-        """Deletes step directories that were never finished; returns their steps."""
+        """Deletes step directories that were never finished; returns their steps.
+
+        Then moves the newest complete steps that are damaged aside
+        (`set_aside_damaged`), so that `latest_step` is the newest that passes.
+        """
         self._manager.reload()
         broken = [s for s in self._manager.all_steps() if not self._is_complete(s)]
         if jax.process_index() == 0:
             for s in broken:
                 shutil.rmtree(os.path.join(self.directory, str(s)), ignore_errors=True)
+            self.set_aside_damaged()
         if jax.process_count() > 1:  # nobody reads the directory before it is tidy
             multihost_utils.sync_global_devices("jpipe.checkpoint.remove_incomplete")
-        if broken:
-            self._manager.reload()
+        self._manager.reload()
         return broken
+
+    def damage(self, step: int) -> str | None:
+        """What is wrong with complete step `step`'s files, or None when nothing is seen.
+
+        Checks orbax's metadata files are there and readable and, where
+        `save` recorded them, that every file has the size it was saved with.
+        Reads no array data.
+        """
+        root = os.path.join(self.directory, str(step))
+        for name in _REQUIRED_FILES:
+            path = os.path.join(root, name)
+            if not os.path.isfile(path):
+                return f"{path} is missing"
+        try:
+            with open(os.path.join(root, "state", "_METADATA")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{os.path.join(root, 'state', '_METADATA')} cannot be read ({_first_line(e)})"
+        try:
+            with open(os.path.join(root, FILES_RECORD)) as f:
+                sizes = json.load(f)
+        except FileNotFoundError:
+            return None  # saved before this record existed, or killed before writing it
+        except (OSError, ValueError):
+            return None  # the record itself is damaged: it vouches for nothing
+        for name, size in sorted(sizes.items()):
+            path = os.path.join(root, name)
+            try:
+                now = os.path.getsize(path)
+            except OSError:
+                return f"{path} is missing"
+            if now != size:
+                return f"{path} is {now} bytes, {size} when saved"
+        return None
+
+    def set_aside(self, step: int, reason: str) -> str:
+        """Renames step `step` to ``<step>.damaged`` (``.damaged-2``, ... if taken); says so.
+
+        Returns:
+          The new path.
+        """
+        old = os.path.join(self.directory, str(step))
+        new = old + DAMAGED_SUFFIX
+        n = 1
+        while os.path.exists(new):
+            n += 1
+            new = f"{old}{DAMAGED_SUFFIX}-{n}"
+        os.rename(old, new)
+        _say(f"checkpoint of step {step} is damaged: {reason}; moved it aside to {new}")
+        return new
+
+    def set_aside_damaged(self) -> list[int]:
+        """Moves the newest complete steps aside while they are damaged; returns their steps.
+
+        Stops at the first step that passes `damage`: older steps are not
+        read (a run resumes from the newest).
+        """
+        self._manager.reload()
+        moved = []
+        for step in reversed([s for s in self._manager.all_steps() if self._is_complete(s)]):
+            reason = self.damage(step)
+            if reason is None:
+                break
+            self.set_aside(step, reason)
+            moved.append(step)
+        if moved:
+            self._manager.reload()
+        return moved
+
+    def _unreadable(self, step: int, error: BaseException) -> CheckpointError:
+        """The error of a failed read of `step`; moves the step aside if its files are damaged.
+
+        A failure that does not look like damaged files (a state of another
+        structure: an optimizer changed since) leaves the step where it is.
+        """
+        _collect_quietly()
+        where = f"the checkpoint of step {step} in {self.directory}"
+        if not _says_damaged(error):
+            return CheckpointError(
+                f"{where} cannot be restored onto this run's state ({_first_line(error)}); "
+                "resume with the config that wrote it, give a new --workdir, or if its files "
+                f"are damaged move it aside (mv {self.directory}/{step} "
+                f"{self.directory}/{step}{DAMAGED_SUFFIX}) to resume from the step before"
+            )
+        try:
+            moved = self.set_aside(step, f"orbax cannot read it ({_first_line(error)})")
+        except OSError:  # another process moved it first
+            moved = os.path.join(self.directory, f"{step}{DAMAGED_SUFFIX}")
+        self._manager.reload()
+        older = self.latest_step()
+        then = (
+            f"run again to resume from step {older}"
+            if older is not None
+            else "no older checkpoint is left; run again to start from step 0"
+        )
+        return CheckpointError(
+            f"{where} cannot be restored ({_first_line(error)}); moved it aside to {moved}; {then}"
+        )
 
     def metadata(self, step: int) -> dict:
         """The ``meta`` record saved with `step`."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception as e:  # noqa: BLE001 (any failure to read is said in one line)
+            raise self._unreadable(step, e) from None
         return dict(restored.meta)
 
     def save(self, step: int, state, metadata: dict) -> None:
-        """Writes `state` (a pytree of arrays) and `metadata` (JSON) as `step`."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
-            ),
-            force=True,
+        """Writes `state` (a pytree of arrays) and `metadata` (JSON) as `step`.
+
+        Raises:
+          CheckpointError: the disk is full (one line: the directory, the bytes
+            the checkpoint needs and those free); the previous checkpoints are
+            untouched and the unfinished one is removed.
+        """
+        held = _HeldErrorLogs()
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (only a full disk is turned into one line)
+            if not _says_no_space(e):
+                held.release()
+                raise
+            held.drop()
+            _collect_quietly()
+            raise self._no_space(step, state) from None
+        held.release()
+        if jax.process_index() == 0:
+            self._record_files(step)
+
+    def _record_files(self, step: int) -> None:
+        """Writes `FILES_RECORD` into finished step `step`: its files and their sizes."""
+        root = os.path.join(self.directory, str(step))
+        sizes = {}
+        for folder, _, names in os.walk(root):
+            for name in names:
+                path = os.path.join(folder, name)
+                sizes[os.path.relpath(path, root)] = os.path.getsize(path)
+        sizes.pop(FILES_RECORD, None)
+        temporary = os.path.join(root, FILES_RECORD + ".tmp")
+        try:
+            with open(temporary, "w") as f:
+                json.dump(sizes, f, sort_keys=True)
+            os.replace(temporary, os.path.join(root, FILES_RECORD))
+        except OSError:  # no room for the record: the step is whole, only unvouched for
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+
+    def _no_space(self, step: int, state) -> CheckpointError:
+        """The one-line error of a save that ran out of space; removes what it left."""
+        if jax.process_index() == 0:
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        # The arrays' bytes, or what the last checkpoint takes on this disk if more
+        # (orbax's metadata, the filesystem's blocks).
+        needed = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+        previous = self.latest_step()
+        if previous is not None:
+            needed = max(needed, _disk_bytes(os.path.join(self.directory, str(previous))))
+        try:
+            free = f", {shutil.disk_usage(self.directory).free:,} free"
+        except OSError:
+            free = ""
+        kept = (
+            f"the checkpoint of step {previous} is intact"
+            if previous is not None
+            else "no earlier checkpoint exists"
         )
-        self._manager.wait_until_finished()
+        return CheckpointError(
+            f"cannot save the checkpoint of step {step} in {self.directory}: no space left on the "
+            f"device (it needs about {needed:,} bytes{free}); {kept}; free some space, or give "
+            "another --workdir, and run again"
+        )
 
     def restore(self, step: int, target):
         """Reads `step` onto the shapes, dtypes and shardings of `target`.
@@ -115,14 +355,103 @@ class Checkpoints:
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
         )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-        )
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+        except Exception as e:  # noqa: BLE001 (any failure to read is said in one line)
+            raise self._unreadable(step, e) from None
         leaves = jax.tree.leaves(restored.state)
         return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
     def close(self) -> None:
         self._manager.close()
+
+
+class _HeldErrorLogs(logging.Filter):
+    """Holds back the errors orbax logs while a save runs, until it is known how it ended.
+
+    Each of orbax's writer threads logs its own traceback of the same failure
+    (a full disk gave 3 tracebacks and 144 lines before the one that
+    matters). A save that fails for lack of space drops them, its one line
+    saying it all; any other ending logs them as they came.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("absl")  # absl.logging's, which orbax uses
+        self._logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            self.records.append(record)
+            return False
+        return True
+
+    def drop(self) -> None:
+        self._logger.removeFilter(self)
+        self.records.clear()
+
+    def release(self) -> None:
+        self._logger.removeFilter(self)
+        for record in self.records:
+            self._logger.handle(record)
+        self.records.clear()
+
+
+def _collect_quietly() -> None:
+    """Collects, without a word, what a failed orbax read left behind.
+
+    Orbax's reads of the other shards stay behind as coroutines (and an event
+    loop) that print their own copy of the error when the garbage collector
+    finds them: a page of TensorStore specs after the one line that matters.
+    """
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _disk_bytes(root: str) -> int:
+    """The bytes the files under `root` take on their disk (their blocks, where known)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                info = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            total += max(info.st_size, getattr(info, "st_blocks", 0) * 512)
+    return total
+
+
+def _says_damaged(error: BaseException) -> bool:
+    """Whether a failed read of a checkpoint (or an error it came from) is its files' fault."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (FileNotFoundError, json.JSONDecodeError, EOFError)):
+            return True
+        if any(word in str(error).lower() for word in _DAMAGE_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _says_no_space(error: BaseException) -> bool:
+    """Whether `error` (or one it came from) is a full disk or quota."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(word in str(error).lower() for word in _NO_SPACE_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # ---------------------------------------------------------------------------
@@ -163,6 +492,9 @@ def checkpoint_meta(pipeline, prepared: Prepared) -> dict:
         },
         "schedule": prepared.config.schedule,
         "mesh": dataclasses.asdict(prepared.config.mesh),
+        "model_name": prepared.config.model_name,  # the builder's full path, for load_params
+        # The optimizer's state has its own structure: resuming under another is refused.
+        "optimizer": prepared.config.optimizer.name,
     }
 
 
@@ -175,6 +507,14 @@ def check_resumable(checkpoints: Checkpoints, step: int, prepared: Prepared) -> 
         for key in wanted
         if saved.get(key) != wanted[key]
     ]
+    optimizer = checkpoints.metadata(step).get("optimizer")  # absent before it was recorded
+    if optimizer is not None and optimizer != prepared.config.optimizer.name:
+        raise ConfigError(
+            f"the checkpoint of step {step} in {checkpoints.directory} holds the state of "
+            f"config.optimizer.name={optimizer!r}, not {prepared.config.optimizer.name!r}; resume "
+            f"with --config.optimizer.name={optimizer}, or start from its weights in a new "
+            f"--workdir with --config.init_from={os.path.dirname(checkpoints.directory)}"
+        )
     if differences:
         raise ConfigError(
             f"the checkpoint of step {step} in {checkpoints.directory} was written for another "

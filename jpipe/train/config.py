@@ -171,6 +171,8 @@ class MeshConfig:
 
 
 TOKENIZERS = ("bytes", "bpe")  # config.data.tokenizer
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion")  # config.optimizer.name (jpipe.train.optimizer)
+LR_SCHEDULES = ("warmup_cosine", "warmup_linear", "constant")  # config.optimizer.lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +194,13 @@ class DataConfig:
     eval_fraction: float = 0.1
     source: str = ""
     tokenizer: str = "bytes"
+    # Tokens in one row of a batch, for the tokens/s figure: 0 = not stated (the
+    # text corpus states its own, model.seq_len; a source's batches give rows/s).
+    tokens_per_row: int = 0
     options: Mapping = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        _check_int("data.tokens_per_row", self.tokens_per_row, 0)
         if self.tokenizer not in TOKENIZERS:
             raise config_error(
                 "data.tokenizer", self.tokenizer, f"must be one of {', '.join(TOKENIZERS)}"
@@ -209,7 +215,12 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warm-up, cosine decay and global-norm clipping.
+    """An optax optimizer and learning-rate schedule by name, with global-norm clipping.
+
+    ``name`` is one of `OPTIMIZERS` and ``lr_schedule`` one of `LR_SCHEDULES`
+    (`jpipe.train.optimizer` says what each does with the other fields);
+    the default, AdamW with linear warm-up and cosine decay, is the one
+    every earlier run used.
 
     With `shard_over_data`, the optimizer's state is split over the ``data``
     axis as well as ``pipe`` (ZeRO stage 1): each data replica keeps and
@@ -226,8 +237,18 @@ class OptimizerConfig:
     b2: float
     grad_clip_norm: float
     shard_over_data: bool = False
+    name: str = "adamw"
+    lr_schedule: str = "warmup_cosine"
+    momentum: float = 0.9  # sgd's (0: plain SGD)
 
     def __post_init__(self):
+        for field, value, choices in (
+            ("optimizer.name", self.name, OPTIMIZERS),
+            ("optimizer.lr_schedule", self.lr_schedule, LR_SCHEDULES),
+        ):
+            if value not in choices:
+                raise config_error(field, value, f"must be one of {', '.join(choices)}")
+        _check_float("optimizer.momentum", self.momentum, 0, 1, hi_open=True)
         _check_float("optimizer.learning_rate", self.learning_rate, 0, math.inf, lo_open=True)
         _check_int("optimizer.warmup_steps", self.warmup_steps, 0)
         _check_float("optimizer.min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -367,9 +388,24 @@ class TrainConfig:
     cpu_devices: int = 0
     profile: bool = False
     plan: str = ""  # a jpipe plan file; its settings were applied by from_config
+    trust_plan: bool = False  # may the plan name code (a file.py:fn schedule); docs/trust.md
     model_name: str = "gpt"  # config.model.name: a registered model or path/to/file.py:function
+    # Start from these parameters instead of model.init: a run directory (its newest
+    # checkpoint) or a .npz file from jpipe.train.save_params (jpipe.train.export).
+    init_from: str = ""
+    eval_fn: str = ""  # path/to/file.py:function, fn(params, batch) -> {name: float}; "" = none
 
     def __post_init__(self):
+        _check_type("eval_fn", self.eval_fn, str, "'' or path/to/file.py:function")
+        from jpipe.models.registry import is_file_spec
+
+        if self.eval_fn and not is_file_spec(self.eval_fn):
+            raise config_error(
+                "eval_fn",
+                self.eval_fn,
+                "must be path/to/file.py:function (a function of the model's parameters and a "
+                "held-out batch returning {name: float}), or '' for none",
+            )
         _check_type(
             "schedule", self.schedule, str, "a schedule name, a .csv file or file.py:function"
         )
@@ -395,6 +431,13 @@ class TrainConfig:
         _check_int("batch_size", self.batch_size, 1)
         _check_int("cpu_devices", self.cpu_devices, 0)
         _check_type("profile", self.profile, bool, "True or False")
+        _check_type("trust_plan", self.trust_plan, bool, "True or False")
+        _check_type(
+            "init_from",
+            self.init_from,
+            str,
+            "'' or a run directory or .npz file of parameters (jpipe.train.save_params)",
+        )
         if self.profile and self.lowering != "spmd":
             raise config_error(
                 "profile",
@@ -492,6 +535,23 @@ def _apply_plan(kwargs: dict) -> dict:
     """The config with the plan file's mesh, split, schedule, microbatches and batch."""
     path = kwargs["plan"]
     settings = _read_plan(path)
+    trusted = _check_type("trust_plan", kwargs.get("trust_plan", False), bool, "True or False")
+    from jpipe._registry import names_code
+
+    # A plan file is data: the code it names runs only if the user says so, by trusting
+    # the file or by naming the same schedule themselves (docs/trust.md).
+    if (
+        names_code(settings.schedule)
+        and not trusted
+        and kwargs.get("schedule") != settings.schedule
+    ):
+        raise config_error(
+            "plan",
+            path,
+            f"its schedule {settings.schedule!r} is code (a Python file train.py would import "
+            "and run), and a plan file is data; accepted: --config.trust_plan=True if you "
+            f"trust this file, or --config.schedule={settings.schedule} to name it yourself",
+        )
     model = kwargs.get("model")
     blocks = sum(settings.layers_per_stage)
     if isinstance(model, Mapping) and model.get("num_layers") != blocks:

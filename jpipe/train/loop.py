@@ -7,10 +7,22 @@ checking the loss) and at the end. Batches come from
 so a resumed run sees exactly the batches an uninterrupted one would and gives
 the same losses, bit for bit. A NaN or infinite loss (or gradient norm) stops
 the run with `DivergedError` before any later checkpoint.
+
+Ctrl-C. For the whole of `train` (in the main thread of a one-process
+run) SIGINT only raises a flag, which `train` reads at safe points: after
+the checkpoints are listed, after the step compiles, after the first
+evaluation, between steps (after saving the step's checkpoint) and at the
+end; there it raises `Interrupted`. So no `KeyboardInterrupt` is ever
+raised inside JAX, XLA or orbax code, or a garbage-collection callback
+they run (where one was once swallowed, and once left XLA to crash the
+interpreter). A second Ctrl-C ends the process at once (exit status 130)
+without raising anything: compiling cannot be stopped any other way, and
+an unfinished checkpoint is removed when the next run starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -30,10 +42,13 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe._chart import text_chart
+from jpipe._distributed import num_processes
+from jpipe.models.registry import load_function
 from jpipe.planner import save_profile
 from jpipe.train import optimizer as optimizer_lib
+from jpipe.train.agreement import check_agreement
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
-from jpipe.train.config import ConfigError, TrainConfig
+from jpipe.train.config import ConfigError, TrainConfig, config_error
 from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
 from jpipe.train.prepare import Prepared, prepare
@@ -52,18 +67,27 @@ class DivergedError(FloatingPointError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) stopped `train` between steps, after saving a checkpoint.
+    """Ctrl-C (SIGINT) stopped `train` at a safe point.
 
     Attributes:
-      step: the step reached, whose checkpoint is saved: training again in the
-        same directory resumes from it.
+      step: the step reached. With `saved`, its checkpoint is in `directory`
+        and training again in the same directory resumes from it; without,
+        the run stopped before its first step (preparing, compiling or at
+        the first evaluation), and training again starts where this call
+        started (from the newest checkpoint, if any).
       directory: the checkpoint directory.
+      saved: whether this call saved the checkpoint of `step`.
     """
 
-    def __init__(self, step: int, directory: str):
-        super().__init__(f"interrupted at step {step}; its checkpoint is in {directory}")
+    def __init__(self, step: int, directory: str, saved: bool = True):
+        if saved:
+            text = f"interrupted at step {step}; its checkpoint is in {directory}"
+        else:
+            text = f"interrupted before training on from step {step}; nothing new was saved"
+        super().__init__(text)
         self.step = step
         self.directory = directory
+        self.saved = saved
 
 
 class TrainResult(NamedTuple):
@@ -78,7 +102,12 @@ class TrainResult(NamedTuple):
       final_step: the step it reached.
       wall_seconds: the call's wall time, from start to end.
       step_seconds: the median time of a step, between consecutive steps.
-      tokens_per_second: training tokens per second at that median.
+      tokens_per_second: training tokens per second at that median, when the
+        data states its tokens per row (the text corpus; a source through
+        ``config.data.tokens_per_row`` or its own ``tokens_per_row``), else None.
+      rows_per_second: batch rows per second at that median.
+      eval_figures: ``{step: {"eval_NAME": value}}``, the means of
+        ``config.eval_fn``'s figures at every evaluation (empty without one).
     """
 
     losses: dict[int, float]
@@ -88,6 +117,8 @@ class TrainResult(NamedTuple):
     wall_seconds: float
     step_seconds: float | None
     tokens_per_second: float | None
+    rows_per_second: float | None = None
+    eval_figures: dict[int, dict[str, float]] | None = None
 
 
 class Run(NamedTuple):
@@ -100,6 +131,9 @@ class Run(NamedTuple):
       checkpoints: the run directory's checkpoints.
       metrics: where records go.
       show_bar: whether to draw the progress bar.
+      interrupt: the Ctrl-C flag (`_CtrlC`).
+      tokens_per_row: tokens in a batch row, or None when the data does not say.
+      eval_fn: ``config.eval_fn``'s function, or None.
     """
 
     prepared: Prepared
@@ -108,6 +142,9 @@ class Run(NamedTuple):
     checkpoints: Checkpoints
     metrics: Metrics
     show_bar: bool
+    interrupt: _CtrlC
+    tokens_per_row: int | None
+    eval_fn: object | None
 
 
 @dataclasses.dataclass
@@ -125,6 +162,7 @@ class LoopState:
     state: TrainState
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    eval_figures: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     step_times: list[float] = dataclasses.field(default_factory=list)
     window_seconds: float = 0.0
     window_steps: int = 0
@@ -142,6 +180,55 @@ def evaluate(pipeline: jpipe.Pipeline, params: dict, eval_data, batches: int) ->
         loss = pipeline.loss(params, device_batch(eval_data, i, pipeline.batch_sharding))
         total = total + loss
     return float(total) / batches
+
+
+def evaluate_fn(
+    fn, spec: str, pipeline: jpipe.Pipeline, params, eval_data, batches: int
+) -> dict[str, float]:
+    """The means of ``fn(stage_params, batch)``'s figures over `batches` held-out batches.
+
+    ``config.eval_fn``'s contract: `fn` gets the model's parameters as its
+    `jpipe.models.StagedModel.init` makes them (a list of per-stage
+    pytrees, as `jax.Array` s on the default device, gathered from the
+    pipeline's packed buckets once per evaluation) and one whole held-out
+    batch (a dict of numpy arrays, the global batch: the batches
+    `evaluate` reads), and returns ``{name: number}``. Every process runs
+    it (on the same batches); process 0 writes the figures, as
+    ``eval_NAME``. It runs outside the pipeline, on one device, so it
+    suits figures a model of this size can compute whole (accuracy,
+    a metric of the outputs); the held-out loss stays the pipeline's.
+
+    Raises:
+      ConfigError: `fn` returned something other than a dict of numbers, or
+        a figure named ``loss`` (the trainer's own ``eval_loss``).
+    """
+    packed = params
+    if jax.process_count() > 1:  # every process's buckets, gathered to every host
+        packed = multihost_utils.process_allgather(params, tiled=True)
+    stage_params = jax.tree.map(jnp.asarray, pipeline.unpack(packed))
+    totals: dict[str, float] = {}
+    for i in range(batches):
+        figures = fn(stage_params, eval_data.batch_at(i))
+        if not isinstance(figures, Mapping) or not all(isinstance(k, str) for k in figures):
+            raise ConfigError(
+                f"config.eval_fn={spec!r} returned a {type(figures).__name__}; it must return "
+                "a dict of {name: number}"
+            )
+        for name, value in figures.items():
+            if name == "loss":
+                raise ConfigError(
+                    f"config.eval_fn={spec!r} returned a figure named 'loss', which would be "
+                    "written as eval_loss, the trainer's own held-out loss; name it otherwise"
+                )
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"config.eval_fn={spec!r} returned {name!r}: {value!r}; each figure must be "
+                    "a number (a Python or 0-d array scalar)"
+                ) from None
+            totals[name] = totals.get(name, 0.0) + number
+    return {f"eval_{name}": total / batches for name, total in totals.items()}
 
 
 def make_workdir(workdir: str) -> str:
@@ -199,14 +286,16 @@ def train(
         checkpoint is written after the bad step.
     """
     wall_start = time.perf_counter()
-    prepared = prepare(config)
-    lead = jax.process_index() == 0
-    workdir = make_workdir(workdir)
-    checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"))
-    try:
-        return _run(prepared, workdir, checkpoints, lead, progress, wall_start)
-    finally:
-        checkpoints.close()
+    with _CtrlC() as interrupt:  # Ctrl-C raises a flag from here on (the module docstring)
+        prepared = prepare(config)
+        check_agreement(prepared)  # every process runs process 0's run, before compiling
+        lead = jax.process_index() == 0
+        workdir = make_workdir(workdir)
+        checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"))
+        try:
+            return _run(prepared, workdir, checkpoints, lead, progress, wall_start, interrupt)
+        finally:
+            checkpoints.close()
 
 
 def _run(
@@ -216,17 +305,21 @@ def _run(
     lead: bool,
     progress: bool,
     wall_start: float,
+    interrupt: _CtrlC,
 ) -> TrainResult:
     c, schedule, mesh = prepared.config, prepared.schedule, prepared.mesh
     removed = checkpoints.remove_incomplete()
     start = checkpoints.latest_step()
+    interrupt.check(int(start or 0), checkpoints.directory, saved=False)
     if start is not None:
         check_resumable(checkpoints, start, prepared)  # before anything is compiled
         if start >= c.steps:
             say(
                 f"nothing to do: {checkpoints.directory} is at step {start}, config.steps={c.steps}"
             )
-            return TrainResult({}, {}, start, start, time.perf_counter() - wall_start, None, None)
+            return TrainResult(
+                {}, {}, start, start, time.perf_counter() - wall_start, None, None, None, {}
+            )
 
     model = prepared.model  # the stages config.model.name builds (jpipe.models.build_model)
     if model.keys not in (None, ROW_KEYS):
@@ -235,6 +328,12 @@ def _run(
             f"leaf {model.keys!r}, but the trainer adds them as {ROW_KEYS!r}; build the model "
             f"with keys={ROW_KEYS!r}"
         )
+    eval_fn = None
+    if c.eval_fn:
+        try:
+            eval_fn = load_function(c.eval_fn, "config.eval_fn")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     pipeline = jpipe.Pipeline(
         model.stages, schedule, mesh, tick_layout=c.tick_layout, lowering=c.lowering
     )
@@ -243,7 +342,10 @@ def _run(
     # own block of them (`Pipeline.init`): no device or host holds the model.
     key = jax.random.key(c.seed)
     specs = model.specs(jax.eval_shape(model.init, key)) if model.specs is not None else None
-    params = pipeline.init(model.init, key, specs)
+    if prepared.init_params is not None:  # config.init_from, checked by prepare
+        params = pipeline.pack(prepared.init_params, specs)
+    else:
+        params = pipeline.init(model.init, key, specs)
     if pipeline.rank_meshes is not None:  # one dict per rank on its own mesh: one AdamW each
         optimizer = optimizer_lib.per_rank_optimizers(c.optimizer, c.steps, pipeline)
     else:
@@ -285,16 +387,18 @@ def _run(
         f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
     )
     say(text_chart(sim))
-    say(
-        f"simulated (F=1, B=2): bubble {sim.bubble_fraction:.1%}, peak live activations per "
-        f"rank {list(sim.peak_activations)} microbatches"
-    )
+    say(f"simulated (F=1, B=2): bubble {sim.bubble_fraction:.1%}, {sim.peak_activations_text()}")
 
     batch = device_batch(prepared.train_data, start, pipeline.batch_sharding)
+    tokens_per_row = _tokens_per_row(prepared)  # a source's, known from its first batch
+    interrupt.check(start, checkpoints.directory, saved=False)
+    interrupt.doing = "compiling the train step"  # before the line a Ctrl-C may answer
+    say("compiling the train step ...")
     compile_start = time.perf_counter()
     # A model with dropout: the step adds the batch's per-row keys from the seed.
     keys_seed = c.seed if model.keys else None
     compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed, zero1)
+    interrupt.doing = ""
     memory = compiled.memory_analysis()
     line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
     if memory is not None:
@@ -328,6 +432,7 @@ def _run(
             save_profile(profile, path)
             say(f"profile: wrote {path} (python -m jpipe.plan --profiles {path} ...)")
 
+    interrupt.check(start, checkpoints.directory, saved=False)
     if removed:
         say(f"removed unfinished checkpoint(s) {removed}")
     if start:
@@ -338,15 +443,25 @@ def _run(
     if lead and metrics.tensorboard_name:
         say(f"TensorBoard ({metrics.tensorboard_name}): {os.path.join(workdir, 'tensorboard')}")
 
-    run = Run(prepared, pipeline, compiled, checkpoints, metrics, lead and progress)
+    run = Run(
+        prepared,
+        pipeline,
+        compiled,
+        checkpoints,
+        metrics,
+        lead and progress,
+        interrupt,
+        tokens_per_row,
+        eval_fn,
+    )
     loop = LoopState(state)
     try:
         _loop(run, loop, batch, start)
     finally:
         metrics.close()  # its TensorBoard writer's threads end with the run, however it ends
     step_seconds = statistics.median(loop.step_times) if loop.step_times else None
-    tokens = c.batch_size * _tokens_per_row(batch)
-    tps = tokens / step_seconds if step_seconds else None
+    rows_per_second = c.batch_size / step_seconds if step_seconds else None
+    tps = rows_per_second * tokens_per_row if rows_per_second and tokens_per_row else None
     wall = time.perf_counter() - wall_start
     eval_losses = loop.eval_losses
     if len(eval_losses) > 1:
@@ -359,18 +474,51 @@ def _run(
         ((step, loss),) = eval_losses.items()
         say(f"held-out loss at step {step}: {loss:.4f}")
     if step_seconds:
+        rate = f"{tps:,.0f} tokens/s" if tps else f"{rows_per_second:,.1f} rows/s"
         say(
-            f"median step {step_seconds * 1e3:.1f} ms, {tps:,.0f} tokens/s; "
+            f"median step {step_seconds * 1e3:.1f} ms, {rate}; "
             f"wall time {wall:.1f} s; metrics in {metrics.path}"
         )
     final = max(loop.losses) if loop.losses else start
-    return TrainResult(loop.losses, eval_losses, start, final, wall, step_seconds, tps)
+    # Ctrl-C during the last step or its checkpoint: the run is whole, but it was asked to stop.
+    interrupt.check(final, checkpoints.directory, saved=checkpoints.latest_step() == final)
+    return TrainResult(
+        loop.losses,
+        eval_losses,
+        start,
+        final,
+        wall,
+        step_seconds,
+        tps,
+        rows_per_second,
+        loop.eval_figures,
+    )
 
 
-def _tokens_per_row(batch: dict) -> int:
-    """Tokens in each row of a batch: the length of its ``"tokens"``, else 1 (a row is an item)."""
-    tokens = batch.get("tokens")
-    return int(tokens.shape[1]) if tokens is not None and tokens.ndim >= 2 else 1
+def _tokens_per_row(prepared: Prepared) -> int | None:
+    """Tokens in one row of a batch, or None where nobody states it (the figure is then rows/s).
+
+    The text corpus states its own: ``model.seq_len`` tokens a row. A
+    source (``config.data.source``) states it with ``config.data.tokens_per_row``
+    or a ``tokens_per_row`` attribute of what its function returns
+    (`jpipe.train.sources`); a leaf named ``"tokens"`` is not taken as a
+    statement, since its rows may hold padding or be images' patches.
+
+    Raises:
+      ConfigError: ``config.data.tokens_per_row`` contradicts the corpus's.
+    """
+    c = prepared.config
+    stated = c.data.tokens_per_row or None
+    if not c.data.source:
+        if stated not in (None, c.model.seq_len):
+            raise config_error(
+                "data.tokens_per_row",
+                stated,
+                f"the text corpus has model.seq_len={c.model.seq_len} tokens a row; "
+                f"accepted: 0 or {c.model.seq_len}",
+            )
+        return c.model.seq_len
+    return stated or getattr(prepared.train_data, "tokens_per_row", None)
 
 
 def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
@@ -378,22 +526,40 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
     from tqdm import tqdm  # noqa: PLC0415 (only the loop needs it)
 
     c = run.prepared.config
-    tokens = c.batch_size * _tokens_per_row(batch)
+    interrupt = run.interrupt
+    # Rows, or tokens where the data states its tokens per row (`_tokens_per_row`).
+    counted = c.batch_size * (run.tokens_per_row or 1)
+    rate_key, rate_short = (
+        ("tokens_per_s", "tok_s") if run.tokens_per_row else ("rows_per_s", "rows_s")
+    )
     meta = checkpoint_meta(run.pipeline, run.prepared)
     bar = None
 
-    def held_out(step: int) -> float:
-        loss = evaluate(run.pipeline, loop.state.params, run.prepared.eval_data, c.eval_batches)
+    def held_out(step: int) -> dict[str, float]:
+        """The held-out loss and ``config.eval_fn``'s figures, as metrics."""
+        data = run.prepared.eval_data
+        loss = evaluate(run.pipeline, loop.state.params, data, c.eval_batches)
         loop.eval_losses[step] = loss
+        figures = {"eval_loss": loss}
         text = f"step {step}: held-out loss {loss:.4f}"
+        if run.eval_fn is not None:
+            own = evaluate_fn(
+                run.eval_fn, c.eval_fn, run.pipeline, loop.state.params, data, c.eval_batches
+            )
+            loop.eval_figures[step] = own
+            figures.update(own)
+            text += "".join(f", {k[len('eval_') :]} {v:.4g}" for k, v in own.items())
         if bar is not None and run.show_bar:
             bar.write(text)  # above the progress bar
         else:
             say(text)
-        return loss
+        return figures
 
     if start == 0:
-        run.metrics.write({"step": 0, "eval_loss": held_out(0)})
+        interrupt.doing = "evaluating"
+        run.metrics.write({"step": 0, **held_out(0)})
+        interrupt.doing = ""
+        interrupt.check(0, run.checkpoints.directory, saved=False)
     bar = tqdm(
         total=c.steps,
         initial=start,
@@ -403,7 +569,7 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
         file=sys.stdout,
     )
     loop.clock = time.perf_counter()
-    interrupt = _InterruptRequest()
+    interrupt.doing = "training"
 
     def finish(step: int, step_metrics: dict) -> dict:
         """Reads a dispatched step's metrics (waiting for it) and checks them."""
@@ -428,13 +594,13 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
         loop.step_times.append(seconds)
         loop.window_seconds += seconds
         loop.window_steps += 1
-        record = {"step": step, **values, "step_time": seconds, "tokens_per_s": tokens / seconds}
+        record = {"step": step, **values, "step_time": seconds, rate_key: counted / seconds}
         bar.update(1)
         if _due(step, c.log_every) or step == c.steps:
             per_step = loop.window_seconds / loop.window_steps
             bar.set_postfix(
                 loss=f"{values['loss']:.4f}",
-                tok_s=f"{tokens / per_step:,.0f}",
+                **{rate_short: f"{counted / per_step:,.0f}"},
                 step_ms=f"{per_step * 1e3:.0f}",
             )
             loop.window_seconds, loop.window_steps = 0.0, 0
@@ -459,7 +625,7 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
                 record = finish(*pending)  # waits for this step; raises before any save
                 pending = None
                 if evaluating:
-                    record["eval_loss"] = held_out(step)
+                    record.update(held_out(step))
                 if evaluating or _due(step, c.log_every) or step == c.steps:
                     run.metrics.write(record)
                 if saving:
@@ -475,38 +641,137 @@ def _loop(run: Run, loop: LoopState, batch, start: int) -> None:
                     run.checkpoints.save(step, loop.state, meta)
                 raise Interrupted(step, run.checkpoints.directory)
     finally:
-        interrupt.close()
+        interrupt.doing = ""
         bar.close()
 
 
-class _InterruptRequest:
-    """The first Ctrl-C (SIGINT) as a request that the loop serves between steps.
+class _CtrlC(contextlib.AbstractContextManager):
+    """Ctrl-C (SIGINT) as a flag that `train` reads at safe points, for the whole call.
 
-    The step in flight finishes and is checkpointed, then `train` raises
-    `Interrupted`; a second Ctrl-C interrupts at once, saving nothing. Only
-    in the main thread of a single-process run, where Python's own handler
-    is in place: in a run of several processes all would have to stop at the
-    same step (orbax saves together), which one process's signal cannot
-    promise, so there Ctrl-C keeps its usual meaning.
+    The first Ctrl-C only sets `requested` and says what happens next; the
+    trainer calls `check` where stopping is safe (never inside JAX, XLA or
+    orbax code), and `check` raises `Interrupted`. A second Ctrl-C ends the
+    process at once with exit status 130 (`os._exit`: no exception, so
+    nothing half-raised inside XLA, and no interpreter teardown while its
+    threads run); the newest complete checkpoint stays, and an unfinished
+    one is removed when the next run starts.
+
+    Python runs a signal's handler in the main thread between bytecodes,
+    so not while XLA compiles (one long C++ call) or orbax waits on its
+    writes. The answer must not wait for that: the signal's byte also goes
+    to a pipe (`signal.set_wakeup_fd`, written by the C-level handler as the
+    signal lands) that a small thread reads, which prints the notice and,
+    on the second Ctrl-C, ends the process. (Where the process already has a
+    wakeup fd, an asyncio loop's say, only the handler answers.)
+
+    Only in the main thread of a one-process run where Python's own handler
+    is in place: in a run of several processes all would have to stop at
+    the same step (orbax saves together), which one process's signal cannot
+    promise, so there Ctrl-C keeps its usual meaning, as it does for a
+    caller that installed a handler of its own.
+
+    Attributes:
+      requested: a Ctrl-C came.
+      doing: what the run is doing, for the message a Ctrl-C prints
+        (``"training"``: the loop, which saves the step in flight first).
     """
 
     def __init__(self):
         self.requested = False
+        self.doing = ""
+        self._installed = False
+        self._signals = 0
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+        self._watcher: threading.Thread | None = None
+
+    def __enter__(self) -> _CtrlC:
         self._installed = (
             threading.current_thread() is threading.main_thread()
-            and jax.process_count() == 1
+            and num_processes() == 1
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
-        if self._installed:
-            signal.signal(signal.SIGINT, self._on_signal)
+        if not self._installed:
+            return self
+        signal.signal(signal.SIGINT, self._on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # the C-level handler must never block
+        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)  # someone else's: put it back, answer from the handler
+            os.close(read)
+            os.close(write)
+            return self
+        self._pipe = (read, write)
+        self._watcher = threading.Thread(target=self._watch, name="jpipe-ctrl-c", daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._installed:
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._installed = False
+        if self._pipe is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._pipe[1])  # the watcher reads the end of the pipe and stops
+            self._watcher.join()
+            self._pipe = self._watcher = None
+
+    def check(self, step: int, directory: str, saved: bool) -> None:
+        """Raises `Interrupted` (`step`, `directory`, `saved`) if a Ctrl-C came."""
+        if self.requested:
+            raise Interrupted(step, directory, saved)
 
     def _on_signal(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
+        """Python's handler: runs in the main thread between bytecodes, maybe late."""
+        if self._pipe is None:  # no watcher: answer here
+            self._answer()
         self.requested = True
-        say("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again stops at once, unsaved)")
 
-    def close(self) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._installed = False
+    def _watch(self) -> None:
+        """The watcher thread: answers each SIGINT as it lands."""
+        read = self._pipe[0]
+        try:
+            while True:
+                data = os.read(read, 64)
+                if not data:  # the write end closed: `train` is over
+                    return
+                for _ in range(data.count(signal.SIGINT)):
+                    self._answer()
+        finally:
+            os.close(read)
+
+    def _answer(self) -> None:
+        """Counts a Ctrl-C: the first says what happens next, the second ends the process."""
+        with self._lock:
+            self._signals += 1
+            first = self._signals == 1
+        if not first:
+            _notice("\nCtrl-C again: stopping now, without saving\n")
+            os._exit(130)
+        self.requested = True
+        if self.doing == "training":
+            text = "saving a checkpoint after this step"
+        elif self.doing:
+            text = f"stopping once {self.doing} ends"
+        else:
+            text = "stopping at the next safe point"
+        _notice(f"\nCtrl-C: {text} (Ctrl-C again stops at once, unsaved)\n")
+
+
+def _notice(text: str) -> None:
+    """Writes `text` to standard output from a signal handler.
+
+    Straight to the file descriptor: `print` there can meet the main
+    thread inside a write to the same stream and raise "reentrant call".
+    """
+    for stream in (sys.stdout, sys.__stdout__):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 (the main thread may be writing to it)
+            pass
+        try:
+            os.write(stream.fileno(), text.encode())
+            return
+        except Exception:  # noqa: BLE001 (no file descriptor: pytest's capture, a notebook)
+            continue

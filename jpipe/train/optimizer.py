@@ -1,13 +1,32 @@
 """Step 2 of a run: the optimizer, on the packed parameters.
 
-optax AdamW with linear warm-up and cosine decay, weight decay masked off
-norms and biases (per bucket row: a bucket holds arrays of one size, whatever
-their shape), and `optax.clip_by_global_norm` over all the packed gradients.
-The packed arrays are sharded over ``pipe``, so that norm is taken over every
-stage's gradients together, not per stage; a bucket's padding rows (ranks
-without such an array) have zero gradients, add nothing to the norm, and stay
-zero under AdamW. The optimizer state is laid out like the parameters, so
-each device holds only its own stages' state.
+``config.optimizer.name`` picks the update rule and
+``config.optimizer.lr_schedule`` the learning rate over the run
+(`OPTIMIZERS`, `LR_SCHEDULES`). Every rule is an optax chain on the packed
+buckets:
+
+- ``adamw`` (the default): Adam, then decoupled weight decay, then the
+  learning rate (`optax.adamw`'s chain);
+- ``adam``: Adam, with ``weight_decay`` added to the gradient first (L2,
+  as ``torch.optim.Adam``'s ``weight_decay``; 0 for plain Adam);
+- ``sgd``: SGD with ``momentum`` (`optax.trace`; 0 for plain SGD), weight
+  decay added to the gradient first (as ``torch.optim.SGD``'s);
+- ``lion``: Lion's sign update (``b1``, ``b2``), then decoupled weight
+  decay (`optax.lion`'s chain).
+
+Weight decay is masked off norms and biases per bucket row (a bucket holds
+arrays of one size, whatever their shape), and `optax.clip_by_global_norm`
+runs first, over all the packed gradients. The packed arrays are sharded
+over ``pipe``, so that norm is taken over every stage's gradients together,
+not per stage; a bucket's padding rows (ranks without such an array) have
+zero gradients, add nothing to the norm, and stay zero under every rule
+here (each maps a zero gradient on a zero row to a zero update). The
+optimizer state is laid out like the parameters, so each device holds only
+its own stages' state.
+
+Adafactor is not offered: it factors each array's second moment over its
+last two axes, which for a packed bucket ``[R, n]`` would be the ranks and
+the flattened parameters, statistics shared across stages that mean nothing.
 """
 
 from __future__ import annotations
@@ -20,19 +39,43 @@ import optax
 
 import jpipe
 from jpipe.models import gpt
-from jpipe.train.config import OptimizerConfig
+from jpipe.train.config import LR_SCHEDULES, OPTIMIZERS, OptimizerConfig
 
 
 def learning_rate_schedule(c: OptimizerConfig, steps: int) -> optax.Schedule:
-    """Linear warm-up from 0 to the peak, then cosine decay to ``min_lr_ratio`` of it."""
+    """The learning rate at each step, as ``c.lr_schedule`` names it.
+
+    Every schedule starts with a linear warm-up from 0 to ``learning_rate``
+    over ``warmup_steps`` (none when 0), then:
+
+    - ``warmup_cosine``: cosine decay to ``min_lr_ratio`` of the peak at the
+      last step;
+    - ``warmup_linear``: linear decay to ``min_lr_ratio`` of the peak at the
+      last step;
+    - ``constant``: the peak to the end (``min_lr_ratio`` does not apply).
+    """
     warmup = min(c.warmup_steps, steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=c.learning_rate,
-        warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1),
-        end_value=c.learning_rate * c.min_lr_ratio,
-    )
+    peak, end = c.learning_rate, c.learning_rate * c.min_lr_ratio
+    if c.lr_schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=peak,
+            warmup_steps=warmup,
+            decay_steps=max(steps, warmup + 1),
+            end_value=end,
+        )
+    if c.lr_schedule == "warmup_linear":
+        after = optax.linear_schedule(peak, end, max(steps - warmup, 1))
+    elif c.lr_schedule == "constant":
+        after = optax.constant_schedule(peak)
+    else:
+        raise ValueError(
+            f"config.optimizer.lr_schedule={c.lr_schedule!r}: must be one of "
+            f"{', '.join(LR_SCHEDULES)}"
+        )
+    if not warmup:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
 def packed_decay_rows(pipeline: jpipe.Pipeline, mask_fn=gpt.weight_decay_mask) -> dict:
@@ -88,29 +131,41 @@ def decay_by_row(weight_decay: float, rows: dict) -> optax.GradientTransformatio
 def make_optimizer(
     c: OptimizerConfig, steps: int, decay_rows: dict, clip: bool = True
 ) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with `learning_rate_schedule`.
+    """Global-norm clipping, then ``c.name``'s rule with `learning_rate_schedule`.
 
-    The AdamW is `optax.adamw`'s chain (scale by Adam, add decayed weights,
-    scale by the learning rate) with the decay masked per bucket row.
+    Each rule is optax's own chain (see the module docstring) with the
+    weight decay masked per bucket row; ``adamw`` is `optax.adamw`'s chain
+    (scale by Adam, add decayed weights, scale by the learning rate).
 
     Args:
       c: the optimizer's config.
-      steps: the run's length, for the cosine decay.
+      steps: the run's length, for the schedule's decay.
       decay_rows: ``{bucket: bool[R]}`` from `packed_decay_rows`.
       clip: False leaves the clipping out (`per_rank_optimizers`: the
         global norm is then taken over every rank's gradients by the caller).
+
+    Raises:
+      ValueError: an unknown ``c.name`` or ``c.lr_schedule``, naming the choices.
     """
     clip = (
         optax.clip_by_global_norm(c.grad_clip_norm)
         if c.grad_clip_norm and clip
         else optax.identity()
     )
-    return optax.chain(
-        clip,
-        optax.scale_by_adam(b1=c.b1, b2=c.b2),
-        decay_by_row(c.weight_decay, decay_rows),
-        optax.scale_by_learning_rate(learning_rate_schedule(c, steps)),
-    )
+    decay = decay_by_row(c.weight_decay, decay_rows)
+    if c.name == "adamw":
+        rule = [optax.scale_by_adam(b1=c.b1, b2=c.b2), decay]
+    elif c.name == "adam":
+        rule = [decay, optax.scale_by_adam(b1=c.b1, b2=c.b2)]
+    elif c.name == "sgd":
+        rule = [decay, optax.trace(decay=c.momentum) if c.momentum else optax.identity()]
+    elif c.name == "lion":
+        rule = [optax.scale_by_lion(b1=c.b1, b2=c.b2), decay]
+    else:
+        raise ValueError(
+            f"config.optimizer.name={c.name!r}: must be one of {', '.join(OPTIMIZERS)}"
+        )
+    return optax.chain(clip, *rule, optax.scale_by_learning_rate(learning_rate_schedule(c, steps)))
 
 
 class RankOptimizers(NamedTuple):
@@ -127,7 +182,7 @@ def per_rank_optimizers(c: OptimizerConfig, steps: int, pipeline: jpipe.Pipeline
     """One optimizer per rank, for ranks with meshes of their own (`Pipeline.rank_meshes`).
 
     Each rank's parameters are a dict of its own buckets on its own devices,
-    which one jitted update cannot span; each rank's AdamW is
+    which one jitted update cannot span; each rank's optimizer is
     `make_optimizer`'s without the clipping (its decay rows the rank's row
     of `packed_decay_rows`): `clip_by_norm` clips with the norm over every
     rank's gradients, as `optax.clip_by_global_norm` over the packed ones.

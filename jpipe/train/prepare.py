@@ -3,6 +3,22 @@
 `prepare` checks a config against the devices, the schedule (built and
 validated once), the layer split, the batch and the corpus, and builds the
 mesh. Nothing is compiled and no array is made on a device.
+
+Two things are decided here for a model from a file
+(``config.model.name="file.py:build"``), whose builder gets
+``config.model``'s fields as they are:
+
+- Precision. A registered model (``gpt``, ``llama``) reads
+  ``config.model.dtype`` itself. For a builder from a file the trainer
+  applies ``config.model.dtype`` as a policy around each stage (`in_dtype`):
+  the parameters stay float32 (so do the optimizer and the checkpoints),
+  each stage gets them, its input and the batch's floating leaves cast to
+  the dtype, and the last stage's loss is returned as float32 (computed in
+  the dtype: a builder that wants a float32 softmax or norms keeps
+  ``dtype`` out of ``config.model`` and reads a field of its own).
+- ``config.init_from``: the parameters a run starts from, read and checked
+  leaf by leaf against the model's structure and shapes
+  (`jpipe.train.export.initial_params`) before anything is compiled.
 """
 
 from __future__ import annotations
@@ -12,13 +28,15 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 import jpipe
 from jpipe import models
 from jpipe.models import registry
 from jpipe.train import data as data_lib
-from jpipe.train import sources, tokens
+from jpipe.train import export, sources, tokens
 from jpipe.train.config import ConfigError, TrainConfig, config_error
 
 
@@ -33,7 +51,10 @@ class Prepared(NamedTuple):
         ``mesh.tensor_per_rank`` one mesh per rank (`jpipe.make_rank_meshes`).
       train_data, eval_data: the batches, served by step (`data.Batches`,
         `tokens.GrainBatches` or `sources.SourceBatches`).
-      model: the model cut into the schedule's stages (`jpipe.models.build_model`).
+      model: the model cut into the schedule's stages (`jpipe.models.build_model`;
+        for a builder from a file, with ``config.model.dtype`` applied by `in_dtype`).
+      init_params: ``config.init_from``'s parameters, one pytree per stage of
+        host arrays checked against the model; None to start from ``model.init``.
     """
 
     config: TrainConfig
@@ -43,6 +64,7 @@ class Prepared(NamedTuple):
     train_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     eval_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     model: models.StagedModel | None = None
+    init_params: list | None = None
 
 
 def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=None) -> Prepared:
@@ -146,6 +168,14 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         said = str(e) if "the schedule has" in str(e) else f"{e} (the schedule has {S} stages)"
         raise config_error("model.name", c.model_name, said) from None
     layers = tuple(model.layers_per_stage)
+    dtype = getattr(c.model, "dtype", "float32")
+    if registry.is_file_spec(c.model_name) and dtype != "float32":
+        if dtype not in ("bfloat16", "float16"):
+            raise config_error("model.dtype", dtype, "must be 'float32', 'bfloat16' or 'float16'")
+        model = in_dtype(model, dtype)
+    init_params = None
+    if c.init_from:
+        init_params = export.initial_params(c.init_from, model, c)
 
     rows = M * c.mesh.replicas
     if c.batch_size % rows:
@@ -172,30 +202,7 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"model {c.model_name} has no integer seq_len; give config.model.seq_len or a "
             "data source of your own (config.data.source=path/to/file.py:function)",
         )
-    try:
-        if c.data.source:
-            train_data, eval_data = _source_batches(c)
-        elif c.data.tokenizer == "bpe":
-            train_data, eval_data = tokens.make_datasets(
-                path=c.data.path,
-                max_bytes=c.data.max_bytes,
-                eval_fraction=c.data.eval_fraction,
-                vocab_size=c.model.vocab_size,
-                seq_len=c.model.seq_len,
-                batch_size=c.batch_size,
-                seed=c.seed,
-            )
-        else:
-            train_data, eval_data = data_lib.make_datasets(
-                path=c.data.path,
-                max_bytes=c.data.max_bytes,
-                eval_fraction=c.data.eval_fraction,
-                seq_len=c.model.seq_len,
-                batch_size=c.batch_size,
-                seed=c.seed,
-            )
-    except ValueError as e:
-        raise ConfigError(f"config.data: {e}") from None
+    train_data, eval_data = make_data(c)
 
     if c.mesh.across_hosts is not None:
         try:
@@ -230,10 +237,86 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
         )
     else:
         mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
-    return Prepared(c, schedule, layers, mesh, train_data, eval_data, model)
+    return Prepared(c, schedule, layers, mesh, train_data, eval_data, model, init_params)
 
 
-def _source_batches(c: TrainConfig) -> tuple[sources.SourceBatches, sources.SourceBatches]:
+def in_dtype(model: models.StagedModel, dtype: str) -> models.StagedModel:
+    """`model` computing in `dtype` from float32 parameters (the policy of the module docstring).
+
+    Each stage gets its parameters, its input and the batch's floating leaves
+    cast to `dtype`; the last stage's output (its loss, or a
+    `jpipe.WeightedLoss`) is cast to float32. Integer leaves (labels, tokens,
+    row keys) are left alone. Gradients reach the float32 parameters through
+    the casts, so the optimizer and the checkpoints stay float32.
+    """
+    low = jnp.dtype(dtype)
+    last = len(model.stages) - 1
+
+    def cast(tree, to):
+        def one(a):
+            if isinstance(a, jax.Array | np.ndarray) and jnp.issubdtype(a.dtype, jnp.floating):
+                return a.astype(to)
+            return a
+
+        return jax.tree.map(one, tree)
+
+    def wrap(stage, s):
+        def wrapped(params, x, inputs):
+            y = stage(cast(params, low), cast(x, low), cast(inputs, low))
+            return cast(y, jnp.float32) if s == last else y
+
+        wrapped.__name__ = f"{getattr(stage, '__name__', 'stage')}_in_{dtype}"
+        return wrapped
+
+    stages = tuple(wrap(f, s) for s, f in enumerate(model.stages))
+
+    def loss(params_list, batch):
+        out = jpipe.run_stages(stages, params_list, batch)
+        return out.total / out.weight if isinstance(out, jpipe.WeightedLoss) else out
+
+    return model._replace(stages=stages, loss=loss)
+
+
+def make_data(c: TrainConfig, batch_size: int | None = None) -> tuple:
+    """The train and held-out batches ``config.data`` names, served by step.
+
+    Args:
+      c: the checked config.
+      batch_size: rows of each global batch; default ``config.batch_size``
+        (`jpipe.testing` asks for the rows of its check).
+
+    Raises:
+      ConfigError: naming ``config.data`` and what its source said.
+    """
+    batch_size = batch_size or c.batch_size
+    try:
+        if c.data.source:
+            return _source_batches(c, batch_size)
+        if c.data.tokenizer == "bpe":
+            return tokens.make_datasets(
+                path=c.data.path,
+                max_bytes=c.data.max_bytes,
+                eval_fraction=c.data.eval_fraction,
+                vocab_size=c.model.vocab_size,
+                seq_len=c.model.seq_len,
+                batch_size=batch_size,
+                seed=c.seed,
+            )
+        return data_lib.make_datasets(
+            path=c.data.path,
+            max_bytes=c.data.max_bytes,
+            eval_fraction=c.data.eval_fraction,
+            seq_len=c.model.seq_len,
+            batch_size=batch_size,
+            seed=c.seed,
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.data: {e}") from None
+
+
+def _source_batches(
+    c: TrainConfig, batch_size: int
+) -> tuple[sources.SourceBatches, sources.SourceBatches]:
     """The train and eval batches of ``config.data.source``'s function."""
     fn = sources.get_source(c.data.source)
     fields = {f: getattr(c.data, f) for f in ("path", "max_bytes", "eval_fraction", "source")}
@@ -241,6 +324,6 @@ def _source_batches(c: TrainConfig) -> tuple[sources.SourceBatches, sources.Sour
     seq_len = getattr(c.model, "seq_len", None)
     made = []
     for split in ("train", "eval"):
-        args = sources.DataArgs(options, split, c.batch_size, c.seed, seq_len=seq_len)
+        args = sources.DataArgs(options, split, batch_size, c.seed, seq_len=seq_len)
         made.append(sources.SourceBatches(fn, args, c.data.source))
     return made[0], made[1]

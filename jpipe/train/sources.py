@@ -14,6 +14,12 @@ function is called as ``fn(args: DataArgs)`` and returns either
   returns the same for any step (random access, like `data.Batches` or a
   Grain ``MapDataset`` batched by step).
 
+Throughput. The trainer counts tokens per second only where the data says
+how many tokens a row holds: the object the function returns may carry a
+``tokens_per_row`` attribute (a positive int), or the config may state
+``config.data.tokens_per_row``; otherwise it reports rows per second
+(``rows_per_s``), never guessing from the batch's keys or shapes.
+
 The loop asks for step after step; `SourceBatches` keeps the iterable's
 iterator and calls the function again with a new ``start_step`` only when
 asked for another step than the next one: when a run resumes from a
@@ -24,6 +30,7 @@ at each evaluation, which reads the ``"eval"`` split from step 0.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -111,12 +118,21 @@ class SourceBatches:
         self._random_access = None  # the object with batch_at, once known
         self._stream: Iterator | None = None
         self._next = None  # (step, process_index, process_count) the stream gives next
+        self.tokens_per_row: int | None = None  # as the returned object states, once opened
 
     def _open(self, step: int, process_index: int, process_count: int):
         args = self.args._replace(
             start_step=step, process_index=process_index, process_count=process_count
         )
         made = self.fn(args)
+        stated = getattr(made, "tokens_per_row", None)
+        if stated is not None:
+            if not isinstance(stated, numbers.Integral) or isinstance(stated, bool) or stated < 1:
+                raise ValueError(
+                    f"config.data.source={self.name!r} returned an object whose tokens_per_row "
+                    f"is {stated!r}; it must be a positive int (or absent: rows/s are reported)"
+                )
+            self.tokens_per_row = int(stated)
         if hasattr(made, "batch_at"):
             self._random_access = made
             return

@@ -1,0 +1,106 @@
+"""A process lost before or after joining is named by jpipe's own line on every survivor.
+
+Real processes over loopback, started as a multi-host job starts them (the
+``JAX_*`` variables, no launcher), each running `PEER`: join, start the
+backend, say so, wait. One is then stopped (SIGSTOP) or never joins.
+"""
+
+import subprocess
+import sys
+import time
+
+from test_multiprocess import ENV, _free_address
+
+HEARTBEAT_SECONDS = 10  # jpipe._distributed.HEARTBEAT_TIMEOUT_SECONDS, as train.py runs
+JOIN_SECONDS = 5  # the test's own join timeout (train.py's is 30 s: JPIPE_JOIN_TIMEOUT)
+
+PEER = (
+    "import os, sys, time\n"
+    "import jpipe\n"
+    f"jpipe.initialize_distributed(initialization_timeout={JOIN_SECONDS})\n"
+    "import jax\n"
+    "jax.devices()\n"
+    "print('joined', flush=True)\n"
+    "time.sleep(float(os.environ.get('PEER_SLEEP', '120')))\n"
+)
+
+
+def _start(process_id: int, n: int, address: str, log, **env) -> subprocess.Popen:
+    env = dict(
+        ENV,
+        JAX_COORDINATOR_ADDRESS=address,
+        JAX_NUM_PROCESSES=str(n),
+        JAX_PROCESS_ID=str(process_id),
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="1",
+        **env,
+    )
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("device_count", "_unused_device_count")
+    return subprocess.Popen(
+        [sys.executable, "-c", PEER], env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _read(log) -> str:
+    log.seek(0)
+    return log.read()
+
+
+def _stop_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_stopped_process_is_named_by_every_survivor_within_the_heartbeat_timeout(tmp_path):
+    n, address = 3, _free_address()
+    logs = [open(tmp_path / f"log{i}", "w+") for i in range(n)]
+    procs = [_start(i, n, address, logs[i]) for i in range(n)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all("joined" in _read(log) for log in logs):
+            assert time.monotonic() < deadline, [_read(log)[-2000:] for log in logs]
+            assert all(p.poll() is None for p in procs), [_read(log)[-2000:] for log in logs]
+            time.sleep(0.1)
+        procs[2].send_signal(19)  # SIGSTOP: alive, silent
+        stopped = time.monotonic()
+        for i in (0, 1):
+            status = procs[i].wait(timeout=HEARTBEAT_SECONDS + 30)
+            seconds = time.monotonic() - stopped
+            out = _read(logs[i])
+            assert status == 1, f"process {i} exited {status}:\n{out[-3000:]}"
+            line = f"[process {i} of 3] lost: process 2 (no heartbeat for {HEARTBEAT_SECONDS} s"
+            assert line in out, out[-3000:]
+            assert "Terminating process" not in out, out[-3000:]  # not JAX's abort
+            assert seconds < HEARTBEAT_SECONDS + 15, f"process {i} took {seconds:.0f} s"
+    finally:
+        _stop_all(procs)
+
+
+def test_a_process_killed_before_it_joined_is_named_within_the_join_timeout(tmp_path):
+    # Process 1 is killed before it could join: process 0 waits for it.
+    address = _free_address()
+    logs = [open(tmp_path / f"log{i}", "w+") for i in range(2)]
+    killed = _start(1, 2, address, logs[1])
+    killed.kill()
+    killed.wait()
+    # And a process 1 whose process 0 never starts: nothing answers at the address.
+    alone_log = open(tmp_path / "alone", "w+")
+    start = time.monotonic()
+    procs = [_start(0, 2, address, logs[0]), _start(1, 2, _free_address(), alone_log)]
+    try:
+        for p, log, want in (
+            (procs[0], logs[0], f"[process 0 of 2] lost before joining: process 1 did not join "
+             f"within {JOIN_SECONDS} s"),
+            (procs[1], alone_log, "[process 1 of 2] lost before joining: process 0 (the "
+             "coordinator, 127.0.0.1:"),
+        ):  # fmt: skip
+            status = p.wait(timeout=JOIN_SECONDS + 90)
+            out = _read(log)
+            assert status == 1, out[-3000:]
+            assert want in out, out[-3000:]
+            assert "Terminating process" not in out, out[-3000:]
+        assert time.monotonic() - start < JOIN_SECONDS + 60
+    finally:
+        _stop_all(procs)
