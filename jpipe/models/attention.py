@@ -41,8 +41,12 @@ and torchtitan's activation checkpointing name them:
 - ``"dots"``: the outputs of the matrix products with no batch dimension
   (the projections and the MLP's matrices) are kept, the rest (norms,
   activations, attention's inner products) recomputed;
-- ``"attention"``: only the attention's output is kept, so the backward
-  recomputes the projections and the MLP but not the attention itself.
+- ``"attention"``: only the attention's output is kept (named
+  ``attention_out``); everything else is recomputed, the attention's own
+  values included (the scores under ``"xla"``, the whole blockwise forward
+  under ``"blockwise"``, whose residuals are not named). It spares the
+  recomputation of what follows the attention, not of the attention itself:
+  on Llama-3-8B it holds nearly what ``"full"`` holds (`docs/scale.md`).
 
 All are the same function: the loss and gradients are those of the
 unrematerialized block (up to float32 summation order for ``"blockwise"``,

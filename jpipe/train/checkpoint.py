@@ -234,7 +234,13 @@ class Checkpoints:
         """
         _collect_quietly()
         where = f"the checkpoint of step {step} in {self.directory}"
-        if not _says_damaged(error):
+        # A step whose recorded files are all there at their saved sizes is whole: a
+        # failed read of it is a mismatch with this run's state (an optimizer changed),
+        # however orbax words it, and it stays where it is.
+        vouched = self.damage(step) is None and os.path.isfile(
+            os.path.join(self.directory, str(step), FILES_RECORD)
+        )
+        if vouched or not _says_damaged(error):
             return CheckpointError(
                 f"{where} cannot be restored onto this run's state ({_first_line(error)}); "
                 "resume with the config that wrote it, give a new --workdir, or if its files "

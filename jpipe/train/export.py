@@ -29,8 +29,9 @@ author: the tree comes from the model being trained, the arrays from the
 file. Dtypes NumPy does not know (bfloat16) are kept as their raw bits and
 the dtype's name (``__dtypes__``). It holds the whole model on the host,
 which suits what a pytree file is for (a small or medium model moved
-between frameworks); a large model starts from a run directory, which
-orbax reads bucket by bucket.
+between frameworks). A run directory is read onto the host too (the CPU's
+memory, never an accelerator), the whole model at once, then packed onto
+the run's mesh.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def _checkpoint_params(workdir, config, step: int | None) -> list:
             manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         )
         layout = _layout(meta, config, f"the checkpoint of step {step} in {directory}")
-        device = jax.local_devices()[0]
+        device = jax.devices("cpu")[0]  # host memory: never one accelerator for the whole model
         target = {
             "params": {
                 name: jax.ShapeDtypeStruct(

@@ -696,8 +696,9 @@ class _CtrlC(contextlib.AbstractContextManager):
         signal.signal(signal.SIGINT, self._on_signal)
         read, write = os.pipe()
         os.set_blocking(write, False)  # the C-level handler must never block
-        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
-            signal.set_wakeup_fd(-1)  # someone else's: put it back, answer from the handler
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)  # someone else's: put it back, answer from the handler
             os.close(read)
             os.close(write)
             return self
