@@ -79,7 +79,12 @@ def main(argv):
     except (trainer.ConfigError, trainer.DivergedError) as e:
         jpipe.exit_distributed(f"error: {e}")  # in a multi-process run: at once, naming the process
     except trainer.Interrupted as e:  # Ctrl-C, served at a safe point (jpipe.train.loop)
-        if e.saved:
+        if e.finished:
+            print(
+                f"interrupted after the last step ({e.step}): the run is complete, its "
+                f"checkpoint saved in {e.directory}"
+            )
+        elif e.saved:
             print(f"interrupted at step {e.step}, checkpoint saved; resume with: {_command()}")
         elif e.step:
             print(

@@ -9,6 +9,7 @@ inside XLA when a KeyboardInterrupt was raised in the middle of its work),
 after which the run went on to the end and exited 0) or a traceback.
 """
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -128,3 +129,55 @@ def test_ctrl_c_during_a_checkpoint_save_stops_after_it(tmp_path):
     # The checkpoint the line names is whole, and nothing half-written is left.
     assert Checkpoints(directory).latest_step() == step
     assert not [n for n in os.listdir(directory) if "tmp" in n]
+
+
+def test_ctrl_c_while_the_last_checkpoint_is_written_is_answered(tmp_path, monkeypatch):
+    """Ctrl-C after the last step, while `train` waits for its checkpoint's writes.
+
+    In process (the window is too short to hit from outside): the closing of
+    the checkpoints sends this process a real SIGINT first, as a user's
+    Ctrl-C landing there would. `train` must not return as if nothing came:
+    it raises `Interrupted`, saying the run is complete and its last step's
+    checkpoint is whole, which ``train.py`` turns into a line and status 130.
+    """
+    from jpipe import train as trainer
+
+    close = Checkpoints.close
+
+    def close_after_a_ctrl_c(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler runs in the main thread between bytecodes
+        close(self)
+
+    monkeypatch.setattr(Checkpoints, "close", close_after_a_ctrl_c)
+    # The trainer answers Ctrl-C only where SIGINT has Python's own meaning.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        config = _tiny_config()
+        try:
+            trainer.train(config, str(tmp_path), progress=False)
+        except trainer.Interrupted as e:
+            interrupted = e
+        else:
+            raise AssertionError("train returned as if no Ctrl-C came")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted.finished and interrupted.saved and interrupted.step == 4
+    assert "the run is complete" in str(interrupted)
+    assert Checkpoints(tmp_path / "checkpoints").latest_step() == 4
+
+
+def _tiny_config():
+    """configs/default.py as TINY shrinks it, 4 steps, a checkpoint every 2."""
+    spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
+    default = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default)
+    config = default.get_config()
+    for flag in TINY + ["--config.steps=4", "--config.checkpoint_every=2"]:
+        key, value = flag.removeprefix("--config.").split("=")
+        *path, last = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[last] = type(node[last])(value)
+    return config

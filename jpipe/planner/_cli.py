@@ -388,11 +388,11 @@ def main(argv: list[str] | None = None) -> int:
                 working = {
                     "as chosen (fp32, working factor 0, overhead by device)": rows,
                     **{f: again(working_factor=f) for f in (0.5, 1.0, 2.0)},
-                    "5.06 GB overhead on every device (Sailor's simulator)": again(
+                    "4.71 GiB overhead on every device (Sailor's simulator's 5.06e9 bytes)": again(
                         memory_terms=sailor_sim
                     ),
                     "2-byte (fp16) residuals": again(element_scale=0.5),
-                    "2-byte (fp16) residuals, working factor 1, 5.06 GB everywhere (the last "
+                    "2-byte (fp16) residuals, working factor 1, 4.71 GiB everywhere (the last "
                     "release)": again(
                         element_scale=0.5, working_factor=1.0, memory_terms=sailor_sim
                     ),

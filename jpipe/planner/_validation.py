@@ -32,7 +32,7 @@ import os
 import statistics
 
 from jpipe.planner._profiles import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
-from jpipe.planner._search import ClusterPlan, evaluate, load_sailor_plan, memory_footprint
+from jpipe.planner._search import GIB, ClusterPlan, evaluate, load_sailor_plan, memory_footprint
 
 # Sailor's folder names for models, as its profiles name them.
 _MODEL_ALIASES = {"OPT-350": "OPT-350", "GPT-NEO": "GPT-Neo-2.7", "LLAMA": "LLAMA-3-8"}
@@ -275,8 +275,8 @@ def flaws(rows: list[Row]) -> list[Row]:
         why = ""
         if r.min_need is not None and r.measured_mem < r.min_need:
             why = (
-                f"measures {r.measured_mem / 1e9:.1f} GB, below its parameters' state plus "
-                f"one microbatch of residuals ({r.min_need / 1e9:.1f} GB)"
+                f"measures {r.measured_mem / GIB:.1f} GiB, below its parameters' state plus "
+                f"one microbatch of residuals ({r.min_need / GIB:.1f} GiB)"
             )
         else:
             twins = [t for t in rows if t.twin_key == r.twin_key and t is not r and r.twin_key]
@@ -284,7 +284,7 @@ def flaws(rows: list[Row]) -> list[Row]:
             if high is not None and r.measured_mem < 0.8 * high.measured_mem:
                 why = (
                     f"measures {(1 - r.measured_mem / high.measured_mem) * 100:.0f}% below "
-                    f"{os.path.basename(high.path)} ({high.measured_mem / 1e9:.1f} GB), a twin "
+                    f"{os.path.basename(high.path)} ({high.measured_mem / GIB:.1f} GiB), a twin "
                     "with the same per-GPU setup"
                 )
         out.append(dataclasses.replace(r, excluded=why) if why else r)
@@ -359,26 +359,26 @@ def markdown(
             f"### {cluster}",
             "",
             "| plan | shape | measured s | jpipe s | error | closed form s | error "
-            "| measured GB | jpipe GB | error |",
+            "| measured GiB | jpipe GiB | error |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in (r for r in rows if r.cluster == cluster):
             mem = (
                 "- | -"
                 if r.predicted_mem is None
-                else f"{r.predicted_mem / 1e9:.1f} | {_pct(r.mem_error)}"
+                else f"{r.predicted_mem / GIB:.1f} | {_pct(r.mem_error)}"
                 + (" (left out)" if r.excluded else "")
             )
             if r.error is None:
                 lines.append(
                     f"| {r.path} | {r.shape} | {r.measured_seconds:.4g} | - | - | - | - "
-                    f"| {r.measured_mem / 1e9:.1f} | {mem} |"
+                    f"| {r.measured_mem / GIB:.1f} | {mem} |"
                 )
                 continue
             lines.append(
                 f"| {r.path} | {r.shape} | {r.measured_seconds:.4g} | {r.predicted_seconds:.4g} "
                 f"| {_pct(r.error)} | {r.closed_form_seconds:.4g} | {_pct(r.closed_form_error)} "
-                f"| {r.measured_mem / 1e9:.1f} | {mem} |"
+                f"| {r.measured_mem / GIB:.1f} | {mem} |"
             )
         ours, closed, n = medians(rows, cluster)
         kept, n_kept, every, n_every = memory_medians(rows, cluster)

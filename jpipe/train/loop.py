@@ -77,10 +77,15 @@ class Interrupted(KeyboardInterrupt):
         started (from the newest checkpoint, if any).
       directory: the checkpoint directory.
       saved: whether this call saved the checkpoint of `step`.
+      finished: `step` is ``config.steps``: the run had done all its work
+        (the Ctrl-C came during its last step, its checkpoint, or while the
+        checkpoints were being closed); nothing is left to resume.
     """
 
-    def __init__(self, step: int, directory: str, saved: bool = True):
-        if saved:
+    def __init__(self, step: int, directory: str, saved: bool = True, finished: bool = False):
+        if finished:
+            text = f"interrupted after the last step ({step}); the run is complete"
+        elif saved:
             text = f"interrupted at step {step}; its checkpoint is in {directory}"
         else:
             text = f"interrupted before training on from step {step}; nothing new was saved"
@@ -88,6 +93,7 @@ class Interrupted(KeyboardInterrupt):
         self.step = step
         self.directory = directory
         self.saved = saved
+        self.finished = finished
 
 
 class TrainResult(NamedTuple):
@@ -293,9 +299,20 @@ def train(
         workdir = make_workdir(workdir)
         checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"))
         try:
-            return _run(prepared, workdir, checkpoints, lead, progress, wall_start, interrupt)
+            result = _run(prepared, workdir, checkpoints, lead, progress, wall_start, interrupt)
         finally:
-            checkpoints.close()
+            if not interrupt.requested:
+                interrupt.doing = "writing the last checkpoint"
+            checkpoints.close()  # waits for the last save's writes
+        # A Ctrl-C while they finished: the run is whole, but it was asked to stop.
+        final = result.final_step
+        interrupt.check(
+            final,
+            checkpoints.directory,
+            saved=checkpoints.latest_step() == final,
+            finished=final >= prepared.config.steps,
+        )
+        return result
 
 
 def _run(
@@ -481,7 +498,12 @@ def _run(
         )
     final = max(loop.losses) if loop.losses else start
     # Ctrl-C during the last step or its checkpoint: the run is whole, but it was asked to stop.
-    interrupt.check(final, checkpoints.directory, saved=checkpoints.latest_step() == final)
+    interrupt.check(
+        final,
+        checkpoints.directory,
+        saved=checkpoints.latest_step() == final,
+        finished=final >= c.steps,
+    )
     return TrainResult(
         loop.losses,
         eval_losses,
@@ -718,10 +740,10 @@ class _CtrlC(contextlib.AbstractContextManager):
             self._watcher.join()
             self._pipe = self._watcher = None
 
-    def check(self, step: int, directory: str, saved: bool) -> None:
-        """Raises `Interrupted` (`step`, `directory`, `saved`) if a Ctrl-C came."""
+    def check(self, step: int, directory: str, saved: bool, finished: bool = False) -> None:
+        """Raises `Interrupted` (`step`, `directory`, `saved`, `finished`) if a Ctrl-C came."""
         if self.requested:
-            raise Interrupted(step, directory, saved)
+            raise Interrupted(step, directory, saved, finished)
 
     def _on_signal(self, signum, frame) -> None:
         """Python's handler: runs in the main thread between bytecodes, maybe late."""
