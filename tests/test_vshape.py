@@ -22,7 +22,7 @@ import pytest
 
 from jpipe import Costs, Sizes, get_schedule, simulate
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SCHEDULES_PAGE = Path(__file__).resolve().parent.parent / "docs" / "schedules.md"
 
 PAPER_PEAK = {"vhalf": lambda R: (R + 2) // 2, "vmin": lambda R: (R + 4) // 3}
 PAPER_BUBBLE = {"vhalf": 1 / 2, "vmin": 2 / 3}  # of 1F1B's bubble time
@@ -88,22 +88,22 @@ def test_bubble_time_against_1f1b(R):
             assert bubble_time(run("vhalf", R, M), M) <= PAPER_BUBBLE["vhalf"] * ofob, (R, M)
 
 
-def test_the_readme_table_is_the_simulators():
-    text = README.read_text()
+def test_the_docs_table_is_the_simulators():
+    text = SCHEDULES_PAGE.read_text()
     header = "| R | M | peak: 1F1B | ZB-V | V-Half | V-Min | bubble: 1F1B | ZB-V | V-Half | V-Min |"
-    assert header in text, "README.md lost the V-Half / V-Min table"
+    assert header in text, "docs/schedules.md lost the V-Half / V-Min table"
     rows = []
     for line in text.split(header, 1)[1].splitlines()[2:]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    assert rows, "the README's V-Half / V-Min table has no rows"
+    assert rows, "docs/schedules.md's V-Half / V-Min table has no rows"
     for cells in rows:
         R, M = int(cells[0]), int(cells[1])
         sims = [run(name, R, M) for name in ("1f1b", "zbv", "vhalf", "vmin")]
         expected = [f"{peak(s):g}" for s in sims]
         expected += [f"{100 * s.bubble_fraction:.1f}%" for s in sims]
         assert cells[2:] == expected, (
-            f"README.md's row for R = {R}, M = {M} reads {cells[2:]}; the simulator "
+            f"docs/schedules.md's row for R = {R}, M = {M} reads {cells[2:]}; the simulator "
             f"gives {expected}: update the table (python -m pytest tests/test_vshape.py)"
         )
