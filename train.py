@@ -5,7 +5,10 @@
   python train.py --config=configs/FILE.py --config.schedule=zb_h1 \\
       --config.num_microbatches=16 --config.mesh.pipe=4 --config.mesh.data=2 --workdir=DIR
 
-Restarting with the same --workdir resumes from its newest checkpoint. On a
+Restarting with the same --workdir resumes from its newest checkpoint.
+--config.compile_only=True trains nothing and touches no --workdir: it compiles
+the config's train step from shapes and prints each device's bytes against
+--config.compile_only_device_memory (jpipe/train/compile_only.py). On a
 CPU-only machine as many CPU devices are faked as the mesh needs
 (--cpu_devices or --config.cpu_devices overrides); never when a GPU or TPU is present.
 See jpipe/train/ for what happens and configs/*.py for every field.
@@ -74,6 +77,13 @@ def main(argv):
     if _CPU_DEVICES.value is not None:
         config.cpu_devices = _CPU_DEVICES.value
     trainer.use_cpu_devices(config)  # before JAX starts its backends
+    if config.get("compile_only", False):  # no training: the step compiled from shapes
+        from jpipe.train import compile_only
+
+        try:
+            sys.exit(compile_only.run(config))
+        except trainer.ConfigError as e:
+            sys.exit(f"error: {e}")
     try:
         trainer.train(config, _WORKDIR.value)
     except (trainer.ConfigError, trainer.DivergedError) as e:

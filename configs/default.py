@@ -48,6 +48,18 @@ def get_config() -> ml_collections.ConfigDict:
     # checkpoint) or a .npz file from jpipe.train.save_params; "" = model.init
     # (docs/checkpoints.md).
     config.init_from = ""
+    # Compile only: build the train step of this config from shapes (nothing of the model
+    # made, no data read, no checkpoint or --workdir touched; fake CPU devices stand in for
+    # the mesh's), compile it, print each device's bytes (a table, then one JSON line) and
+    # exit 0 if every device fits compile_only_device_memory, 1 if not
+    # (jpipe.train.compile_only; docs/scale.md).
+    config.compile_only = False
+    # A device's memory for that check: bytes as a string ("80GB", "72GiB", "8e10") or a
+    # device kind jpipe's planner knows ("A100-80", "A100-40", "GH-96", "V100-16", ...).
+    config.compile_only_device_memory = "80GB"
+    # Beside the compiled bytes, jpipe's byte model's prediction (predicted_bytes); under
+    # lowering="spmd" it compiles each stage's pieces alone, about as long again as the step.
+    config.compile_only_predict = True
 
     # Devices.
     config.mesh = ml_collections.ConfigDict()

@@ -394,8 +394,17 @@ class TrainConfig:
     # checkpoint) or a .npz file from jpipe.train.save_params (jpipe.train.export).
     init_from: str = ""
     eval_fn: str = ""  # path/to/file.py:function, fn(params, batch) -> {name: float}; "" = none
+    # Compile the train step from shapes and report each device's bytes instead of
+    # training (jpipe.train.compile_only); the memory a device has, in bytes ("80GB",
+    # "72GiB", 8e10) or a device kind of jpipe's planner ("A100-80").
+    compile_only: bool = False
+    compile_only_device_memory: str | float = "80GB"
+    compile_only_predict: bool = True  # also jpipe's byte model's figure (predicted_bytes)
 
     def __post_init__(self):
+        _check_type("compile_only", self.compile_only, bool, "True or False")
+        _check_type("compile_only_predict", self.compile_only_predict, bool, "True or False")
+        device_memory_bytes(self.compile_only_device_memory)  # raises ConfigError naming it
         _check_type("eval_fn", self.eval_fn, str, "'' or path/to/file.py:function")
         from jpipe.models.registry import is_file_spec
 
@@ -510,6 +519,42 @@ class TrainConfig:
             except (ValueError, TypeError) as e:  # GPTConfig's own checks
                 raise ConfigError(f"config.{name}: {e}") from None
         return cls(**kwargs)
+
+
+def device_memory_bytes(value) -> tuple[float, str]:
+    """``config.compile_only_device_memory`` as ``(bytes, what it said)``.
+
+    A positive number of bytes, a string of bytes with an optional unit
+    (``"80GB"``, ``"72GiB"``, ``"8e10"``) or the name of a device kind jpipe's
+    planner knows (``"A100-80"``: its memory, `jpipe.planner` ``DEVICE_MEMORY``).
+
+    Raises:
+      ConfigError: naming the field, when it is none of these.
+    """
+    from jpipe.planner._profiles import DEVICE_MEMORY
+
+    field = "compile_only_device_memory"
+    kinds = ", ".join(DEVICE_MEMORY)
+    accepted = (
+        f"accepted: bytes (a number, or a string such as '80GB' or '72GiB') or a device kind "
+        f"jpipe's planner knows ({kinds})"
+    )
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise config_error(field, value, f"must be positive; {accepted}")
+        return float(value), f"{float(value):.4g} bytes"
+    if not isinstance(value, str):
+        raise config_error(field, value, accepted)
+    if value.strip() in DEVICE_MEMORY:
+        return float(DEVICE_MEMORY[value.strip()]), value.strip()
+    from jpipe.search import parse_bytes
+
+    try:
+        return parse_bytes(value), value.strip()
+    except ValueError:
+        raise config_error(
+            field, value, f"is neither bytes nor a known device kind; {accepted}"
+        ) from None
 
 
 def _model_kind(name) -> tuple[str, type | None]:

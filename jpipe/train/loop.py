@@ -45,19 +45,16 @@ from jpipe._chart import text_chart
 from jpipe._distributed import num_processes
 from jpipe.models.registry import load_function
 from jpipe.planner import save_profile
-from jpipe.train import optimizer as optimizer_lib
 from jpipe.train.agreement import check_agreement
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
 from jpipe.train.config import ConfigError, TrainConfig, config_error
 from jpipe.train.data import device_batch
 from jpipe.train.metrics import Metrics, mib, say
-from jpipe.train.prepare import Prepared, prepare
+from jpipe.train.prepare import Prepared, build, check_row_keys, prepare
 from jpipe.train.profile import plan_memory_line, print_profile, stage_profile
 from jpipe.train.step import (
-    ROW_KEYS,
     TrainState,
     compile_train_step,
-    state_shardings,
     with_row_keys,
 )
 
@@ -339,40 +336,17 @@ def _run(
             )
 
     model = prepared.model  # the stages config.model.name builds (jpipe.models.build_model)
-    if model.keys not in (None, ROW_KEYS):
-        raise ConfigError(
-            f"config.model.name={c.model_name!r}: its stages read per-row keys from the batch "
-            f"leaf {model.keys!r}, but the trainer adds them as {ROW_KEYS!r}; build the model "
-            f"with keys={ROW_KEYS!r}"
-        )
+    check_row_keys(prepared)
     eval_fn = None
     if c.eval_fn:
         try:
             eval_fn = load_function(c.eval_fn, "config.eval_fn")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    pipeline = jpipe.Pipeline(
-        model.stages, schedule, mesh, tick_layout=c.tick_layout, lowering=c.lowering
-    )
-
     # Each rank's devices make only that rank's parameters, each device its
     # own block of them (`Pipeline.init`): no device or host holds the model.
-    key = jax.random.key(c.seed)
-    specs = model.specs(jax.eval_shape(model.init, key)) if model.specs is not None else None
-    if prepared.init_params is not None:  # config.init_from, checked by prepare
-        params = pipeline.pack(prepared.init_params, specs)
-    else:
-        params = pipeline.init(model.init, key, specs)
-    if pipeline.rank_meshes is not None:  # one dict per rank on its own mesh: one AdamW each
-        optimizer = optimizer_lib.per_rank_optimizers(c.optimizer, c.steps, pipeline)
-    else:
-        optimizer = optimizer_lib.make_optimizer(
-            c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
-        )
-    lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    pipeline, optimizer, lr, state = build(prepared)
     zero1 = c.optimizer.shard_over_data
-    state = jax.device_put(state, state_shardings(state, pipeline, zero1))
 
     if start is not None:
         buckets = checkpoints.metadata(start).get("buckets")

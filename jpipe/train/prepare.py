@@ -67,7 +67,12 @@ class Prepared(NamedTuple):
     init_params: list | None = None
 
 
-def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=None) -> Prepared:
+def prepare(
+    config: ml_collections.ConfigDict | Mapping | TrainConfig,
+    devices=None,
+    *,
+    shapes_only: bool = False,
+) -> Prepared:
     """Checks a config against the schedule, the devices and the corpus.
 
     Nothing is compiled and no array is made on a device.
@@ -76,6 +81,12 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
       config: a ConfigDict such as ``configs/default.py``'s, or a `TrainConfig`.
       devices: the devices to build the mesh from; default `jax.devices()`,
         ordered by ``(process_index, id)``.
+      shapes_only: for a step built from shapes (`jpipe.train.compile_only`):
+        the text corpus is not read (``train_data`` and ``eval_data`` are
+        None; its batches' shapes are known, `batch_shapes`) and
+        ``config.init_from`` is not opened (``init_params`` is None). A
+        ``config.data.source`` is still made (it opens its data only when
+        asked for a batch).
 
     Raises:
       ConfigError: naming the field, its value and what would be accepted.
@@ -174,7 +185,7 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             raise config_error("model.dtype", dtype, "must be 'float32', 'bfloat16' or 'float16'")
         model = in_dtype(model, dtype)
     init_params = None
-    if c.init_from:
+    if c.init_from and not shapes_only:
         init_params = export.initial_params(c.init_from, model, c)
 
     rows = M * c.mesh.replicas
@@ -202,7 +213,10 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
             f"model {c.model_name} has no integer seq_len; give config.model.seq_len or a "
             "data source of your own (config.data.source=path/to/file.py:function)",
         )
-    train_data, eval_data = make_data(c)
+    if shapes_only and not c.data.source:  # the text corpus: shapes known without reading it
+        train_data = eval_data = None
+    else:
+        train_data, eval_data = make_data(c)
 
     if c.mesh.across_hosts is not None:
         try:
@@ -238,6 +252,144 @@ def prepare(config: ml_collections.ConfigDict | Mapping | TrainConfig, devices=N
     else:
         mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
     return Prepared(c, schedule, layers, mesh, train_data, eval_data, model, init_params)
+
+
+def check_row_keys(prepared: Prepared) -> None:
+    """Refuses a model whose stages read per-row keys from another batch leaf than the trainer's.
+
+    Raises:
+      ConfigError: naming ``config.model.name`` and the leaf.
+    """
+    from jpipe.train.step import ROW_KEYS
+
+    c, model = prepared.config, prepared.model
+    if model.keys not in (None, ROW_KEYS):
+        raise ConfigError(
+            f"config.model.name={c.model_name!r}: its stages read per-row keys from the batch "
+            f"leaf {model.keys!r}, but the trainer adds them as {ROW_KEYS!r}; build the model "
+            f"with keys={ROW_KEYS!r}"
+        )
+
+
+class Built(NamedTuple):
+    """Step 2 of a run (`build`): what the train step is made of.
+
+    Attributes:
+      pipeline: the model's stages, the schedule and the mesh (`jpipe.Pipeline`).
+      optimizer: the optax optimizer of the packed parameters (with a mesh per
+        rank, `jpipe.train.optimizer.RankOptimizers`).
+      lr: the learning-rate schedule.
+      state: the `jpipe.train.step.TrainState`, placed by its shardings
+        (`jpipe.train.step.state_shardings`): arrays, or with ``shapes_only``
+        `jax.ShapeDtypeStruct` s carrying those shardings.
+    """
+
+    pipeline: jpipe.Pipeline
+    optimizer: object
+    lr: object
+    state: object
+
+
+def build(prepared: Prepared, *, shapes_only: bool = False) -> Built:
+    """Step 2: the pipeline, its packed parameters, the optimizer and the train state.
+
+    The parameters are ``config.init_from``'s (`Prepared.init_params`) or
+    made by `jpipe.Pipeline.init` where they live (no device or host holds
+    the whole model). With `shapes_only`, nothing is made: the parameters
+    and the optimizer's state are shapes with the shardings training would
+    give them (`jax.eval_shape`), for a step compiled from shapes alone.
+    """
+    from jpipe.train import optimizer as optimizer_lib
+    from jpipe.train.step import TrainState, state_shardings
+
+    c, model = prepared.config, prepared.model
+    pipeline = jpipe.Pipeline(
+        model.stages,
+        prepared.schedule,
+        prepared.mesh,
+        tick_layout=c.tick_layout,
+        lowering=c.lowering,
+    )
+    key = jax.random.key(c.seed)
+    if shapes_only:
+        shapes = jax.eval_shape(model.init, key)
+        specs = model.specs(shapes) if model.specs is not None else None
+        params = _packed_shapes(pipeline, model, key, shapes, specs)
+    else:
+        specs = model.specs(jax.eval_shape(model.init, key)) if model.specs is not None else None
+        if prepared.init_params is not None:  # config.init_from, checked by prepare
+            params = pipeline.pack(prepared.init_params, specs)
+        else:
+            params = pipeline.init(model.init, key, specs)
+    if pipeline.rank_meshes is not None:  # one dict per rank on its own mesh: one AdamW each
+        optimizer = optimizer_lib.per_rank_optimizers(c.optimizer, c.steps, pipeline)
+    else:
+        optimizer = optimizer_lib.make_optimizer(
+            c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
+        )
+    lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
+
+    def make_state(p):
+        return TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p))
+
+    zero1 = c.optimizer.shard_over_data
+    if shapes_only:
+        state = jax.eval_shape(make_state, params)
+        state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            state,
+            state_shardings(state, pipeline, zero1),
+        )
+    else:
+        state = make_state(params)
+        state = jax.device_put(state, state_shardings(state, pipeline, zero1))
+    return Built(pipeline, optimizer, lr, state)
+
+
+def _packed_shapes(pipeline: jpipe.Pipeline, model, key, shapes, specs):
+    """The packed parameters as shapes with their shardings (`Pipeline.packed_shapes`).
+
+    With a mesh per rank, one dict per rank of its own buckets, as
+    `Pipeline.init` would make them (its layout is set by `init_programs`,
+    which makes nothing).
+    """
+    if pipeline.rank_meshes is None:
+        return pipeline.packed_shapes(shapes, specs)
+    pipeline.init_programs(model.init, key, specs)  # sets the layout; runs nothing
+    layout, shardings = pipeline.layout, pipeline.param_sharding
+    return [
+        {
+            b: jax.ShapeDtypeStruct(
+                (1,) + tuple(layout.buckets[b][0]), layout.buckets[b][1], sharding=shardings[r][b]
+            )
+            for b in layout.rank_buckets(r)
+        }
+        for r in range(layout.num_ranks)
+    ]
+
+
+def batch_shapes(prepared: Prepared, sharding) -> dict:
+    """The global batch's leaves as shapes with `sharding`, without reading the text corpus.
+
+    The text corpus gives ``{"tokens", "targets"}``, int32 ``[batch_size,
+    seq_len]``; a ``config.data.source`` is asked for its first batch (the
+    only data this reads), whose leaves' trailing shapes and dtypes the
+    trainer keeps for every step.
+    """
+    c = prepared.config
+    if prepared.train_data is None or not c.data.source:
+        shape, dtype = (c.batch_size, c.model.seq_len), np.dtype(np.int32)
+        return {
+            k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k in ("tokens", "targets")
+        }
+    try:
+        first = prepared.train_data.batch_at(0, 0, 1)
+    except ValueError as e:
+        raise ConfigError(f"config.data: {e}") from None
+    return {
+        k: jax.ShapeDtypeStruct((c.batch_size,) + v.shape[1:], v.dtype, sharding=sharding)
+        for k, v in first.items()
+    }
 
 
 def in_dtype(model: models.StagedModel, dtype: str) -> models.StagedModel:
