@@ -26,12 +26,22 @@ running the same code on one global mesh. `initialize` joins them:
   ``lost: process N (...)``; before joining, a timer names the process that
   did not join (`_name_who_did_not_join`), ahead of JAX's own limit. A
   Python callback for JAX's errors (``missed_heartbeat_callback``) is not
-  usable on 0.10.2: the status it is given cannot be converted
-  (``std::bad_cast``, which terminates the process). Recoverable tasks no
-  longer wait for each other in JAX's shutdown, so a normal exit waits at a
-  barrier of jpipe's (`_leave_together`), process 0 (the service) last. Not
-  covered: a lost process 0 takes the service with it, and JAX aborts the
-  others from C++ at once.
+  usable on 0.10.2 (nor on 0.12.1): the status it is given cannot be
+  converted (``std::bad_cast``, which terminates the process). Recoverable
+  tasks no longer wait for each other in JAX's shutdown, so a normal exit
+  waits at a barrier of jpipe's (`_leave_together`), process 0 (the service) last.
+* JAX runs the coordination service inside process 0, so a lost process 0
+  took the service with it and JAX aborted the others from C++ within a
+  fraction of a second ("Terminating process because the JAX distributed
+  service detected fatal errors ... the leader task was preempted/died"),
+  before any Python could run. jpipe therefore runs the service in a small
+  process of its own that process 0 starts (`_service_apart`, the same
+  jaxlib service on the same address): a lost process 0 is then a lost task
+  like any other, named by the watcher on every survivor (``lost: process 0
+  (the coordinator, HOST:PORT; no heartbeat ...``). That process leaves when
+  process 0 shuts down normally, or, once process 0 is gone, when no process
+  is connected any longer (or after a limit). Only losing that service
+  process itself (its host) still ends the others by JAX's abort.
 * A Python exception in one process does not reach the others: its atexit
   `jax.distributed.shutdown()` waits for them at a barrier they never reach.
   `initialize` therefore installs an exception hook that prints the traceback
@@ -45,7 +55,10 @@ Every process must start JAX's backend (any `jax.devices()` call) after
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -183,15 +196,16 @@ def initialize(
             name="jpipe-join-timeout",
         ).start()
     try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            local_device_ids=local_device_ids,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-            shutdown_timeout_seconds=shutdown_timeout_seconds,
-            initialization_timeout=initialization_timeout + _JAX_MARGIN_SECONDS,
-        )
+        with _service_apart():
+            jax.distributed.initialize(
+                coordinator_address=coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                local_device_ids=local_device_ids,
+                heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                shutdown_timeout_seconds=shutdown_timeout_seconds,
+                initialization_timeout=initialization_timeout + _JAX_MARGIN_SECONDS,
+            )
     finally:
         joined.set()
     install_exit_on_error()
@@ -207,9 +221,16 @@ def _name_who_did_not_join(
 
     Process 0 listens; a process that never connects cannot be told from one
     that has not started yet, so only the time tells. With two processes the
-    missing one is the other; with more, JAX's service does not say which
-    have connected, so the line names how many are awaited.
+    missing one is the other; with more, the line names the range awaited.
     """
+    # Which processes have joined cannot be learnt on JAX 0.10.2 (nor 0.12.1):
+    # `connect` returns only once all of them registered, and until then the
+    # client's key-value store is not usable (a `key_value_set` before
+    # `connect` returned aborts the process from C++: measured), so no process
+    # can say "I am here" through the service; the service's Python object has
+    # only `shutdown`, and its `GetTaskState` RPC is not bound in Python (it
+    # would need grpcio and the service's protos). The service logs nothing
+    # when a task registers.
     if joined.wait(seconds):
         return
     label = f"process {me} of {n}"
@@ -242,6 +263,180 @@ def _answers(address: str | None) -> bool:
             return True
     except (OSError, ValueError, AttributeError):
         return False
+
+
+# The coordination service's own process (`_service_apart`). Arguments: jaxlib's module,
+# the address to listen on, the number of processes, JAX's keyword arguments for the
+# service (JSON), and how long to serve, at most, once process 0 is gone. It answers
+# "ready" (or "error: ...") on stdout, then serves until process 0 writes "stop" on its
+# stdin (a normal shutdown). When process 0 is gone instead (its end of stdin closed, or
+# this process adopted by another parent), it serves the others until none is connected
+# for a second (Linux: /proc/net/tcp*), or the limit: they name process 0 in the meantime.
+_SERVICE_CODE = r"""
+import importlib, json, os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C, a scheduler's SIGTERM:
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # for the processes of the run, not the service
+module, address, n, kwargs, linger = sys.argv[1:6]
+try:
+    service = importlib.import_module(module).get_distributed_runtime_service(
+        address, int(n), **json.loads(kwargs))
+except Exception as e:
+    print("error:", (str(e).strip().splitlines() or [type(e).__name__])[0], flush=True)
+    sys.exit(1)
+print("ready", flush=True)
+parent = os.getppid()
+said = b""
+while os.getppid() == parent:
+    if select.select([0], [], [], 0.5)[0]:
+        data = os.read(0, 64)
+        said += data
+        if not data or b"stop" in said:
+            break
+if b"stop" not in said:
+    port = int(address.rsplit(":", 1)[1])
+
+    def connected():
+        count, read = 0, False
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(name) as f:
+                    rows = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            read = True
+            for row in rows:
+                cols = row.split()
+                if len(cols) > 3 and cols[3] == "01" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+        return count if read else None
+
+    deadline, quiet = time.monotonic() + float(linger), None
+    while time.monotonic() < deadline:
+        if connected() == 0:
+            quiet = quiet or time.monotonic()
+            if time.monotonic() - quiet >= 1:
+                break
+        else:
+            quiet = None
+        time.sleep(0.2)
+    os._exit(0)  # process 0 is gone: nothing to shut down in order
+service.shutdown()
+"""
+# How long the service process serves, at most, once process 0 is gone (beyond twice the
+# heartbeat timeout); it leaves earlier when it sees no process connected any longer.
+SERVICE_LINGER_SECONDS = 30
+
+
+class _ServiceProcess:
+    """Process 0's handle on the coordination service running in a process of its own.
+
+    JAX keeps it as its service and calls `shutdown` last in
+    `jax.distributed.shutdown` (after process 0's client shut down).
+    """
+
+    def __init__(self, process: subprocess.Popen):
+        self._process = process
+
+    def shutdown(self) -> None:
+        process = self._process
+        if process.poll() is None:
+            try:
+                process.stdin.write(b"stop\n")
+                process.stdin.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class _JaxlibWithServiceApart:
+    """jaxlib's module, as `jax._src.distributed` sees it in `_service_apart`."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def get_distributed_runtime_service(self, *args, **kwargs):
+        service = None
+        if len(args) == 2:  # (address, num_nodes), as JAX 0.10 to 0.12 call it
+            service = _start_service_process(self._module.__name__, *args, kwargs)
+        if service is None:  # it could not be started: in this process, as JAX does
+            return self._module.get_distributed_runtime_service(*args, **kwargs)
+        return service
+
+
+@contextlib.contextmanager
+def _service_apart():
+    """While JAX initialises, process 0 starts the coordination service in a process of its own.
+
+    So that a lost process 0 does not take the service with it (JAX would
+    then abort every other process from C++): the others keep the service,
+    see process 0's heartbeats stop, and name it (`_watch_peers`). Where
+    JAX's internals are not as expected, the service stays in this process.
+    """
+    from jax._src import distributed
+
+    module = getattr(distributed, "_jax", None)
+    if module is None or not hasattr(module, "get_distributed_runtime_service"):
+        yield
+        return
+    distributed._jax = _JaxlibWithServiceApart(module)
+    try:
+        yield
+    finally:
+        distributed._jax = module
+
+
+def _copy_to_stderr(stream) -> None:
+    try:
+        for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
+            os.write(2, chunk)
+    except OSError:
+        return
+
+
+def _start_service_process(module: str, address: str, num_nodes: int, kwargs: dict):
+    """Starts `_SERVICE_CODE`; its handle, or None where it could not start."""
+    try:
+        arguments = json.dumps(kwargs)
+    except (TypeError, ValueError):
+        return None
+    linger = 2 * _heartbeat_seconds + SERVICE_LINGER_SECONDS
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _SERVICE_CODE, module, address, str(num_nodes), arguments,
+             str(linger)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+    except OSError:
+        return None
+    # The service's log lines go to this process's stderr, through this process: its
+    # stderr then ends when it ends (whoever reads it is not kept waiting by the service).
+    threading.Thread(
+        target=_copy_to_stderr, args=(process.stderr,), daemon=True, name="jpipe-service-log"
+    ).start()
+    answer: list[bytes] = []
+    reader = threading.Thread(target=lambda: answer.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(120)
+    line = answer[0].decode(errors="replace").strip() if answer else ""
+    if line == "ready":
+        process.stdout.close()
+        return _ServiceProcess(process)
+    process.kill()
+    process.wait()
+    if line.startswith("error:"):
+        raise RuntimeError(
+            f"cannot start JAX's coordination service on {address}: {line[6:].strip()}"
+        )
+    return None
 
 
 # Set when this process leaves normally: the watcher then stops judging.
@@ -282,8 +477,9 @@ def _watch_peers() -> None:
             return
         gone = [i for i in range(n) if i not in live]
         if gone:
+            coordinator = f"the coordinator, {state.coordinator_address}; " if 0 in gone else ""
             fail(
-                f"lost: process {', '.join(map(str, gone))} (no heartbeat for "
+                f"lost: process {', '.join(map(str, gone))} ({coordinator}no heartbeat for "
                 f"{_heartbeat_seconds} s: it was killed, stopped or hung)",
                 survivors=[i for i in range(n) if i in live],
             )
@@ -386,8 +582,9 @@ FAILING_TOGETHER_GRACE_SECONDS = 10
 def failing_together() -> None:
     """Tells `fail` that every process is about to fail alike (a config they disagree on).
 
-    Process 0 holds the coordination service: when it exits, JAX aborts every
-    other process from C++ ("Terminating process because the JAX distributed
+    Where process 0 holds the coordination service (when it could not be
+    started apart, `_service_apart`), its exit makes JAX abort every other
+    process from C++ ("Terminating process because the JAX distributed
     service detected fatal errors") at once, often before that process has
     printed its own line. After this call, process 0's `fail` waits (up to
     `FAILING_TOGETHER_GRACE_SECONDS`) until each other process has printed

@@ -2,9 +2,10 @@
 
 Real processes over loopback, started as a multi-host job starts them (the
 ``JAX_*`` variables, no launcher), each running `PEER`: join, start the
-backend, say so, wait. One is then stopped (SIGSTOP) or never joins.
+backend, say so, wait. One is then stopped (SIGSTOP), killed, or never joins.
 """
 
+import socket
 import subprocess
 import sys
 import time
@@ -53,16 +54,36 @@ def _stop_all(procs) -> None:
             p.wait()
 
 
+def _wait_joined(procs, logs) -> None:
+    deadline = time.monotonic() + 120
+    while not all("joined" in _read(log) for log in logs):
+        assert time.monotonic() < deadline, [_read(log)[-2000:] for log in logs]
+        assert all(p.poll() is None for p in procs), [_read(log)[-2000:] for log in logs]
+        time.sleep(0.1)
+
+
+def _port_is_free(address: str, seconds: float) -> bool:
+    """Whether nothing listens at `address` any longer (the coordination service has left)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with socket.socket() as s:
+            # Binds past TIME_WAIT connections, never past a listener.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+        time.sleep(0.2)
+
+
 def test_a_stopped_process_is_named_by_every_survivor_within_the_heartbeat_timeout(tmp_path):
     n, address = 3, _free_address()
     logs = [open(tmp_path / f"log{i}", "w+") for i in range(n)]
     procs = [_start(i, n, address, logs[i]) for i in range(n)]
     try:
-        deadline = time.monotonic() + 120
-        while not all("joined" in _read(log) for log in logs):
-            assert time.monotonic() < deadline, [_read(log)[-2000:] for log in logs]
-            assert all(p.poll() is None for p in procs), [_read(log)[-2000:] for log in logs]
-            time.sleep(0.1)
+        _wait_joined(procs, logs)
         procs[2].send_signal(19)  # SIGSTOP: alive, silent
         stopped = time.monotonic()
         for i in (0, 1):
@@ -102,5 +123,46 @@ def test_a_process_killed_before_it_joined_is_named_within_the_join_timeout(tmp_
             assert want in out, out[-3000:]
             assert "Terminating process" not in out, out[-3000:]
         assert time.monotonic() - start < JOIN_SECONDS + 60
+    finally:
+        _stop_all(procs)
+
+
+def test_a_killed_coordinator_is_named_by_every_survivor_within_the_heartbeat_timeout(tmp_path):
+    # Process 0 is killed after joining. JAX runs the coordination service inside
+    # process 0 and, when it goes, aborts the others from C++ at once; jpipe runs the
+    # service in a process of its own, so the survivors see process 0's heartbeats stop.
+    n, address = 3, _free_address()
+    logs = [open(tmp_path / f"log{i}", "w+") for i in range(n)]
+    procs = [_start(i, n, address, logs[i]) for i in range(n)]
+    try:
+        _wait_joined(procs, logs)
+        procs[0].kill()
+        killed = time.monotonic()
+        for i in (1, 2):
+            status = procs[i].wait(timeout=HEARTBEAT_SECONDS + 30)
+            seconds = time.monotonic() - killed
+            out = _read(logs[i])
+            assert status == 1, f"process {i} exited {status}:\n{out[-3000:]}"
+            line = (
+                f"[process {i} of 3] lost: process 0 (the coordinator, {address}; no heartbeat "
+                f"for {HEARTBEAT_SECONDS} s"
+            )
+            assert line in out, out[-3000:]
+            assert "Terminating process" not in out, out[-3000:]  # not JAX's abort
+            assert seconds < HEARTBEAT_SECONDS + 15, f"process {i} took {seconds:.0f} s"
+        # The service's process leaves once no process is connected.
+        assert _port_is_free(address, 10), "the coordination service still listens"
+    finally:
+        _stop_all(procs)
+
+
+def test_a_normal_exit_leaves_no_coordination_service_behind(tmp_path):
+    n, address = 2, _free_address()
+    logs = [open(tmp_path / f"log{i}", "w+") for i in range(n)]
+    procs = [_start(i, n, address, logs[i], PEER_SLEEP="0") for i in range(n)]
+    try:
+        for i, p in enumerate(procs):
+            assert p.wait(timeout=120) == 0, _read(logs[i])[-3000:]
+        assert _port_is_free(address, 0), "the coordination service still listens"
     finally:
         _stop_all(procs)
