@@ -51,11 +51,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jpipe._stage import WeightedLoss
+from jpipe.models import sequence
 from jpipe.models.attention import (
     IMPLEMENTATIONS,
     REMAT_POLICIES,
@@ -67,11 +66,11 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
-    head_token_losses,
     row_dropout,
     split_flax_model,
     split_layers,
 )
+from jpipe.models.vocab import head_loss, local_rows, vocab_embed
 
 Params = Any  # a pytree of arrays
 
@@ -120,6 +119,21 @@ class GPTConfig:
         divisor of the sequence length not above it).
       remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
         or ``"attention"`` (see `jpipe.models.attention`).
+      vocab_split: with a tensor axis (`make_stages`'s ``tensor_axis``),
+        split the token embedding's rows and the head's columns over it,
+        with a cross-entropy that never gathers the logits
+        (`jpipe.models.vocab`); T must divide `vocab_size`. The position
+        table stays whole. Off by default; without a tensor axis it changes
+        nothing.
+      sequence_parallel: with a tensor axis, keep the activations between
+        the split matmuls (LayerNorms, residual adds, dropouts, each block's
+        input) split along the sequence over it (`jpipe.models.sequence`):
+        an all-gather before the qkv and MLP-in matmuls and a reduce-scatter
+        after the attention and MLP output projections instead of the
+        all-reduce. T must divide the sequence length (and, without
+        `vocab_split`, the sequence length / T must divide by
+        `logit_chunks`). Off by default; without a tensor axis it changes
+        nothing.
     """
 
     vocab_size: int
@@ -136,6 +150,8 @@ class GPTConfig:
     attention: str = "xla"
     attention_block: int = 512
     remat: str = "none"
+    vocab_split: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for name in (
@@ -156,7 +172,7 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by num_heads={self.num_heads}"
             )
-        for name in ("scan_layers", "remat_logits"):
+        for name in ("scan_layers", "remat_logits", "vocab_split", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}"
@@ -197,22 +213,40 @@ def _dense(features: int, name: str, dtype, std: float = _INIT_STD, use_bias: bo
 
 
 class _Embed(nn.Module):
-    """Token plus learned position embedding."""
+    """Token plus learned position embedding.
+
+    With `tensor_axis`: the token rows split over the axis (``vocab_split``),
+    and the output this device's slice of the sequence (``sequence_parallel``).
+    """
 
     config: GPTConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, inputs: dict, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
+        axis = self.tensor_axis
+        split = axis is not None and c.vocab_split
+        parallel = axis is not None and c.sequence_parallel
         tokens_BxL = inputs["tokens"]
-        token_VxD = self.param(
-            "token", nn.initializers.normal(_INIT_STD), (c.vocab_size, c.d_model)
-        )
+        rows = local_rows(c.vocab_size, axis, "vocab_size") if split else c.vocab_size
+        token_VxD = self.param("token", nn.initializers.normal(_INIT_STD), (rows, c.d_model))
         position_LxD = self.param(
             "position", nn.initializers.normal(_INIT_STD), (c.seq_len, c.d_model)
         )
         length = tokens_BxL.shape[1]
-        x_BxLxD = jnp.take(token_VxD, tokens_BxL, axis=0) + position_LxD[:length]
+        position_LxD = position_LxD[:length]
+        if parallel:  # this device's positions
+            position_LxD = sequence.shard(position_LxD[None], axis)[0]
+        if split:  # float32 sums (one nonzero term each), as the whole lookup
+            scatter = sequence.SEQUENCE if parallel else None
+            x_BxLxD = vocab_embed(token_VxD, tokens_BxL, axis, None, scatter) + position_LxD
+        else:
+            if parallel:
+                tokens_BxL = sequence.shard(tokens_BxL, axis)
+            x_BxLxD = jnp.take(token_VxD, tokens_BxL, axis=0) + position_LxD
+        if parallel:
+            return sequence.dropout(x_BxLxD.astype(c.dtype), keys, c.dropout, axis)
         return row_dropout(x_BxLxD.astype(c.dtype), keys, c.dropout)
 
 
@@ -229,6 +263,7 @@ class _RowSplitDense(nn.Module):
     dtype: Any
     std: float
     tensor_axis: str | None = None
+    scatter: bool = False  # sum and scatter along the sequence (sequence parallelism)
 
     @nn.compact
     def __call__(self, x):
@@ -238,7 +273,9 @@ class _RowSplitDense(nn.Module):
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        if self.tensor_axis is not None:
+        if self.tensor_axis is not None and self.scatter:
+            y = sequence.scatter_sum(y, self.tensor_axis)
+        elif self.tensor_axis is not None:
             y = lax.psum(y, self.tensor_axis)
         return y + bias
 
@@ -248,7 +285,10 @@ class _Block(nn.Module):
 
     With `tensor_axis`, it runs Megatron-style on its device's slice of the
     weights (`tensor_specs`): its heads of attention and its slice of the
-    MLP's hidden width, with one all-reduce over the axis after each.
+    MLP's hidden width, with one all-reduce over the axis after each. With
+    ``sequence_parallel`` `x` is this device's slice of the sequence, gathered
+    before each split matmul and reduce-scattered after it
+    (`jpipe.models.sequence`).
     """
 
     config: GPTConfig
@@ -258,33 +298,42 @@ class _Block(nn.Module):
     def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        b, length, d = x_BxLxD.shape
         axis = self.tensor_axis
+        parallel = axis is not None and c.sequence_parallel
         t = 1 if axis is None else lax.axis_size(axis)
         if c.num_heads % t or c.d_ff % t:
             raise ValueError(
                 f"a {t}-way tensor axis must divide num_heads={c.num_heads} and d_ff={c.d_ff}"
             )
+        # Sequence parallelism: x is a slice; the split matmuls see the whole sequence.
+        whole = (lambda y: sequence.gather(y, axis)) if parallel else (lambda y: y)
+        drop = (
+            (lambda y, site: sequence.dropout(y, _site(keys, site), c.dropout, axis))
+            if parallel
+            else (lambda y, site: row_dropout(y, _site(keys, site), c.dropout))
+        )
+        b, length, d = x_BxLxD.shape
+        length *= t if parallel else 1
         h, k = c.num_heads // t, c.d_model // c.num_heads  # this device's heads
 
         # GPT-2 scales the init of the projections into the residual stream so
         # that its variance does not grow with depth.
         residual_std = _INIT_STD / math.sqrt(2 * c.num_layers)
-        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD)
+        y_BxLxD = whole(nn.LayerNorm(dtype=dtype, name="ln_attn")(x_BxLxD))
         # Heads major, then (q, k, v): split by columns over the tensor axis,
         # each device holds whole heads.
         qkv_BxLxHx3xK = _dense(3 * h * k, "qkv", dtype)(y_BxLxD).reshape(b, length, h, 3, k)
         q, kk, v = (qkv_BxLxHx3xK[:, :, :, i] for i in range(3))
         attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
-        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="attn_out")(
+        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, parallel, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, h * k)
         )
-        x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
+        x_BxLxD = x_BxLxD + drop(y_BxLxD, 0)
 
-        y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD)
+        y_BxLxD = whole(nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD))
         y_BxLxF = nn.gelu(_dense(c.d_ff // t, "mlp_in", dtype)(y_BxLxD))
-        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, name="mlp_out")(y_BxLxF)
-        return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
+        y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, parallel, name="mlp_out")(y_BxLxF)
+        return x_BxLxD + drop(y_BxLxD, 1)
 
 
 def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
@@ -293,32 +342,27 @@ def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
 
 
 class _Head(nn.Module):
-    """Final LayerNorm, untied head and mean token cross-entropy."""
+    """Final LayerNorm, untied head and mean token cross-entropy.
+
+    With ``"weights"`` in the inputs (per-token weights, e.g. 0 on padding)
+    a `jpipe.WeightedLoss`. With `tensor_axis`: ``vocab_split`` and
+    ``sequence_parallel`` as in `jpipe.models.vocab.head_loss`.
+    """
 
     config: GPTConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, inputs: dict, keys=None) -> jax.Array:
         del keys  # GPT-2 has no dropout after the last block
         c = self.config
-        targets_BxL = inputs["targets"]
         dtype = jnp.dtype(c.dtype)
         y_BxLxD = nn.LayerNorm(dtype=dtype, name="ln_final")(x_BxLxD)
-        unembed = _dense(c.vocab_size, "unembed", dtype, use_bias=False)
+        return head_loss(self, c, y_BxLxD, inputs, self.tensor_axis, _unembed)
 
-        def token_losses(unembed, y_BxLxD, targets_BxL):
-            logits_BxLxV = unembed(y_BxLxD)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits_BxLxV.astype(jnp.float32), targets_BxL
-            )
 
-        losses_BxL = head_token_losses(
-            token_losses, unembed, y_BxLxD, targets_BxL, c, self.is_initializing()
-        )
-        if "weights" in inputs:  # per-token weights, e.g. 0 on padding
-            weights_BxL = inputs["weights"].astype(jnp.float32)
-            return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
-        return losses_BxL.mean()
+def _unembed(features: int, name: str, dtype):
+    return _dense(features, name, dtype, use_bias=False)
 
 
 def make_stages(
@@ -336,6 +380,8 @@ def make_stages(
         the axis themselves, so they run only inside the pipeline (pack the
         parameters with `tensor_specs`). `init` and `loss` stay those of the
         whole model, the reference the pipeline is checked against.
+        `GPTConfig.vocab_split` and `GPTConfig.sequence_parallel` split
+        more over the same axis (off by default).
 
     Returns:
       A `StagedModel`.
@@ -347,14 +393,17 @@ def make_stages(
     whole = _split(config, layers_per_stage, None)
     if tensor_axis is None:
         return whole
-    return whole._replace(stages=_split(config, layers_per_stage, tensor_axis).stages)
+    stages = _split(config, layers_per_stage, tensor_axis).stages
+    if config.sequence_parallel:
+        stages = sequence.at_stage_boundaries(stages, tensor_axis)
+    return whole._replace(stages=stages)
 
 
 def _split(config: GPTConfig, layers_per_stage, tensor_axis: str | None) -> StagedModel:
     return split_flax_model(
-        _Embed(config),
+        _Embed(config, tensor_axis),
         block_remat(_Block, config.remat, scanned=config.scan_layers)(config, tensor_axis),
-        _Head(config),
+        _Head(config, tensor_axis),
         num_layers=config.num_layers,
         layers_per_stage=layers_per_stage,
         scan_layers=config.scan_layers,
@@ -380,14 +429,22 @@ _BLOCK_SPLITS = {
 }
 
 
+# With ``vocab_split``: the token embedding by rows, the head by columns.
+VOCAB_SPLITS = {
+    ("embed", "token"): ("T", None),
+    ("head", "unembed", "kernel"): (None, "T"),
+}
+
+
 def tensor_specs(config: GPTConfig, params_list: Sequence[Params], axis: str = "tensor") -> list:
     """How `make_stages(..., tensor_axis=axis)` splits each parameter, for `Pipeline.pack`.
 
     Attention is split by heads (the qkv projection by columns, its output
     projection by rows) and the MLP by its hidden width (in by columns, out
-    by rows). The embeddings, the head, LayerNorms and the biases added
-    after a row split are whole on every device of the axis, which computes
-    them alike.
+    by rows). LayerNorms, the position table and the biases added after a
+    row split are whole on every device of the axis, which computes them
+    alike; so are the token embedding and the head unless
+    ``config.vocab_split`` (then by rows and by columns, the vocabulary).
 
     Args:
       config: the model's sizes.
@@ -400,10 +457,14 @@ def tensor_specs(config: GPTConfig, params_list: Sequence[Params], axis: str = "
 
     def spec(path, leaf):
         names = tuple(getattr(k, "key", None) for k in path)
-        split = _BLOCK_SPLITS.get(names[-2:]) if names[0] == "blocks" else None
+        if names[0] == "blocks":
+            split = _BLOCK_SPLITS.get(names[-2:])
+            stacked = (None,) * int(config.scan_layers)  # the leading axis over blocks
+        else:
+            split = VOCAB_SPLITS.get(names) if config.vocab_split else None
+            stacked = ()
         if split is None:
             return P()
-        stacked = (None,) * int(config.scan_layers)  # the leading axis over blocks
         return P(*stacked, *(axis if e == "T" else None for e in split))
 
     return [jax.tree_util.tree_map_with_path(spec, p) for p in params_list]

@@ -31,7 +31,10 @@ gate and up matrices split by columns (whole heads: each device holds
 ``num_heads / T`` query heads and ``num_kv_heads / T`` key/value heads, the
 same groups), the output and down projections by rows, one all-reduce
 after attention and one after the MLP. T must divide ``num_kv_heads`` and
-``d_ff``.
+``d_ff``. Two options, off by default, split more over the same axis:
+``LlamaConfig.vocab_split`` the embedding and the head over the vocabulary
+(`jpipe.models.vocab`), ``LlamaConfig.sequence_parallel`` the activations
+between the split matmuls over the sequence (`jpipe.models.sequence`).
 """
 
 from __future__ import annotations
@@ -46,11 +49,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jpipe._stage import WeightedLoss
+from jpipe.models import sequence
 from jpipe.models.attention import (
     IMPLEMENTATIONS,
     REMAT_POLICIES,
@@ -62,11 +64,11 @@ from jpipe.models.registry import BuildArgs, register_model
 from jpipe.models.staged import (
     StagedModel,
     fold_row_keys,
-    head_token_losses,
     row_dropout,
     split_flax_model,
     split_layers,
 )
+from jpipe.models.vocab import head_loss, local_rows, vocab_embed
 
 Params = Any
 
@@ -110,6 +112,19 @@ class LlamaConfig:
         divisor of the sequence length not above it).
       remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
         or ``"attention"`` (see `jpipe.models.attention`).
+      vocab_split: with a tensor axis (`make_stages`'s ``tensor_axis``),
+        split the embedding's rows and the head's columns over it, with a
+        cross-entropy that never gathers the logits (`jpipe.models.vocab`);
+        T must divide `vocab_size`. Off (the default), both are whole on
+        every device. Without a tensor axis it changes nothing.
+      sequence_parallel: with a tensor axis, keep the activations between
+        the split matmuls (norms, residual adds, each block's input) split
+        along the sequence over it (`jpipe.models.sequence`): an all-gather
+        before the query/key/value and gate/up matmuls and a reduce-scatter
+        after the output and down projections instead of the all-reduce. T
+        must divide the sequence length (and, without `vocab_split`, the
+        sequence length / T must divide by `logit_chunks`). Off by default;
+        without a tensor axis it changes nothing.
     """
 
     vocab_size: int
@@ -129,6 +144,8 @@ class LlamaConfig:
     attention: str = "xla"
     attention_block: int = 512
     remat: str = "none"
+    vocab_split: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -177,7 +194,7 @@ class LlamaConfig:
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("scan_layers", "remat_logits"):
+        for name in ("scan_layers", "remat_logits", "vocab_split", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"LlamaConfig.{name} must be True or False, got {getattr(self, name)!r}"
@@ -240,14 +257,17 @@ class _RowSplitLinear(nn.Module):
     """A bias-free linear layer whose input features may be split over a tensor axis.
 
     Each device multiplies its slice of the features by its rows of the
-    kernel and the partial products are summed over the axis; without an
-    axis it is `_linear`'s layer, with the same parameters.
+    kernel and the partial products are summed over the axis (with
+    `scatter`, summed and scattered along the sequence: sequence
+    parallelism); without an axis it is `_linear`'s layer, with the same
+    parameters.
     """
 
     features: int
     dtype: Any
     std: float
     tensor_axis: str | None = None
+    scatter: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -256,26 +276,52 @@ class _RowSplitLinear(nn.Module):
         )
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        return y if self.tensor_axis is None else lax.psum(y, self.tensor_axis)
+        if self.tensor_axis is None:
+            return y
+        if self.scatter:
+            return sequence.scatter_sum(y, self.tensor_axis)
+        return lax.psum(y, self.tensor_axis)
 
 
 class _Embed(nn.Module):
-    """The token embedding (positions come in as rotations, in attention)."""
+    """The token embedding (positions come in as rotations, in attention).
+
+    With `tensor_axis`: its rows split over the axis (``vocab_split``), and
+    its output this device's slice of the sequence (``sequence_parallel``).
+    """
 
     config: LlamaConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, inputs: dict, keys: jax.Array | None = None) -> jax.Array:
         del keys  # no dropout on the embedding
         c = self.config
-        token_VxD = self.param(
-            "token", nn.initializers.normal(_INIT_STD), (c.vocab_size, c.d_model)
-        )
-        return jnp.take(token_VxD, inputs["tokens"], axis=0).astype(c.dtype)
+        axis = self.tensor_axis
+        split = axis is not None and c.vocab_split
+        parallel = axis is not None and c.sequence_parallel
+        rows = local_rows(c.vocab_size, axis, "vocab_size") if split else c.vocab_size
+        token_VxD = self.param("token", nn.initializers.normal(_INIT_STD), (rows, c.d_model))
+        tokens_BxL = inputs["tokens"]
+        if split:
+            if parallel:
+                sequence.local_length(tokens_BxL.shape[1], axis)
+            return vocab_embed(
+                token_VxD, tokens_BxL, axis, c.dtype, sequence.SEQUENCE if parallel else None
+            )
+        if parallel:
+            tokens_BxL = sequence.shard(tokens_BxL, axis)
+        return jnp.take(token_VxD, tokens_BxL, axis=0).astype(c.dtype)
 
 
 class _Block(nn.Module):
-    """``x + attn(norm(x))`` then ``x + swiglu(norm(x))``, its heads split over `tensor_axis`."""
+    """``x + attn(norm(x))`` then ``x + swiglu(norm(x))``, its heads split over `tensor_axis`.
+
+    With ``sequence_parallel`` (and an axis) `x` is this device's slice of
+    the sequence: the norms and the residual adds run on it, the normed
+    slices are gathered before the split matmuls and the row-split products
+    reduce-scattered back to slices (`jpipe.models.sequence`).
+    """
 
     config: LlamaConfig
     tensor_axis: str | None = None
@@ -284,36 +330,45 @@ class _Block(nn.Module):
     def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        b, length, d = x_BxLxD.shape
         axis = self.tensor_axis
+        parallel = axis is not None and c.sequence_parallel
         t = 1 if axis is None else lax.axis_size(axis)
         if c.num_kv_heads % t or c.d_ff % t:
             raise ValueError(
                 f"a {t}-way tensor axis must divide num_kv_heads={c.num_kv_heads} and d_ff={c.d_ff}"
             )
+        # Sequence parallelism: x is a slice; the split matmuls see the whole sequence.
+        whole = (lambda y: sequence.gather(y, axis)) if parallel else (lambda y: y)
+        drop = (
+            (lambda y, site: sequence.dropout(y, _site(keys, site), c.dropout, axis))
+            if parallel
+            else (lambda y, site: row_dropout(y, _site(keys, site), c.dropout))
+        )
+        b, length, d = x_BxLxD.shape
+        length *= t if parallel else 1
         k = c.d_model // c.num_heads
         heads, kv_heads = c.num_heads // t, c.num_kv_heads // t  # this device's
         residual_std = _INIT_STD / math.sqrt(2 * c.num_layers)
 
-        y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_attn")(x_BxLxD)
+        y_BxLxD = whole(RMSNorm(c.norm_eps, dtype, name="norm_attn")(x_BxLxD))
         q = _linear(heads * k, "q", dtype)(y_BxLxD).reshape(b, length, heads, k)
         kk = _linear(kv_heads * k, "k", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
         v = _linear(kv_heads * k, "v", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
         q, kk = rotary(q, c.rope_theta), rotary(kk, c.rope_theta)
         # Fewer key/value heads than query heads: grouped-query attention.
         attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
-        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="attn_out")(
+        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, parallel, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, heads * k)
         )
-        x_BxLxD = x_BxLxD + row_dropout(y_BxLxD, _site(keys, 0), c.dropout)
+        x_BxLxD = x_BxLxD + drop(y_BxLxD, 0)
 
-        y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_mlp")(x_BxLxD)
+        y_BxLxD = whole(RMSNorm(c.norm_eps, dtype, name="norm_mlp")(x_BxLxD))
         gate_BxLxF = _linear(c.d_ff // t, "gate", dtype)(y_BxLxD)
         up_BxLxF = _linear(c.d_ff // t, "up", dtype)(y_BxLxD)
-        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, name="down")(
+        y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, parallel, name="down")(
             nn.silu(gate_BxLxF) * up_BxLxF
         )
-        return x_BxLxD + row_dropout(y_BxLxD, _site(keys, 1), c.dropout)
+        return x_BxLxD + drop(y_BxLxD, 1)
 
 
 def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
@@ -322,9 +377,17 @@ def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
 
 
 class _Head(nn.Module):
-    """Final RMSNorm, untied head and mean token cross-entropy."""
+    """Final RMSNorm, untied head and mean token cross-entropy.
+
+    With `tensor_axis`: ``vocab_split`` splits the head's columns and the
+    cross-entropy over the axis; under ``sequence_parallel`` `x` is a slice
+    of the sequence, normed as it is, then gathered for the vocabulary-split
+    head, or, with the head whole, its tokens' losses computed on the slice
+    and their sums added over the axis.
+    """
 
     config: LlamaConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array, inputs: dict, keys=None) -> jax.Array:
@@ -332,21 +395,7 @@ class _Head(nn.Module):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         y_BxLxD = RMSNorm(c.norm_eps, dtype, name="norm_final")(x_BxLxD)
-        unembed = _linear(c.vocab_size, "unembed", dtype)
-
-        def token_losses(unembed, y_BxLxD, targets_BxL):
-            logits_BxLxV = unembed(y_BxLxD)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits_BxLxV.astype(jnp.float32), targets_BxL
-            )
-
-        losses_BxL = head_token_losses(
-            token_losses, unembed, y_BxLxD, inputs["targets"], c, self.is_initializing()
-        )
-        if "weights" in inputs:
-            weights_BxL = inputs["weights"].astype(jnp.float32)
-            return WeightedLoss((losses_BxL * weights_BxL).sum(), weights_BxL.sum())
-        return losses_BxL.mean()
+        return head_loss(self, c, y_BxLxD, inputs, self.tensor_axis, _linear)
 
 
 def make_stages(
@@ -367,9 +416,9 @@ def make_stages(
 
     def split(axis):
         return split_flax_model(
-            _Embed(config),
+            _Embed(config, axis),
             block_remat(_Block, config.remat, scanned=config.scan_layers)(config, axis),
-            _Head(config),
+            _Head(config, axis),
             num_layers=config.num_layers,
             layers_per_stage=layers_per_stage,
             scan_layers=config.scan_layers,
@@ -383,8 +432,11 @@ def make_stages(
     whole = split(None)
     if tensor_axis is None:
         return whole
+    stages = split(tensor_axis).stages
+    if config.sequence_parallel:
+        stages = sequence.at_stage_boundaries(stages, tensor_axis)
     return whole._replace(
-        stages=split(tensor_axis).stages,
+        stages=stages,
         specs=lambda params: tensor_specs(config, params, tensor_axis),
     )
 
@@ -402,18 +454,30 @@ _BLOCK_SPLITS = {
 }
 
 
+# With ``vocab_split``: the embedding by rows, the head by columns (the vocabulary).
+VOCAB_SPLITS = {
+    ("embed", "token"): ("T", None),
+    ("head", "unembed", "kernel"): (None, "T"),
+}
+
+
 def tensor_specs(config: LlamaConfig, params_list: Sequence[Params], axis: str = "tensor") -> list:
     """How `make_stages(..., tensor_axis=axis)` splits each parameter, for `Pipeline.pack`.
 
-    The embedding, the head and the norms are whole on every device of the axis.
+    The norms are whole on every device of the axis, and so are the
+    embedding and the head unless ``config.vocab_split``.
     """
 
     def spec(path, leaf):
         names = tuple(getattr(k, "key", None) for k in path)
-        split = _BLOCK_SPLITS.get(names[-2:]) if names[0] == "blocks" else None
+        if names[0] == "blocks":
+            split = _BLOCK_SPLITS.get(names[-2:])
+            stacked = (None,) * int(config.scan_layers)
+        else:
+            split = VOCAB_SPLITS.get(names) if config.vocab_split else None
+            stacked = ()
         if split is None:
             return P()
-        stacked = (None,) * int(config.scan_layers)
         return P(*stacked, *(axis if e == "T" else None for e in split))
 
     return [jax.tree_util.tree_map_with_path(spec, p) for p in params_list]

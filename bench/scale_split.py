@@ -1,0 +1,150 @@
+"""Llama-3-8B at its real sizes with the vocabulary split and sequence parallelism.
+
+``python -m bench.scale_split [--seq 8192] [--microbatches 16] [--variants plain,both]``
+
+`bench.scale`'s step (AdamW, float32 parameters, bfloat16 compute, the
+128,256-token vocabulary with ``remat_logits``, blockwise attention and full
+remat; Llama-3-8B on pipe 4 x tensor 2, 8 fake CPU devices, 1F1B, one
+sequence per microbatch), compiled from shapes, once per variant of the two
+tensor-axis options of `jpipe.models.LlamaConfig`:
+
+- ``plain``: neither (the embedding and the head whole on each tensor device,
+  the activations between the split matmuls whole);
+- ``vocab``: ``vocab_split`` (the embedding's rows and the head's columns
+  over ``tensor``, the vocabulary-parallel cross-entropy, `jpipe.models.vocab`);
+- ``sequence``: ``sequence_parallel`` (`jpipe.models.sequence`);
+- ``both``.
+
+Each row is the SPMD program's `memory_analysis()` per device: arguments
+(parameters, Adam moments, the batch; every device holds the fullest rank's,
+as in `bench.scale`) and temp (residuals, the stash, the working memory),
+and the compile's seconds. One variant compiles in minutes and takes several
+GB of host memory: run one at a time.
+
+Measured (jax 0.10.2, SPMD, sequence 8,192, M 16, arguments 16.8 GB in
+each): temp 41.5 GB plain, 41.4 GB vocab, 35.8 GB sequence, 35.9 GB both
+(totals 58.3, 58.2, 52.5, 52.7 GB). The arguments do not move: the packer
+gives the split embedding and the split head a bucket each, where whole
+they shared one row (`jpipe.Pipeline.pack`), so each device still holds
+V x D floats of them.
+"""
+
+from __future__ import annotations
+
+import jpipe
+
+jpipe.use_cpu_devices(8)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.mesh_memory import _with_shardings, per_device_bytes  # noqa: E402
+from jpipe import models  # noqa: E402
+from jpipe.models import llama  # noqa: E402
+from jpipe.train import optimizer as optimizer_lib  # noqa: E402
+from jpipe.train import step as step_lib  # noqa: E402
+from jpipe.train.config import OptimizerConfig  # noqa: E402
+
+GB = 1e9
+LLAMA3_8B = dict(  # as bench.scale's
+    vocab_size=128_256,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    d_model=4096,
+    d_ff=14_336,
+    rope_theta=500_000.0,
+    dtype="bfloat16",
+    remat_logits=True,
+)
+VARIANTS = {
+    "plain": dict(vocab_split=False, sequence_parallel=False),
+    "vocab": dict(vocab_split=True, sequence_parallel=False),
+    "sequence": dict(vocab_split=False, sequence_parallel=True),
+    "both": dict(vocab_split=True, sequence_parallel=True),
+}
+
+
+def row(
+    variant: str,
+    seq: int,
+    microbatches: int,
+    pipe: int = 4,
+    tensor: int = 2,
+    attention: str = "blockwise",
+    remat: str = "full",
+) -> dict:
+    """One compiled step of Llama-3-8B with the options `variant` names (`VARIANTS`)."""
+    config = models.LlamaConfig(
+        **LLAMA3_8B, seq_len=seq, attention=attention, remat=remat, **VARIANTS[variant]
+    )
+    mesh = jpipe.make_mesh(pipe, 1, jax.devices()[: pipe * tensor], tensor=tensor)
+    schedule = jpipe.get_schedule("1f1b", pipe, microbatches)
+    layers = models.split_layers(config.num_layers, schedule.num_stages)
+    model = llama.make_stages(config, layers, tensor_axis="tensor")
+    pipeline = jpipe.Pipeline(model.stages, schedule, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    packed = pipeline.packed_shapes(params, llama.tensor_specs(config, params))
+    opt = OptimizerConfig(3e-4, 10, 0.1, 0.1, 0.9, 0.95, 1.0)  # AdamW, as configs/default.py
+    optimizer = optimizer_lib.make_optimizer(opt, 100, optimizer_lib.packed_decay_rows(pipeline))
+    lr = optimizer_lib.learning_rate_schedule(opt, 100)
+    state = jax.eval_shape(
+        lambda p: step_lib.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)), packed
+    )
+    state = _with_shardings(state, step_lib.state_shardings(state, pipeline))
+    batch = {
+        k: jax.ShapeDtypeStruct((microbatches, seq), jnp.int32, sharding=pipeline.batch_sharding)
+        for k in ("tokens", "targets")
+    }
+    start = time.perf_counter()
+    compiled = step_lib.compile_train_step(pipeline, optimizer, lr, state, batch)
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return {
+        "variant": variant,
+        "attention": attention,
+        "remat": remat,
+        "seq_len": seq,
+        "microbatches": microbatches,
+        "mesh": f"pipe {pipe} x tensor {tensor}",
+        "param_bytes": per_device_bytes(state.params),
+        "opt_bytes": per_device_bytes(state.opt_state),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "compile_seconds": round(seconds, 1),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--attention", default="blockwise")
+    parser.add_argument("--remat", default="full")
+    parser.add_argument("--json", action="store_true", help="one JSON object a row")
+    args = parser.parse_args(argv)
+    print(
+        f"Llama-3-8B, sequence {args.seq}, 1F1B, M {args.microbatches}, pipe 4 x tensor 2, "
+        f"{args.attention} attention, {args.remat} remat"
+    )
+    print(f"{'variant':<10} {'arguments':>10} {'temp':>9} {'total':>9} {'compile':>8}")
+    for variant in args.variants.split(","):
+        r = row(variant, args.seq, args.microbatches, attention=args.attention, remat=args.remat)
+        if args.json:
+            print(json.dumps(r))
+        total = r["argument_bytes"] + r["temp_bytes"]
+        print(
+            f"{variant:<10} {r['argument_bytes'] / GB:>8.1f} GB {r['temp_bytes'] / GB:>6.1f} GB "
+            f"{total / GB:>6.1f} GB {r['compile_seconds']:>6.0f} s",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
