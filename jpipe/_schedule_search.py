@@ -40,7 +40,10 @@ first):
    offload right after the action that made (or last read) the residuals,
    the way back one compute action before the next reader, so that action
    hides it. The number of schedules simulated is bounded (a count, not a
-   time, so that the answer does not depend on the machine's load).
+   time, so that the answer does not depend on the machine's load). A set of
+   moves the walk meets again is built and simulated once; it counts again
+   each time it is met, as when it was simulated anew, so that the bound and
+   the count reported are unchanged.
 
 Memory, per rank (`DeviceBytes`): the ``params`` bytes its device holds
 (weights, gradients, optimizer state), the most live residuals, carries and
@@ -79,6 +82,7 @@ import dataclasses
 import functools
 import json
 import math
+import operator
 import os
 import time
 import warnings
@@ -86,22 +90,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from jpipe._registry import get_schedule
-from jpipe._schedule import (
-    COMPUTE_KINDS,
-    EVICT,
-    FC,
-    LOAD,
-    MEMORY_KINDS,
-    OFFLOAD_END,
-    OFFLOAD_START,
-    RECOMPUTE,
-    RELOAD_END,
-    RELOAD_START,
-    Action,
-    Overlap,
-    Schedule,
-)
-from jpipe._simulate import Costs, Simulation, Sizes, _live_events, simulate
+from jpipe._schedule import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
+from jpipe._simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
 from jpipe._validate import ScheduleError, analyze
 
 LAYOUTS = ("spmd", "per_rank")
@@ -1065,14 +1055,18 @@ def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: 
     params_of = figures.sizes.table(S)["params"]
     grads_of = figures.grad_output_table(S)
     working_of = figures.working_table(S)
-    own = [sum(params_of[s] for s in schedule.stages_of(r)) for r in range(R)]
-    grads = [sum(grads_of[s] for s in schedule.stages_of(r)) for r in range(R)]
+    stages_of = [[] for _ in range(R)]  # `Schedule.stages_of` of every rank, in one pass
+    for s, r in enumerate(schedule.stage_to_rank):
+        if 0 <= r < R:
+            stages_of[r].append(s)
+    own = [sum(params_of[s] for s in stages) for stages in stages_of]
+    grads = [sum(grads_of[s] for s in stages) for stages in stages_of]
     if layout == "spmd":
         params = [max(own)] * R
     else:
         shared = max(p - g for p, g in zip(own, grads))
         params = [shared + g for g in grads]
-    working = [max((working_of[s] for s in schedule.stages_of(r)), default=0.0) for r in range(R)]
+    working = [max((working_of[s] for s in stages), default=0.0) for stages in stages_of]
     if layout == "spmd":
         room = [budget - max(params) - max(grads) - max(working)] * R
     else:
@@ -1081,7 +1075,9 @@ def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: 
 
 
 # Transfers whose destination takes its buffer: at the copy's issue, when the rank reaches it.
-_TAKES_AT_ISSUE = ("EVICT", "LOAD", "RELOAD_START")
+_TAKES_AT_ISSUE = frozenset(("EVICT", "LOAD", "RELOAD_START"))
+# The kinds whose end the rank waits for before it goes on (none of `_TAKES_AT_ISSUE`).
+_MOVES_ON = frozenset(COMPUTE_KINDS) | {"OFFLOAD_END", "RELOAD_END"}
 
 
 def _curves(sim: Simulation, figures: StageFigures):
@@ -1097,18 +1093,19 @@ def _curves(sim: Simulation, figures: StageFigures):
     schedule = sim.schedule
     S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     size = figures.sizes.table(S)
-    rows = [schedule.actions(r) for r in range(R)]
+    rows = analyze(schedule).rows  # validated already (simulated)
     starts = sim.starts
     if schedule.has_memory_actions:
         first = min((min(row) for row in sim.starts if row), default=0.0)
         starts = []
         for r, row in enumerate(rows):
-            issued, out = first, list(sim.starts[r])
+            issued, out, ends = first, list(sim.starts[r]), sim.ends[r]
             for i, a in enumerate(row):
-                if a.kind in _TAKES_AT_ISSUE:
+                kind = a.kind
+                if kind in _TAKES_AT_ISSUE:
                     out[i] = min(out[i], issued)
-                if a.kind in COMPUTE_KINDS or a.kind in ("OFFLOAD_END", "RELOAD_END"):
-                    issued = sim.ends[r][i]  # the rank moves on when these end
+                elif kind in _MOVES_ON:
+                    issued = ends[i]  # the rank moves on when these end
             starts.append(out)
     events = _live_events(
         rows, starts, sim.ends, starts, S, M, R,
@@ -1117,9 +1114,11 @@ def _curves(sim: Simulation, figures: StageFigures):
     curves = []
     for row in events:
         live, curve = 0.0, []
+        add = curve.append
         for when, delta, (r, i) in row:
             live += delta
-            curve.append((when[0], live, rows[r][i].key))
+            a = rows[r][i]
+            add((when[0], live, (a.stage, a.microbatch)))
         curves.append(curve)
     return curves
 
@@ -1138,17 +1137,20 @@ class _Fit:
         return self.peak_over <= 0
 
 
-def _fit(sim: Simulation, figures: StageFigures, room: Sequence[float]) -> tuple[_Fit, list]:
-    curves = _curves(sim, figures)
+def _fit(curves, room: Sequence[float]) -> tuple[_Fit, list]:
+    """How far the live values (`_curves`) are from `room` per rank, and each rank's peak."""
     area = peak_over = 0.0
     worst, worst_over, worst_at, peaks = 0, -math.inf, -1, []
     for r, curve in enumerate(curves):
         over_area, peak, peak_at = 0.0, 0.0, -1
+        above = 1e-9  # a new peak is above the last by more than this: peak + 1e-9 max(|peak|, 1)
+        cap, last = room[r], len(curve) - 1
         for k, (t, live, _) in enumerate(curve):
-            if live > peak + 1e-9 * max(abs(peak), 1.0):
+            if live > above:
                 peak, peak_at = live, k
-            if k + 1 < len(curve) and live > room[r]:
-                over_area += (live - room[r]) * (curve[k + 1][0] - t)
+                above = peak + 1e-9 * max(abs(peak), 1.0)
+            if k < last and live > cap:
+                over_area += (live - cap) * (curve[k + 1][0] - t)
         peaks.append(peak)
         area += over_area
         peak_over += max(0.0, peak - room[r])
@@ -1173,8 +1175,13 @@ def device_bytes(
     (`StageFigures.for_schedule`). `values`, when known, is each rank's peak
     of live values (the search passes what it computed already).
     """
+    params, working, _ = _allowances(sim.schedule, figures, layout, 0.0)
+    return _device_bytes(sim, figures, layout, values, params, working)
+
+
+def _device_bytes(sim, figures, layout, values, params, working) -> DeviceBytes:
+    """`device_bytes`, with the parameters and working memory of `_allowances` at hand."""
     schedule = sim.schedule
-    params, working, _ = _allowances(schedule, figures, layout, 0.0)
     if values is None:
         values = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
     values = tuple(max(0.0, v) for v in values)
@@ -1209,14 +1216,14 @@ def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, floa
     rows of its buffer: on GPT-2 small both buffers came out exactly the
     program's (docs/search.md).
     """
-    from jpipe._ticks import make_plan, pack_lifetimes
+    from jpipe._ticks import pack_lifetimes, plan_lifetimes
 
-    plan = make_plan(schedule)
+    lifetimes = plan_lifetimes(schedule)  # `make_plan(schedule).lifetimes`, without the rest
     table = figures.sizes.table(schedule.num_stages)
     extents = []
     for arena, sizes in (("res", table["activation"]), ("carry", table["carry"])):
         most = 0.0
-        for ivs in plan.lifetimes.get(arena, ()):
+        for ivs in lifetimes.get(arena, ()):
             extent, _ = pack_lifetimes(ivs, lambda key, sizes=sizes: sizes[key[0]])
             most = max(most, extent)
         extents.append(float(most))
@@ -1259,12 +1266,12 @@ class Candidate:
     def time(self) -> float:
         return self.simulation.makespan
 
-    @property
+    @functools.cached_property  # counted once (the ranking reads them again and again)
     def memory_actions(self) -> int:
         """Its memory actions (recomputes, evictions, offloads and their ways back)."""
         return sum(a.is_memory for _, _, a in self.schedule.all_actions())
 
-    @property
+    @functools.cached_property
     def num_actions(self) -> int:
         return sum(1 for _ in self.schedule.all_actions())
 
@@ -1372,17 +1379,38 @@ def apply_moves(base: Schedule, moves: Sequence[Move], name: str = "") -> Schedu
 
     Raises `ValueError` for a move whose pair has no room (`_span`).
     """
+    return _apply_moves(base, _laid_out(base), moves, name)
+
+
+def _laid_out(base: Schedule):
+    """Each rank's plain actions of `base` and where each is (`_positions`): what
+    `_apply_moves` and `_variants` read, once for a whole local search."""
+    rows = tuple(base.actions(r) for r in range(base.num_ranks))
+    return rows, tuple(_positions(row) for row in rows)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _memory_action(kind: str, stage: int, microbatch: int, partner: int | None = None) -> Action:
+    """One memory action, made once: actions are immutable, and the walk inserts the
+    same ones into thousands of schedules."""
+    return Action(kind, stage, microbatch, partner)
+
+
+def _apply_moves(base: Schedule, laid_out, moves: Sequence[Move], name: str = "") -> Schedule:
+    """`apply_moves`, with `base`'s rows and positions at hand (`_laid_out`)."""
+    rows_of, positions = laid_out
+    act = _memory_action
     by_rank: dict[int, list[Move]] = {}
     owner = base.stage_to_rank
     for mv in moves:
         by_rank.setdefault(owner[mv.stage], []).append(mv)
     rows = []
     for r in range(base.num_ranks):
-        row = list(base.actions(r))
         if r not in by_rank:
-            rows.append(row)
+            rows.append(rows_of[r])
             continue
-        at = _positions(row)
+        row = list(rows_of[r])
+        at = positions[r]
         before = [[] for _ in row]
         after = [[] for _ in row]
         for mv in by_rank[r]:
@@ -1392,26 +1420,42 @@ def apply_moves(base: Schedule, moves: Sequence[Move], name: str = "") -> Schedu
             maker, reader = span
             s, m = mv.stage, mv.microbatch
             if mv.kind == "recompute":
-                row[maker] = FC(s, m)
-                before[max(maker + 1, reader - mv.lead)].append(RECOMPUTE(s, m))
+                row[maker] = act("FC", s, m)
+                before[max(maker + 1, reader - mv.lead)].append(act("RECOMPUTE", s, m))
             elif mv.kind == "evict":
-                after[maker].insert(0, EVICT(s, m, mv.partner))
-                before[reader - 1].insert(0, LOAD(s, m, mv.partner))
+                after[maker].insert(0, act("EVICT", s, m, mv.partner))
+                before[reader - 1].insert(0, act("LOAD", s, m, mv.partner))
             else:  # offload
-                after[maker].insert(0, OFFLOAD_START(s, m))
-                after[maker + 1].append(OFFLOAD_END(s, m))
-                before[reader - 1].insert(0, RELOAD_START(s, m))
-                before[reader].append(RELOAD_END(s, m))
-        rows.append([x for i, a in enumerate(row) for x in (*before[i], a, *after[i])])
-    return Schedule.of(rows, name=name or base.name)
+                after[maker].insert(0, act("OFFLOAD_START", s, m))
+                after[maker + 1].append(act("OFFLOAD_END", s, m))
+                before[reader - 1].insert(0, act("RELOAD_START", s, m))
+                before[reader].append(act("RELOAD_END", s, m))
+        rows.append(tuple(x for i, a in enumerate(row) for x in (*before[i], a, *after[i])))
+    # `Schedule(tuple(rows), name=...)`, without its check that every cell is an Action
+    # (they are `base`'s or `_memory_action`'s). Moves add memory actions to pairs that
+    # are there and turn an F into an FC, on the stage's own rank: the stages,
+    # microbatches and placement are the base's, which the schedule (frozen) would
+    # otherwise work out again from every action.
+    out = object.__new__(Schedule)
+    out.__dict__.update(
+        ranks=tuple(rows), name=name or base.name, num_stages=base.num_stages,
+        num_microbatches=base.num_microbatches, stage_to_rank=owner,
+    )  # fmt: skip
+    return out
 
 
-def _variants(base: Schedule, key, allowed: set[str], current: Move | None, partners) -> list:
-    """Every move for `key` the lowering runs, other than `current`."""
+def _variants(
+    base: Schedule, key, allowed: set[str], current: Move | None, partners, laid_out=None
+) -> list:
+    """Every move for `key` the lowering runs, other than `current` (`laid_out`: `base`'s
+    `_laid_out`, if at hand)."""
     s, m = key
     r = base.stage_to_rank[s]
-    row = base.actions(r)
-    at = _positions(row)
+    if laid_out is None:
+        row = base.actions(r)
+        at = _positions(row)
+    else:
+        row, at = laid_out[0][r], laid_out[1][r]
     out = []
     if "recompute" in allowed:
         out += [Move("recompute", s, m, lead=k) for k in (0, 1)]
@@ -1445,19 +1489,30 @@ def _allowed_moves(layout: str, wanted=None) -> set[str]:
     }
 
 
+class _Timeline(NamedTuple):
+    """A schedule run in time with the figures' costs: what the walk reads of its
+    `Simulation` (the schedule it ends with is simulated in full)."""
+
+    schedule: Schedule
+    starts: list
+    ends: list
+    makespan: float
+
+
 class _Evaluator:
     """Simulates schedules against the figures and the budget, counting them (up to `limit`)."""
 
     def __init__(self, figures: StageFigures, budget: float, layout: str, limit=math.inf):
         self.figures, self.budget, self.layout = figures, budget, layout
         self.count, self.limit = 0, limit
+        self._allowed: dict = {}  # placement of the stages -> `_allowances` (all that it reads)
 
     @property
     def exhausted(self) -> bool:
         return self.count >= self.limit
 
     def __call__(self, schedule: Schedule):
-        """`(simulation, fit, DeviceBytes)`, or None if `schedule` does not validate.
+        """`(timeline, fit, DeviceBytes)`, or None if `schedule` does not validate.
 
         The bytes are each rank's own (``"per_rank"``), which is what picks a
         roomy partner and costs no tick plan; `bytes_of` gives the layout's.
@@ -1471,16 +1526,27 @@ class _Evaluator:
         except ScheduleError:
             return None
         self.count += 1
-        sim = simulate(schedule, self.figures.costs)
-        _, _, room = _allowances(schedule, self.figures, self.layout, self.budget)
-        fit, peaks = _fit(sim, self.figures, room)
+        starts, ends, _, _, makespan = _timed(schedule, self.figures.costs)
+        sim = _Timeline(schedule, starts, ends, makespan)
+        placement = schedule.stage_to_rank
+        if placement not in self._allowed:  # memory moves leave it as the base's
+            self._allowed[placement] = {
+                layout: _allowances(schedule, self.figures, layout, self.budget)
+                for layout in {self.layout, "per_rank"}
+            }
+        allowed = self._allowed[placement]
+        room = allowed[self.layout][2]
+        curves = _curves(sim, self.figures)  # once: the SPMD check below reads them again
+        fit, peaks = _fit(curves, room)
         if self.layout == "spmd" and fit.fits:
-            spmd = device_bytes(sim, self.figures, "spmd", values=peaks)  # plans the ticks
+            params, working, _ = allowed["spmd"]
+            spmd = _device_bytes(sim, self.figures, "spmd", peaks, params, working)  # ticks
             over = spmd.most - self.budget
             if over > 0:
                 extra = max(over, sum(spmd.buffers) - max(peaks))
-                fit, peaks = _fit(sim, self.figures, [r - extra for r in room])
-        return sim, fit, device_bytes(sim, self.figures, "per_rank", values=peaks)
+                fit, peaks = _fit(curves, [r - extra for r in room])
+        params, working, _ = allowed["per_rank"]
+        return sim, fit, _device_bytes(sim, self.figures, "per_rank", peaks, params, working)
 
     def bytes_of(self, found) -> DeviceBytes:
         """The layout's `DeviceBytes` of an evaluated schedule (the SPMD one plans its ticks)."""
@@ -1523,7 +1589,21 @@ def local_search(
     if found is None:
         return LocalSearch(None, (), None, None, evaluate.count)
     schedule, moves, current = found
+    if not isinstance(current[0], Simulation):  # the walk keeps less (`_Timeline`, `_Seen`)
+        current = (simulate(schedule, figures.costs), *current[1:])
     return LocalSearch(schedule, moves, current[0], evaluate.bytes_of(current), evaluate.count)
+
+
+# `sorted(moves)` of the walk's moves, each of a different (stage, microbatch): `Move`'s
+# own order (its fields in turn), which these first three fields already decide.
+_MOVE_ORDER = operator.attrgetter("kind", "stage", "microbatch")
+
+
+class _Seen(NamedTuple):
+    """What the walk keeps of a schedule it evaluated, to meet it again: its simulated step
+    (a `Simulation`'s `makespan`, all the walk reads of one)."""
+
+    makespan: float
 
 
 def _local_search(base, evaluate, allowed, deadline, log):
@@ -1531,16 +1611,31 @@ def _local_search(base, evaluate, allowed, deadline, log):
         return None
     R = base.num_ranks
     moves: dict[tuple[int, int], Move] = {}
+    laid_out = _laid_out(base)
 
-    def build(ms):
+    def build(ordered):
         try:
-            return apply_moves(base, sorted(ms.values()), name=f"{base.name}+search")
+            return _apply_moves(base, laid_out, ordered, name=f"{base.name}+search")
         except ValueError:
             return None
 
+    # The walk meets some sets of moves again (a pass that takes moves back tries what the
+    # pass before tried, and a step what the step before did): each set is built and
+    # evaluated once. Met again, it counts as simulated again, so that the bound on
+    # simulations and the count reported are what they were when each was simulated anew.
+    seen: dict[tuple[Move, ...], tuple | None] = {}
+
     def run(ms):
-        schedule = build(ms)
-        return None if schedule is None else evaluate(schedule)
+        key = tuple(sorted(ms.values(), key=_MOVE_ORDER))
+        if key in seen:
+            got = seen[key]
+            if got is not None:
+                evaluate.count += 1
+            return got
+        schedule = build(key)
+        got = None if schedule is None else evaluate(schedule)
+        seen[key] = None if got is None else (_Seen(got[0].makespan), *got[1:])
+        return got
 
     current = run(moves)
     if current is None:
@@ -1572,7 +1667,7 @@ def _local_search(base, evaluate, allowed, deadline, log):
         keys = [k for k in fit.at_peak if base.stage_to_rank[k[0]] == fit.fullest or k in moves]
         keys = keys or list(fit.at_peak)
         for key in keys:
-            for mv in _variants(base, key, allowed, moves.get(key), partners):
+            for mv in _variants(base, key, allowed, moves.get(key), partners, laid_out):
                 trials.append(({key}, {**moves, key: mv}))
         # the same move for every microbatch of a stage at once (1F1B's plateaus: its
         # first rank holds R microbatches through the whole steady state)
@@ -1581,14 +1676,14 @@ def _local_search(base, evaluate, allowed, deadline, log):
                 dataclasses.replace(mv, microbatch=0)
                 for k in keys
                 if k[0] == s
-                for mv in _variants(base, k, allowed, None, partners)
+                for mv in _variants(base, k, allowed, None, partners, laid_out)
             }
             for shape in sorted(shapes):
                 # to the pairs of the stage not moved yet, and to all of them
                 fill, every = dict(moves), dict(moves)
                 for m in range(base.num_microbatches):
                     mv = dataclasses.replace(shape, microbatch=m)
-                    if mv in _variants(base, (s, m), allowed, None, partners):
+                    if mv in _variants(base, (s, m), allowed, None, partners, laid_out):
                         every[(s, m)] = mv
                         if (s, m) not in moves:
                             fill[(s, m)] = mv
@@ -1643,13 +1738,14 @@ def _local_search(base, evaluate, allowed, deadline, log):
         # Each move as another kind or placement: a recompute as a transfer, and a
         # transfer taken early (when it freed the most) as a recompute that costs less.
         for key in list(moves):
-            for mv in _variants(base, key, allowed, moves[key], partners):
+            for mv in _variants(base, key, allowed, moves[key], partners, laid_out):
                 trial = {**moves, key: mv}
                 got = run(trial)
                 if got is not None and got[1].fits and got[0].makespan < current[0].makespan:
                     moves, current, improved = trial, got, True
                     break
-    return build(moves), tuple(sorted(moves.values())), current
+    ordered = tuple(sorted(moves.values(), key=_MOVE_ORDER))
+    return build(ordered), ordered, current
 
 
 # -- the search ----------------------------------------------------------------------------
@@ -1794,6 +1890,22 @@ class ScheduleSearch:
         }
 
 
+def _build(spec, num_ranks: int, M: int, chunks, built: dict | None) -> Schedule:
+    """`get_schedule(spec, num_ranks, M, chunks)`, kept in `built` (and its refusal)."""
+    if built is None:
+        return get_schedule(spec, num_ranks, M, chunks)
+    key = (spec, num_ranks, M, chunks)
+    if key not in built:
+        try:
+            built[key] = get_schedule(spec, num_ranks, M, chunks)
+        except ValueError as e:
+            built[key] = ValueError(str(e))
+    got = built[key]
+    if isinstance(got, ValueError):
+        raise ValueError(str(got))
+    return got
+
+
 def search_schedule(
     figures: StageFigures | StageProfile,
     num_ranks: int,
@@ -1809,6 +1921,7 @@ def search_schedule(
     max_simulations: int = 20_000,
     max_seconds: float | None = None,
     log: Callable[[str], None] | None = None,
+    built: dict | None = None,
 ) -> ScheduleSearch:
     """The fastest schedule whose simulated bytes per device fit `budget` (module docstring).
 
@@ -1842,6 +1955,9 @@ def search_schedule(
       max_seconds: a bound on the local search's time as well, if given (the
         result then depends on the machine's speed).
       log: called with a line of progress now and then.
+      built: a dict the caller keeps between searches (the planner's, one a shape): each
+        schedule built for a SPEC, ranks, microbatches and chunks, used again, with what
+        was worked out on it (`jpipe.validate`'s analysis, the SPMD program's lifetimes).
     """
     start = time.perf_counter()
     if layout not in LAYOUTS:
@@ -1878,7 +1994,7 @@ def search_schedule(
         for item in specs:
             spec, chunks = (item, None) if isinstance(item, str) else item
             try:
-                schedule = get_schedule(spec, num_ranks, M, chunks)
+                schedule = _build(spec, num_ranks, M, chunks, built)
                 fig = scaled.for_schedule(schedule)
             except ValueError as e:
                 skipped.append(f"{spec}{f' (V={chunks})' if chunks else ''}, M={M}: {e}")

@@ -56,10 +56,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
-from jpipe._schedule import COMPUTE_KINDS, Action, Schedule
-from jpipe._validate import analyze
+from jpipe._schedule import Action, Schedule
+from jpipe._validate import _rows, analyze
 
 Number = float | int
 PerStage = Number | Sequence[Number]
@@ -231,20 +232,22 @@ class Sizes:
 def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float, ...]:
     """Each rank's peak bytes: its stages' parameters plus its most live activations and carries."""
     size = sizes.table(num_stages)
+    act, carry = size["activation"], size["carry"]
     peaks = []
-    for r in range(schedule.num_ranks):
+    for r, row in enumerate(_rows(schedule)):
         live = peak = 0.0
-        for a in schedule.actions(r):
-            s = a.stage
-            if a.kind == "F":
-                live += size["activation"][s]
-            elif a.kind == "B":
-                live -= size["activation"][s]
-            elif a.kind == "I":
-                live += size["carry"][s]
+        for a in row:
+            s, kind = a.stage, a.kind
+            if kind == "F":
+                live += act[s]
+            elif kind == "B":
+                live -= act[s]
+            elif kind == "I":
+                live += carry[s]
             else:  # W: the residuals and the carry both go
-                live -= size["carry"][s] + size["activation"][s]
-            peak = max(peak, live)
+                live -= carry[s] + act[s]
+            if live > peak:
+                peak = live
         peaks.append(peak + sum(size["params"][s] for s in schedule.stages_of(r)))
     return tuple(peaks)
 
@@ -345,32 +348,22 @@ def simulate(
     costs = costs or Costs()
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
-    rows = [schedule.actions(r) for r in range(schedule.num_ranks)]
-    starts, ends, issue, busy = _run(rows, info.order, S, M, info.stage_to_rank, costs)
-    first_start = min((min(row) for row in starts if row), default=0.0)
-    last_end = max((max(row) for row in ends if row), default=0.0)
-    makespan = last_end - first_start
+    rows = info.rows
+    starts, ends, issue, busy, makespan = _timed(schedule, costs)
     total = len(rows) * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
-    peak_live = info.peak_live
     peaks = plain = None
-    if schedule.has_memory_actions:
+    if schedule.has_memory_actions:  # counted in time (the analysis's is never read)
         ones = ((1.0,) * S, (0.0,) * S, (0.0,) * S)
         events = _live_events(rows, starts, ends, issue, S, M, len(rows), *ones)
         peak_live = tuple(int(p) for p in _peaks(events))
         if sizes is not None:
-            size = sizes.table(S)
-            events = _live_events(
-                rows, starts, ends, issue, S, M, len(rows),
-                size["activation"], size["input"], size["carry"],
-            )  # fmt: skip
-            peaks = tuple(
-                p + sum(size["params"][s] for s in schedule.stages_of(r))
-                for r, p in enumerate(_peaks(events))
-            )
+            peaks = _peak_bytes_in_time(schedule, sizes, (starts, ends, issue))
             plain = peak_bytes(schedule.without_memory_actions(), sizes, S)
-    elif sizes is not None:
-        peaks = plain = peak_bytes(schedule, sizes, S)
+    else:
+        peak_live = info.peak_live
+        if sizes is not None:
+            peaks = plain = peak_bytes(schedule, sizes, S)
     return Simulation(
         schedule=schedule,
         costs=costs,
@@ -384,6 +377,42 @@ def simulate(
         peak_bytes=peaks,
         peak_bytes_without=plain,
     )
+
+
+def _timed(schedule: Schedule, costs: Costs):
+    """`schedule` (validated) run in time: `(starts, ends, issue, busy, makespan)` (`_run`),
+    before the figures `simulate` derives from them. What the tick planner and the
+    search's walk read of a simulation."""
+    info = analyze(schedule)
+    S, M = info.num_stages, info.num_microbatches
+    starts, ends, issue, busy = _run(info.rows, info.order, S, M, info.stage_to_rank, costs)
+    first_start = min((min(row) for row in starts if row), default=0.0)
+    last_end = max((max(row) for row in ends if row), default=0.0)
+    return starts, ends, issue, busy, last_end - first_start
+
+
+def _peak_bytes_in_time(schedule: Schedule, sizes: Sizes, timed) -> tuple[float, ...]:
+    """`simulate(...).peak_bytes` of a schedule with memory actions, from its run in time
+    (`timed`: the starts, ends and issue times of `_timed`), alone."""
+    info = analyze(schedule)
+    S, M, rows = info.num_stages, info.num_microbatches, info.rows
+    starts, ends, issue = timed
+    size = sizes.table(S)
+    events = _live_events(
+        rows, starts, ends, issue, S, M, len(rows),
+        size["activation"], size["input"], size["carry"],
+    )  # fmt: skip
+    return tuple(
+        p + sum(size["params"][s] for s in schedule.stages_of(r))
+        for r, p in enumerate(_peaks(events))
+    )
+
+
+def _start_times(schedule: Schedule, costs: Costs) -> list[list[float]]:
+    """`simulate(schedule, costs).starts` alone (the tick planner needs only these)."""
+    info = analyze(schedule)
+    S, M = info.num_stages, info.num_microbatches
+    return _run(info.rows, info.order, S, M, info.stage_to_rank, costs)[0]
 
 
 def _run(rows, order, S: int, M: int, owner, costs: Costs):
@@ -410,59 +439,64 @@ def _run(rows, order, S: int, M: int, owner, costs: Costs):
     starts = [[0.0] * len(row) for row in rows]
     ends = [[0.0] * len(row) for row in rows]
     issue = [[0.0] * len(row) for row in rows]
+    last = S - 1
     for r, i in order:
         a = rows[r][i]
-        s, m, kind = a.stage, a.microbatch, a.kind
-        k = s * M + m
+        s, kind = a.stage, a.kind
+        k = s * M + a.microbatch
         ready = issue[r][i] = free[r]
-        if kind in ("F", "FC"):
-            if s > 0:
-                ready = max(ready, end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0))
-        elif kind == "W":
-            ready = max(ready, end_i[k], readable[k])
-        elif kind in ("B", "I"):
-            ready = max(ready, end_f[k], readable[k])
-            if s < S - 1:
-                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
-        elif kind == "RECOMPUTE":
-            ready = max(ready, readable[k])
-        elif kind in ("EVICT", "LOAD"):
-            ready = max(ready, link[r], away[k] if kind == "LOAD" else 0.0)
-        elif kind in ("OFFLOAD_START", "RELOAD_START"):
-            ready = max(ready, host[r], away[k] if kind == "RELOAD_START" else 0.0)
-        elif kind == "OFFLOAD_END":
-            ready = max(ready, away[k])
-        else:  # RELOAD_END
-            ready = max(ready, readable[k])
         duration = cost[kind][s]
-        finish = ready + duration
-        starts[r][i], ends[r][i] = ready, finish
-        if kind in COMPUTE_KINDS:
+        # when it can start, and what its end makes ready
+        if kind == "F" or kind == "FC":
+            if s > 0:
+                after = end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0)
+                if after > ready:
+                    ready = after
+            finish = ready + duration
             free[r] = finish
             busy[r] += duration
-        if kind in ("F", "FC"):
-            end_f[k] = finish
-            readable[k] = finish
-        elif kind in ("B", "I"):
+            end_f[k] = readable[k] = finish
+        elif kind == "B" or kind == "I":
+            ready = max(ready, end_f[k], readable[k])
+            if s < last:
+                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
+            finish = ready + duration
+            free[r] = finish
+            busy[r] += duration
             end_g[k] = finish
             if kind == "I":
                 end_i[k] = finish
+        elif kind == "W":
+            ready = max(ready, end_i[k], readable[k])
+            finish = ready + duration
+            free[r] = finish
+            busy[r] += duration
         elif kind == "RECOMPUTE":
+            ready = max(ready, readable[k])
+            finish = ready + duration
+            free[r] = finish
+            busy[r] += duration
             readable[k] = finish
-        elif kind in ("EVICT", "LOAD"):
-            link[r] = finish
+        elif kind == "EVICT" or kind == "LOAD":
             if kind == "EVICT":
-                away[k] = finish
+                ready = max(ready, link[r], 0.0)
+                finish = away[k] = ready + duration
             else:
-                readable[k] = finish
-        elif kind in ("OFFLOAD_START", "RELOAD_START"):
-            host[r] = finish
+                ready = max(ready, link[r], away[k])
+                finish = readable[k] = ready + duration
+            link[r] = finish
+        elif kind == "OFFLOAD_START" or kind == "RELOAD_START":
             if kind == "OFFLOAD_START":
-                away[k] = finish
+                ready = max(ready, host[r], 0.0)
+                finish = away[k] = ready + duration
             else:
-                readable[k] = finish
-        elif kind in ("OFFLOAD_END", "RELOAD_END"):
-            free[r] = finish  # the rank waited for its copy
+                ready = max(ready, host[r], away[k])
+                finish = readable[k] = ready + duration
+            host[r] = finish
+        else:  # OFFLOAD_END, RELOAD_END: the rank waits for its copy
+            ready = max(ready, away[k] if kind == "OFFLOAD_END" else readable[k])
+            finish = free[r] = ready + duration
+        starts[r][i], ends[r][i] = ready, finish
     return starts, ends, issue, busy
 
 
@@ -475,37 +509,38 @@ def _live_events(rows, starts, ends, issue, S, M, R, act, inp, carry):
     back after them (the larger count, where times tie). See the module docstring.
     """
     events: list[list] = [[] for _ in range(R)]
+    # at a start: (start, 1, i, 0); at an end: (end, 1, i, 1); a partner's (t, 0 or 2, r, i)
     for r, row in enumerate(rows):
-        own = events[r]
+        add = events[r].append
+        t0s, t1s = starts[r], ends[r]
         for i, a in enumerate(row):
             s, kind = a.stage, a.kind
-            t0, t1 = starts[r][i], ends[r][i]
-            at_start, at_end = (t0, 1, i, 0), (t1, 1, i, 1)
             if kind == "F":
-                own.append((at_start, act[s], (r, i)))
-            elif kind == "FC":
-                own.append((at_start, inp[s], (r, i)))
-            elif kind == "RECOMPUTE":
-                own.append((at_start, act[s], (r, i)))
-                own.append((at_end, -inp[s], (r, i)))
-            elif kind == "B":
-                own.append((at_end, -act[s], (r, i)))
-            elif kind == "I":
-                own.append((at_start, carry[s], (r, i)))
+                add(((t0s[i], 1, i, 0), act[s], (r, i)))
             elif kind == "W":
-                own.append((at_end, -act[s] - carry[s], (r, i)))
+                add(((t1s[i], 1, i, 1), -act[s] - carry[s], (r, i)))
+            elif kind == "I":
+                add(((t0s[i], 1, i, 0), carry[s], (r, i)))
+            elif kind == "B":
+                add(((t1s[i], 1, i, 1), -act[s], (r, i)))
+            elif kind == "FC":
+                add(((t0s[i], 1, i, 0), inp[s], (r, i)))
+            elif kind == "RECOMPUTE":
+                add(((t0s[i], 1, i, 0), act[s], (r, i)))
+                add(((t1s[i], 1, i, 1), -inp[s], (r, i)))
             elif kind == "EVICT":
-                own.append((at_end, -act[s], (r, i)))
-                events[a.partner].append(((t0, 0, r, i), act[s], (r, i)))
+                add(((t1s[i], 1, i, 1), -act[s], (r, i)))
+                events[a.partner].append(((t0s[i], 0, r, i), act[s], (r, i)))
             elif kind == "LOAD":
-                own.append((at_start, act[s], (r, i)))
-                events[a.partner].append(((t1, 2, r, i), -act[s], (r, i)))
+                add(((t0s[i], 1, i, 0), act[s], (r, i)))
+                events[a.partner].append(((t1s[i], 2, r, i), -act[s], (r, i)))
             elif kind == "OFFLOAD_END":
-                own.append((at_end, -act[s], (r, i)))
+                add(((t1s[i], 1, i, 1), -act[s], (r, i)))
             elif kind == "RELOAD_START":
-                own.append((at_start, act[s], (r, i)))
+                add(((t0s[i], 1, i, 0), act[s], (r, i)))
+    first = operator.itemgetter(0)
     for row in events:
-        row.sort(key=lambda e: e[0])
+        row.sort(key=first)
     return events
 
 

@@ -50,6 +50,7 @@ microbatches in a fraction of a second.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import operator
@@ -58,7 +59,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from jpipe._schedule import Schedule
-from jpipe._simulate import Costs, simulate
+from jpipe._simulate import Costs, _start_times
 from jpipe._validate import analyze
 
 # Phases inside one tick, in program order.
@@ -361,13 +362,15 @@ def _unit_layout(schedule: Schedule, sim=None) -> _Layout:
         or sim.schedule is not schedule
         or (sim.costs.table(S), sim.costs.comm_table(S)) != unit
     ):
-        sim = simulate(schedule, costs)
-    first = min((round(row[0]) for row in sim.starts if row), default=0)
+        starts = _start_times(schedule, costs)
+    else:
+        starts = sim.starts
+    first = min((round(row[0]) for row in starts if row), default=0)
     when = [-1] * (_NUM_KINDS * S * M)
     used = set()
     moves = []
     for r in range(schedule.num_ranks):
-        for a, start in zip(schedule.actions(r), sim.starts[r]):
+        for a, start in zip(info.rows[r], starts[r]):
             t = round(start) - first
             key = a.stage * M + a.microbatch
             if a.kind == "B":
@@ -417,7 +420,7 @@ def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layou
     in_tick = [0] * R  # pieces the rank runs in its last tick
     fullest: list[int] = []  # per tick, the most pieces one rank runs in it
     shared = True
-    rows = [schedule.actions(r) for r in range(R)]
+    rows = info.rows
     for r, i in info.order:
         a = rows[r][i]
         s, m = a.stage, a.microbatch
@@ -481,7 +484,7 @@ def _ticks(schedule: Schedule, layout: _Layout):
     new = tuple.__new__  # Piece(kind, s, m) without its Python-level __new__: 2x faster
     cells = [()] * (T * R)  # cells[t * R + r]: the pieces of rank r in tick t
     for r in range(R):
-        for a in schedule.actions(r):
+        for a in info.rows[r]:
             s, m = a.stage, a.microbatch
             if a.kind == "B":
                 kinds = ("I", "W")
@@ -627,9 +630,7 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
     when = layout.when
     P = _NUM_PHASES
     io = [[] for _ in range(R)]
-    res = [[] for _ in range(R)]
     carry = [[] for _ in range(R)]
-    host = [[] for _ in range(R)]
     fc = set()
     for t, row in enumerate(ticks):
         for pieces in row:
@@ -649,6 +650,28 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
                         io[owner[s - 1]].append((P * t + _PH_SEND, end, ("I", s - 1, m)))
                     w = when[2 * SM + s * M + m]
                     carry[owner[s]].append((P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m)))
+    res, host, moves, res_key = _residual_intervals(layout, fc, owner, R, S, M)
+    intervals = {"io": io, "res": res, "carry": carry, "host": host}
+    slot, counts = {}, []
+    for arena, per_rank in intervals.items():
+        n = max((_colour(ivs, arena, slot) for ivs in per_rank), default=0)
+        if arena != "host":
+            counts.append(n)
+    lifetimes = {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in ("res", "carry", "host")}
+    return slot, tuple(counts), lifetimes, tuple(sorted(moves, key=lambda mv: mv.tick)), res_key
+
+
+def _residual_intervals(layout: _Layout, fc, owner, R: int, S: int, M: int):
+    """`_memory_slots`' residuals: ``(res, host, moves, res_key)``, the intervals on each
+    rank and on its host (in the order of their keys), each `Move` and each piece's key.
+
+    `fc` holds the ``(stage, microbatch)`` pairs whose forward is an ``FC``.
+    """
+    SM = S * M
+    when = layout.when
+    P = _NUM_PHASES
+    res = [[] for _ in range(R)]
+    host = [[] for _ in range(R)]
     by_key: dict = {}
     for tick, kind, s, m, r, partner in layout.moves:
         by_key.setdefault((s, m), []).append((tick, kind, r, partner))
@@ -666,12 +689,9 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
                 if where == r and arena is res:
                     spans.append((start, P * tick, key))
                 new_key = (s, m, j)
-                to, new_arena = {
-                    "EVICT": (partner, res),
-                    "LOAD": (r, res),
-                    "OFFLOAD": (r, host),
-                    "RELOAD": (r, res),
-                }[kind]
+                # EVICT to the partner, OFFLOAD to the host, LOAD and RELOAD back home
+                to = partner if kind == "EVICT" else r
+                new_arena = host if kind == "OFFLOAD" else res
                 moves.append(Move(kind, tick, s, m, where, to, key, new_key))
                 start, key, where, arena = P * tick, new_key, to, new_arena
             end = P * when[2 * SM + s * M + m] + _PH_W_READ
@@ -680,14 +700,59 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
             res_key[("W", s, m)] = key
             i = P * when[SM + s * M + m] + _PH_I_READ
             res_key[("I", s, m)] = next(k for a, b, k in spans if a <= i <= b)
-    intervals = {"io": io, "res": res, "carry": carry, "host": host}
-    slot, counts = {}, []
-    for arena, per_rank in intervals.items():
-        n = max((_colour(ivs, arena, slot) for ivs in per_rank), default=0)
-        if arena != "host":
-            counts.append(n)
-    lifetimes = {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in ("res", "carry", "host")}
-    return slot, tuple(counts), lifetimes, tuple(sorted(moves, key=lambda mv: mv.tick)), res_key
+    return res, host, moves, res_key
+
+
+def plan_lifetimes(schedule: Schedule, layout: str = "auto") -> dict:
+    """`make_plan(schedule, layout).lifetimes` alone: the same intervals in the same
+    order, without the tick table and the slots (what `jpipe.search_schedule` sizes the
+    SPMD program's buffers from, for every schedule it tries).
+
+    Each rank runs at most one piece of a kind in a tick, so the order of the table
+    (`_slots`, `_memory_slots`) is, on each rank, the order of the pieces' ticks. Those
+    of the ``"auto"`` layout are worked out once and kept on the schedule, which is
+    immutable (as `jpipe.validate`'s analysis is).
+    """
+    if layout == "auto":
+        kept = schedule.__dict__.get("_lifetimes")
+        if kept is None:
+            kept = _plan_lifetimes(schedule, layout)
+            object.__setattr__(schedule, "_lifetimes", kept)  # frozen, but not a field
+        return dict(kept)
+    return _plan_lifetimes(schedule, layout)
+
+
+def _plan_lifetimes(schedule: Schedule, layout: str) -> dict:
+    chosen = _choose_layout(schedule, layout)
+    info = analyze(schedule)
+    owner, R = info.stage_to_rank, schedule.num_ranks
+    S, M = info.num_stages, info.num_microbatches
+    SM = S * M
+    when = chosen.when
+    P = _NUM_PHASES
+    memory = schedule.has_memory_actions
+    carry = [[] for _ in range(R)]
+    if memory:
+        fc = {a.key for row in info.rows for a in row if a.kind == "FC"}
+        res, host, _, _ = _residual_intervals(chosen, fc, owner, R, S, M)
+    else:
+        res = [[] for _ in range(R)]
+    for s in range(S):
+        r = owner[s]
+        for m in range(M):
+            k = s * M + m
+            w = when[2 * SM + k]
+            i = when[SM + k]
+            if i >= 0 and (memory or w >= 0):
+                carry[r].append((P * i + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m)))
+            f = when[k]
+            if not memory and f >= 0 and w >= 0:
+                res[r].append((P * f + _PH_F_WRITE_RES, P * w + _PH_W_READ, (s, m)))
+    for ivs in carry if memory else carry + res:
+        ivs.sort(key=operator.itemgetter(0))  # one start per rank and kind of piece
+    arenas = ("res", "carry", "host") if memory else ("res", "carry")
+    intervals = {"res": res, "carry": carry, "host": host if memory else None}
+    return {a: tuple(tuple(ivs) for ivs in intervals[a]) for a in arenas}
 
 
 def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
@@ -718,38 +783,38 @@ def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
 
 def _first_fit_by_start(lifetimes, size_of) -> tuple[int, dict]:
     """`pack_lifetimes`' sweep: in order of start, the lowest offset free of the values live."""
-    live: list[tuple[int, int, int]] = []  # (offset, size, end)
+    live: list[tuple[int, int, int]] = []  # (offset, size, end), kept in order
     extent, out = 0, {}
     for start, end, key in sorted(lifetimes, key=lambda iv: (iv[0], iv[1])):
         live = [v for v in live if v[2] >= start]
         size = size_of(key)
         offset = 0
-        for off, n, _ in sorted(live):
+        for off, n, _ in live:
             if off - offset >= size:
                 break
             offset = max(offset, off + n)
         out[key] = offset
         if size:
-            live.append((offset, size, end))
+            bisect.insort(live, (offset, size, end))
             extent = max(extent, offset + size)
     return extent, out
 
 
 def _first_fit(order, size_of) -> tuple[int, dict]:
     """Each value in `order` at the lowest offset free of those placed before it that it meets."""
-    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    placed: list[tuple[int, int, int, int]] = []  # (offset, offset + size, start, end), in order
     extent, out = 0, {}
     for start, end, key in order:
         size = size_of(key)
-        taken = sorted((off, off + n) for a, b, off, n in placed if a <= end and start <= b)
         offset = 0
-        for lo, hi in taken:
-            if lo - offset >= size:
-                break
-            offset = max(offset, hi)
+        for lo, hi, a, b in placed:  # by offset: those it meets in time, lowest first
+            if a <= end and start <= b:
+                if lo - offset >= size:
+                    break
+                offset = max(offset, hi)
         out[key] = offset
         if size:
-            placed.append((start, end, offset, size))
+            bisect.insort(placed, (offset, offset + size, start, end))
             extent = max(extent, offset + size)
     return extent, out
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jpipe._schedule import MEMORY_KINDS, Action, Schedule
 
@@ -73,7 +73,7 @@ def _where(rank: int, pos: int, action) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    """What validation learned; used by the simulator and the planner.
+    """What validation learned; used by the simulator, the tick planner and the search.
 
     Attributes:
       num_stages, num_microbatches: the schedule's sizes.
@@ -81,16 +81,32 @@ class Analysis:
       order: every plain action as `(rank, index)` in an order that respects
         all dependencies, `index` counting the rank's plain actions
         (`Schedule.actions`).
+      rows: each rank's plain actions (`Schedule.actions`), read once here so
+        that the passes after validation need not split the cells again.
       peak_live: the most live activations on each rank (with memory
         actions, what it holds for a partner included; see the module
-        docstring).
+        docstring). With memory actions it takes a run of the schedule in
+        time, done the first time it is read (the simulator counts its own
+        and never reads it then; the search never does).
     """
 
     num_stages: int
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
     order: tuple[tuple[int, int], ...]
-    peak_live: tuple[int, ...]
+    rows: tuple[tuple[Action, ...], ...] = dataclasses.field(repr=False)
+    # the peaks, or a function that computes them (`peak_live`)
+    _peak: tuple[int, ...] | Callable[[], tuple[int, ...]] = dataclasses.field(
+        repr=False, compare=False
+    )
+
+    @property
+    def peak_live(self) -> tuple[int, ...]:
+        peak = self._peak
+        if callable(peak):
+            peak = peak()
+            object.__setattr__(self, "_peak", peak)  # frozen, but computed once
+        return peak
 
 
 def validate(
@@ -138,19 +154,40 @@ def analyze(
     return _analyze(schedule, num_stages, num_microbatches, max_live)
 
 
+def _rows(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's plain actions (`Schedule.actions`): a rank's row as it is where each
+    cell is one action (the usual case), so that no action is copied."""
+    return tuple(
+        row if set(map(type, row)) <= {Action} else tuple(p for step in row for p in step.parts)
+        for row in schedule.ranks
+    )
+
+
 def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Analysis:
     """The dependency analysis: indices, dependencies, deadlocks, liveness."""
-    rows = [schedule.actions(r) for r in range(schedule.num_ranks)]
-    # Position in the rank's row as written (an Overlap cell is one position).
-    cell_pos = []
-    for row in schedule.ranks:
-        cell_pos.append([pos for pos, step in enumerate(row) for _ in step.parts])
+    rows = _rows(schedule)
+    # The position of each action in the rank's row as written (an Overlap cell is one).
+    cell_pos = [
+        range(len(row)) if len(row) == len(cells) else
+        [pos for pos, step in enumerate(cells) for _ in step.parts]
+        for row, cells in zip(rows, schedule.ranks)
+    ]  # fmt: skip
     if not any(rows):
         raise ScheduleError("the schedule has no actions")
 
-    # 1. indices
-    stages_seen, mbs_seen = set(), set()
-    for r, row in enumerate(rows):
+    # 1. indices: each set at once, then each action in turn only where one is wrong
+    R = len(rows)
+    stages_seen = {a.stage for row in rows for a in row}
+    mbs_seen = {a.microbatch for row in rows for a in row}
+    partners = [{a.partner for a in row} - {None} for row in rows]
+    wrong = (
+        min(stages_seen) < 0
+        or min(mbs_seen) < 0
+        or (num_stages is not None and max(stages_seen) >= num_stages)
+        or (num_microbatches is not None and max(mbs_seen) >= num_microbatches)
+        or any(not (0 <= p < R and p != r) for r in range(R) for p in partners[r])
+    )
+    for r, row in enumerate(rows if wrong else ()):  # raises at the first one wrong
         for i, a in enumerate(row):
             if a.stage < 0 or a.microbatch < 0:
                 raise ScheduleError(
@@ -209,6 +246,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     memory = schedule.has_memory_actions
     if memory:  # an FC is the key's forward (in F's slot); each other kind has its own
         where.update({kind: [None] * (S * M) for kind in MEMORY_KINDS if kind != "FC"})
+    slots_of = {**where, "FC": where["F"]}
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
             s = a.stage
@@ -220,7 +258,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"{_where(r, cell_pos[r][i], a)}: stage {s} is on two ranks, "
                     f"{o} and {r}; a stage must live on exactly one rank. {REPLICAS_NOT_YET}"
                 )
-            slots = where["F" if a.kind == "FC" else a.kind]
+            slots = slots_of[a.kind]
             k = s * M + a.microbatch
             prev = slots[k]
             if prev is not None:
@@ -240,7 +278,13 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     f_at, b_at, i_at, w_at = where["F"], where["B"], where["I"], where["W"]
     if num_microbatches is None:
         _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
-    for s in range(S):
+    # Each key has its F and either a B or an I and a W: at once, then key by key (which
+    # raises at the first wrong) only where one is wrong.
+    complete = None not in f_at and all(
+        (b is None) != (i is None) and (i is None) == (w is None)
+        for b, i, w in zip(b_at, i_at, w_at)
+    )
+    for s in range(0 if complete else S):
         r = owner[s]
         for m in range(M):
             k = s * M + m
@@ -261,8 +305,13 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
             if problem:
                 raise ScheduleError(f"rank {r} (which holds stage {s}): {problem}")
 
-    # 5. order on one rank: a backward after its forward, a W after its I
-    for k in range(S * M):
+    # 5. order on one rank: a backward after its forward, a W after its I (checked at once
+    # for every key, then key by key where one is out of order)
+    in_order = all(
+        f[1] < b[1] if b is not None else f[1] < i[1] < w[1]
+        for f, b, i, w in zip(f_at, b_at, i_at, w_at)
+    )
+    for k in range(0 if in_order else S * M):
         fi = f_at[k][1]
         for later, need in ((b_at[k], fi), (i_at[k], fi), (w_at[k], None)):
             if later is None:
@@ -285,11 +334,17 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     # 6. deadlock: walk the dependency graph
     order, peak = _walk(rows, cell_pos, S, M, owner)
     if memory:  # what a rank holds for a partner is placed in time
-        budgets = None if max_live is None else _budgets(max_live, len(rows))
+        if max_live is None:  # nothing to check: run in time only if the peaks are read
+
+            def peak_live(rows=rows, order=order, S=S, M=M, owner=owner):
+                return tuple(_held_in_time(rows, None, order, S, M, owner, None)[0])
+
+            return Analysis(S, M, tuple(owner), tuple(order), rows, peak_live)
+        budgets = _budgets(max_live, len(rows))
         peak, over = _held_in_time(rows, cell_pos, order, S, M, owner, budgets)
         if over:
             raise ScheduleError(over)
-        return Analysis(S, M, tuple(owner), tuple(order), tuple(peak))
+        return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
 
     # 7. live-activation budget
     if max_live is not None:
@@ -304,7 +359,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                         f"the budget of {budgets[r]} on rank {r}"
                     )
                 live -= a.kind in ("B", "W")
-    return Analysis(S, M, tuple(owner), tuple(order), tuple(peak))
+    return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
 
 
 def _budgets(max_live, num_ranks: int) -> list[int]:
@@ -371,26 +426,28 @@ _BRINGS_BACK = {
 
 def _check_residual_places(rows, cell_pos, M: int) -> None:
     """Step 5b: each action finds its key's residuals where it needs them (module docstring)."""
+    memory_kinds = frozenset(MEMORY_KINDS)
     for r, row in enumerate(rows):
         place: dict[int, int] = {}
         moved: dict[int, int] = {}  # index of the last action that put them where they are
         made: dict[int, int] = {}  # index of the key's F or FC
         for i, a in enumerate(row):
+            kind = a.kind
             k = a.stage * M + a.microbatch
             here = place.get(k, _NONE)
-            allowed, after = _MOVES[a.kind]
+            allowed, after = _MOVES[kind]
             if here not in allowed:
                 why = _misplaced(r, row, cell_pos, i, here, moved.get(k), made.get(k))
                 raise ScheduleError(why)
-            if a.kind == "LOAD" and a.partner != row[moved[k]].partner:
+            if kind == "LOAD" and a.partner != row[moved[k]].partner:
                 ev = row[moved[k]]
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: loads from rank {a.partner}, but {ev!r} at "
                     f"position {cell_pos[r][moved[k]]} evicted them to rank {ev.partner}"
                 )
-            if a.kind in ("F", "FC"):
+            if kind == "F" or kind == "FC":
                 made[k] = i
-            if after != here or a.kind in MEMORY_KINDS:
+            if after != here or kind in memory_kinds:
                 moved[k] = i
             place[k] = after
 
@@ -517,48 +574,43 @@ def _walk(rows, cell_pos, S, M, owner):
     pc = [0] * R
     waiting: dict[tuple[str, int], list[int]] = {}
     order: list[tuple[int, int]] = []
+    ran = order.append
     live = [0] * R
     peak = [0] * R
     ready = list(range(R))
+    last = S - 1
     while ready:
         r = ready.pop()
         row = rows[r]
+        n = len(row)
         i = pc[r]
-        while i < len(row):
+        while i < n:
             a = row[i]
-            s, m = a.stage, a.microbatch
-            k = s * M + m
-            need = None
-            if a.kind in ("F", "FC"):
+            kind, s = a.kind, a.stage
+            k = s * M + a.microbatch
+            # Each kind waits for what it needs (then the rank stops here), or runs and
+            # wakes the ranks that waited for it.
+            if kind == "F" or kind == "FC":
                 if s > 0 and not done_f[k - M]:
-                    need = ("F", k - M)
-            elif a.kind == "W":
-                if not done_i[k]:
-                    need = ("I", k)
-            elif a.kind in ("B", "I"):
-                if not done_f[k]:
-                    need = ("F", k)
-                elif s < S - 1 and not done_g[k + M]:
-                    need = ("G", k + M)
-            # a memory action needs only what its own rank ran before it (step 5b)
-            if need is not None:
-                waiting.setdefault(need, []).append(r)
-                break
-            order.append((r, i))
-            if a.kind in ("F", "FC"):
+                    waiting.setdefault(("F", k - M), []).append(r)
+                    break
+                ran((r, i))
                 done_f[k] = 1
-                live[r] += a.kind == "F"
-                if live[r] > peak[r]:
-                    peak[r] = live[r]
+                if kind == "F":
+                    live[r] += 1
+                    if live[r] > peak[r]:
+                        peak[r] = live[r]
                 woken = waiting.pop(("F", k), None)
-            elif a.kind not in ("B", "I", "W"):
-                woken = None  # memory actions: the peak is counted in time (_held_in_time)
-            elif a.kind == "W":
-                live[r] -= 1
-                woken = None
-            else:
+            elif kind == "B" or kind == "I":
+                if not done_f[k]:
+                    waiting.setdefault(("F", k), []).append(r)
+                    break
+                if s < last and not done_g[k + M]:
+                    waiting.setdefault(("G", k + M), []).append(r)
+                    break
+                ran((r, i))
                 done_g[k] = 1
-                if a.kind == "I":
+                if kind == "I":
                     done_i[k] = 1
                     woken = waiting.pop(("I", k), None)
                     other = waiting.pop(("G", k), None)
@@ -567,6 +619,16 @@ def _walk(rows, cell_pos, S, M, owner):
                 else:
                     live[r] -= 1
                     woken = waiting.pop(("G", k), None)
+            elif kind == "W":
+                if not done_i[k]:
+                    waiting.setdefault(("I", k), []).append(r)
+                    break
+                ran((r, i))
+                live[r] -= 1
+                woken = None
+            else:  # a memory action needs only what its own rank ran before it (step 5b);
+                ran((r, i))  # its peak is counted in time (_held_in_time)
+                woken = None
             if woken:
                 ready.extend(woken)
             i += 1

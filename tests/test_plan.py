@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from test_compiler_properties import random_schedule
 
 import jpipe
+from jpipe._ticks import plan_lifetimes
 
 LAYOUTS = ("unit", "packed")
 BUILTINS = [
@@ -122,6 +123,8 @@ def replay(plan) -> int:
 def check_plan(schedule, layout):
     plan = jpipe.make_plan(schedule, layout)
     assert plan.layout == layout
+    # the search's shortcut to the lifetimes (no table, no slots) finds the same, in order
+    assert plan_lifetimes(schedule, layout) == plan.lifetimes
     pieces = sum(
         2 if a.kind == "B" else 1
         for _, _, a in schedule.all_actions()

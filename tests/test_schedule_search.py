@@ -144,6 +144,12 @@ def test_applied_moves_validate_and_keep_the_compute(seed):
     schedule = apply_moves(base, sorted(moves.values()))
     jpipe.validate(schedule)
     assert schedule.without_memory_actions() == base
+    # built without the schedule's checks, with the base's sizes and placement: the same as
+    # a schedule made the ordinary way, which works them out from its actions
+    fresh = jpipe.Schedule.of([list(row) for row in schedule.ranks], name=schedule.name)
+    assert schedule == fresh and hash(schedule) == hash(fresh)
+    for attribute in ("num_stages", "num_microbatches", "stage_to_rank", "has_memory_actions"):
+        assert getattr(schedule, attribute) == getattr(fresh, attribute), attribute
     assert sum(a.is_memory for _, _, a in schedule.all_actions()) >= len(moves)
 
 
@@ -214,6 +220,31 @@ def test_the_local_search_is_no_slower_than_the_builtin_recompute(budget_drop):
                                   schedules=["1f1b"]).winner  # fmt: skip
     assert made is not None and found is not None
     assert found.time <= made.time
+
+
+def test_the_walk_evaluates_each_schedule_once(monkeypatch):
+    """A set of moves met again is not built and simulated again; it still counts as one
+    simulation more, so that the bound on simulations and the count reported hold as they
+    did when each was simulated anew."""
+    from jpipe import _schedule_search
+
+    seen = []
+    evaluate = _schedule_search._Evaluator.__call__
+
+    def counting(self, schedule):
+        seen.append(schedule.ranks)
+        return evaluate(self, schedule)
+
+    monkeypatch.setattr(_schedule_search._Evaluator, "__call__", counting)
+    base = jpipe.get_schedule("1f1b", 4, 16)
+    fig = UNIFORM.for_schedule(base)
+    plain = device_bytes(jpipe.simulate(base, fig.costs), fig, "per_rank")
+    found = local_search(base, fig, plain.most - 2.0, "per_rank")
+    assert found.schedule is not None and found.memory.most <= plain.most - 2.0
+    assert len(set(seen)) == len(seen)  # each once
+    assert found.simulated > len(seen)  # the walk met some again, each counted
+    assert isinstance(found.simulation, jpipe.Simulation)
+    assert found.simulation == jpipe.simulate(found.schedule, fig.costs)
 
 
 def test_the_local_search_gives_up_when_nothing_can_fit():

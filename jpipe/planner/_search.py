@@ -96,7 +96,17 @@ from collections.abc import Sequence
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
 from jpipe._schedule_search import StageFigures, runs_schedule, search_schedule
-from jpipe._simulate import Costs, Simulation, Sizes, peak_bytes, simulate
+from jpipe._simulate import (
+    Costs,
+    Simulation,
+    Sizes,
+    _live_events,
+    _peak_bytes_in_time,
+    _timed,
+    peak_bytes,
+    simulate,
+)
+from jpipe._validate import analyze
 from jpipe.planner._partition import (
     Partition,
     partition,
@@ -368,8 +378,8 @@ def _values(
     time, with unit costs and free transfers (as the validator places them), what a rank
     holds for a partner included; without, in list order."""
     sizes = _values_sizes(schedule, act, inputs)
-    if schedule.has_memory_actions:
-        return simulate(schedule, Costs(), sizes).peak_bytes
+    if schedule.has_memory_actions:  # `simulate(schedule, Costs(), sizes).peak_bytes`, alone
+        return _peak_bytes_in_time(schedule, sizes, _timed(schedule, Costs())[:3])
     return peak_bytes(schedule, sizes, schedule.num_stages)
 
 
@@ -804,12 +814,24 @@ def _live_units(schedule: Schedule) -> list[float]:
     partner holds for it is left to the footprint checked after the split)."""
     carry = 1.0 if schedule.splits_backward else 0.0
     if schedule.has_memory_actions:
-        S, owner = schedule.num_stages, schedule.stage_to_rank
-        most = []
-        for s in range(S):
-            one = [1.0 if q == s else 0.0 for q in range(S)]
-            sizes = Sizes(activation=one, carry=[carry * x for x in one], input=0.0)
-            most.append(simulate(schedule, Costs(), sizes).peak_bytes[owner[s]])
+        # Stage s's peak on its own rank in the run with unit costs, `simulate(schedule,
+        # Costs(), sizes).peak_bytes[owner[s]]` with sizes 1 (and `carry`) for stage s
+        # alone: one run and one pass over each rank's events, each stage's running sum
+        # taking only its own changes (the others' are zeros there).
+        info = analyze(schedule)
+        S, M, owner, rows = info.num_stages, info.num_microbatches, info.stage_to_rank, info.rows
+        starts, ends, issue, _, _ = _timed(schedule, Costs())
+        events = _live_events(
+            rows, starts, ends, issue, S, M, len(rows), (1.0,) * S, (0.0,) * S, (carry,) * S
+        )
+        live, most = [0.0] * S, [0.0] * S
+        for r, changes in enumerate(events):
+            for _, delta, (src, j) in changes:
+                s = rows[src][j].stage
+                if owner[s] == r:
+                    live[s] += delta
+                    if live[s] > most[s]:
+                        most[s] = live[s]
         return most
     most = [0.0] * schedule.num_stages
     for r in range(schedule.num_ranks):
@@ -1050,6 +1072,7 @@ def plan(
     chosen: dict[ClusterPlan, str] = {}  # plans whose schedule the search picked: why
     built: dict = {}  # (spec, ranks, microbatches) -> (schedule or None, error or None, runs)
     live_of: dict = {}  # the same key -> `_live_units` of the schedule
+    searched: dict = {}  # what the searches of `--schedules search` share (`_searched`)
     considered = 0
 
     def schedule_of(spec, p, M):
@@ -1071,7 +1094,7 @@ def plan(
             _, shape = item
             try:
                 candidate, schedule, why = _searched(
-                    profile, shape, usable, memory_margin, receiver_busy
+                    profile, shape, usable, memory_margin, receiver_busy, searched
                 )
             except ValueError as e:
                 skipped.append(f"{_describe(shape)}: {e}")
@@ -1296,11 +1319,20 @@ class _PlanFigures:
     own layer split (`_fitting_split`) and the per-stage costs and bytes `evaluate` and
     `memory_footprint` would count for it (`_stage_figures`)."""
 
-    def __init__(self, profile, shape, usable, margin, receiver_busy):
+    def __init__(self, profile, shape, usable, margin, receiver_busy, live=None):
         self.profile, self.shape = profile, shape
         self.usable, self.margin, self.receiver_busy = usable, margin, receiver_busy
         self.plans: dict[Schedule, ClusterPlan] = {}
         self._splits: dict = {}
+        # `_live_units` of each schedule, by its id (the schedule kept beside them): a dict
+        # the planner keeps over its shapes, whose searches share their schedules
+        self._live = {} if live is None else live
+
+    def _live_units(self, schedule: Schedule) -> tuple[float, ...]:
+        got = self._live.get(id(schedule))
+        if got is None or got[0] is not schedule:
+            got = self._live[id(schedule)] = (schedule, tuple(_live_units(schedule)))
+        return got[1]
 
     def for_schedule(self, schedule: Schedule):
         if schedule.num_stages > self.profile.num_layers:
@@ -1316,12 +1348,13 @@ class _PlanFigures:
             None if alike else schedule,
             schedule.stage_to_rank,
             schedule.splits_backward,
-            tuple(_live_units(schedule)),
+            self._live_units(schedule),
         )
         if key not in self._splits:
             self._splits[key] = _fitting_split(
-                self.profile, self.shape, schedule, self.usable, self.margin, self.receiver_busy
-            )
+                self.profile, self.shape, schedule, self.usable, self.margin, self.receiver_busy,
+                live=key[3],
+            )  # fmt: skip
         plan_ = self._splits[key]
         self.plans[schedule] = plan_
         return _stage_figures(self.profile, plan_, schedule, self.receiver_busy)
@@ -1372,7 +1405,9 @@ def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, rec
     )
 
 
-def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, receiver_busy):
+def _searched(
+    profile: Profile, shape: ClusterPlan, usable, margin: float, receiver_busy, built=None
+):
     """`jpipe.search_schedule` for one shape: `(plan, schedule, why)`, or `ValueError`.
 
     The budget is what the tightest device of the shape may hold besides its fixed
@@ -1382,6 +1417,9 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
     where the layout's lowering runs them: recomputes and evictions; the profiles give
     no host bandwidth for offloads), each split by `_fitting_split`; not the local
     search, whose schedules have no name a plan file could give the trainer.
+
+    `built`, a dict the caller keeps over its shapes, holds the schedules built and what
+    is worked out on them alone (`search_schedule`'s `built`, `_live_units`).
     """
     terms = profile.memory_terms
     budget = min(
@@ -1391,7 +1429,10 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
     )
     if budget <= 0:
         raise ValueError("search: the fixed overhead alone fills the smallest device")
-    figures = _PlanFigures(profile, shape, usable, margin, receiver_busy)
+    if built is None:
+        built = {}
+    live = built.setdefault("live units", {})  # beside search_schedule's, which are tuples
+    figures = _PlanFigures(profile, shape, usable, margin, receiver_busy, live)
     # the built-ins evict to rank R - 1 - r, which must have the same mesh shape
     degrees = shape.tensor_per_rank
     same = all(degrees[r] == degrees[shape.pipe - 1 - r] for r in range(shape.pipe))
@@ -1404,6 +1445,7 @@ def _searched(profile: Profile, shape: ClusterPlan, usable, margin: float, recei
         local=False,
         margin=0.0,
         memory_actions=("recompute", "evict") if same else ("recompute",),
+        built=built.setdefault("schedules", {}),
     )
     w = result.winner
     if w is None:
