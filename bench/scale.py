@@ -1,22 +1,29 @@
 """Llama-3-8B at its real sizes, compiled from shapes: what each device holds.
 
-``python -m bench.scale [--seq 4096] [--microbatches 8] [--variants xla-none,blockwise-full]``
+``python -m bench.scale [--seq 4096] [--microbatches 8] [--variants V,...]``, for example
+``--variants xla-none,blockwise-full+vocab+sequence``.
 
 The full training step (AdamW, float32 parameters, bfloat16 compute, the
 128,256-token vocabulary with ``remat_logits``) of Llama-3-8B (32 layers, D
 4,096, FFN 14,336, 32 heads / 8 KV) on pipe 4 x tensor 2 (8 fake CPU
 devices), 1F1B, one sequence per microbatch, is compiled, not run, once per
-variant of the model's memory options (`jpipe.models.attention`): the
-attention's implementation and the per-block rematerialization. The state is
+variant of the model's memory options: ``<attention>-<remat>`` (the
+attention's implementation and the per-block rematerialization,
+`jpipe.models.attention`), followed by ``+vocab`` for ``vocab_split`` (the
+embedding and the head by vocabulary rows over ``tensor``, a cross-entropy
+that never gathers the logits, `jpipe.models.vocab`) and ``+sequence`` for
+``sequence_parallel`` (the activations between the split matmuls along the
+sequence, `jpipe.models.sequence`). The state is
 shape structs only, so nothing of the model is allocated. Each row is the
 SPMD program's `memory_analysis()` per device: arguments (parameters, Adam
 moments, the batch) and temp (everything else: residuals, the stash, the
 working memory), and the compile's seconds.
 
-What it leaves to other issues: sequence parallelism and the vocabulary
-split over ``tensor``, and every device holding only its own rank's
-parameters (today each holds the fullest rank's), so the arguments here are
-the fullest rank's.
+Under the SPMD program every device holds the fullest rank's parameters,
+so the arguments are the fullest rank's. One variant compiles in minutes and
+takes several GB of host memory: run one at a time. docs/scale.md has the
+table; ``python train.py --config=configs/llama3_8b.py
+--config.compile_only=True`` checks the shipped config, either lowering.
 """
 
 from __future__ import annotations
@@ -51,13 +58,38 @@ LLAMA3_8B = dict(
     dtype="bfloat16",
     remat_logits=True,
 )
-VARIANTS = ("xla-none", "blockwise-none", "blockwise-attention", "blockwise-dots", "blockwise-full")
+VARIANTS = (
+    "xla-none",
+    "blockwise-none",
+    "blockwise-attention",
+    "blockwise-dots",
+    "blockwise-full",
+    "blockwise-full+vocab",
+    "blockwise-full+sequence",
+    "blockwise-full+vocab+sequence",
+)
+SPLITS = {"vocab": "vocab_split", "sequence": "sequence_parallel"}
+
+
+def model_config(variant: str, seq: int) -> models.LlamaConfig:
+    """Llama-3-8B as `variant` (``<attention>-<remat>[+vocab][+sequence]``) says."""
+    options, *splits = variant.split("+")
+    attention, remat = options.split("-")
+    unknown = set(splits) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"variant {variant!r}: unknown split(s) {sorted(unknown)}; use {SPLITS}")
+    return models.LlamaConfig(
+        **LLAMA3_8B,
+        seq_len=seq,
+        attention=attention,
+        remat=remat,
+        **{SPLITS[name]: True for name in splits},
+    )
 
 
 def row(variant: str, seq: int, microbatches: int, pipe: int = 4, tensor: int = 2) -> dict:
-    """One compiled step of Llama-3-8B with `variant` = ``"<attention>-<remat>"``."""
-    attention, remat = variant.split("-")
-    config = models.LlamaConfig(**LLAMA3_8B, seq_len=seq, attention=attention, remat=remat)
+    """One compiled step of Llama-3-8B with `variant` (`model_config`)."""
+    config = model_config(variant, seq)
     mesh = jpipe.make_mesh(pipe, 1, jax.devices()[: pipe * tensor], tensor=tensor)
     schedule = jpipe.get_schedule("1f1b", pipe, microbatches)
     layers = models.split_layers(config.num_layers, schedule.num_stages)
@@ -101,14 +133,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object a row")
     args = parser.parse_args(argv)
     print(f"Llama-3-8B, sequence {args.seq}, 1F1B, M {args.microbatches}, pipe 4 x tensor 2")
-    print(f"{'attention-remat':<22} {'arguments':>10} {'temp':>9} {'total':>9} {'compile':>8}")
+    print(f"{'variant':<30} {'arguments':>10} {'temp':>9} {'total':>9} {'compile':>8}")
     for variant in args.variants.split(","):
         r = row(variant, args.seq, args.microbatches)
         if args.json:
             print(json.dumps(r))
         total = r["argument_bytes"] + r["temp_bytes"]
         print(
-            f"{variant:<22} {r['argument_bytes'] / GB:>8.1f} GB {r['temp_bytes'] / GB:>6.1f} GB "
+            f"{variant:<30} {r['argument_bytes'] / GB:>8.1f} GB {r['temp_bytes'] / GB:>6.1f} GB "
             f"{total / GB:>6.1f} GB {r['compile_seconds']:>6.0f} s",
             flush=True,
         )

@@ -57,8 +57,9 @@ def pipelined_against_the_model(name, config, batch, schedule="zb_h1", lowering=
         logit_chunks=1,
     )
     whole = models.build_model(name, models.BuildArgs(plain, stages))
-    want = jpipe.reference_value_and_grad(whole.stages, params, batch)
-    _, rel = testing.compare((got[0], pipe.unpack(got[1])), want)
+    # The plain model's head is dense [D, V]; the split one stores it [V, D].
+    want = jpipe.reference_value_and_grad(whole.stages, vocab.head_as_kernel(params), batch)
+    _, rel = testing.compare((got[0], vocab.head_as_kernel(pipe.unpack(got[1]))), want)
     assert rel <= RTOL, rel
 
 
@@ -95,18 +96,47 @@ def test_the_split_lookup_and_cross_entropy_equal_the_whole_ones_with_their_grad
 
 
 @pytest.mark.parametrize("module,config", [(llama, LLAMA), (gpt, GPT)], ids=["llama", "gpt"])
-def test_specs_split_the_embedding_by_rows_and_the_head_by_columns(module, config):
+def test_specs_split_the_embedding_and_the_head_by_vocabulary_rows(module, config):
     params = module.make_stages(config, (2, 2)).init(0)
     off = module.tensor_specs(config, params)
     assert off[0]["embed"]["token"] == P() and off[1]["head"]["unembed"]["kernel"] == P()
-    specs = module.tensor_specs(_with(config, vocab_split=True), params)
+    split = _with(config, vocab_split=True)
+    split_params = module.make_stages(split, (2, 2)).init(0)
+    table = split_params[0]["embed"]["token"]
+    head = split_params[1]["head"]["unembed"]
+    assert "kernel" not in head and head["embedding"].shape == table.shape  # stored [V, D]
+    specs = module.tensor_specs(split, split_params)
     assert specs[0]["embed"]["token"] == P("tensor", None)
-    assert specs[1]["head"]["unembed"]["kernel"] == P(None, "tensor")
+    assert specs[1]["head"]["unembed"]["embedding"] == P("tensor", None)
     rest = lambda s: [x for x in jax.tree.leaves(s) if x != P()]  # noqa: E731
     assert len(rest(specs)) == len(rest(off)) + 2  # the blocks' splits as before
     scanned = _with(config, vocab_split=True, scan_layers=True)
     stacked = module.tensor_specs(scanned, module.make_stages(scanned, (2, 2)).init(0))
     assert stacked[0]["embed"]["token"] == P("tensor", None)  # not stacked
+
+
+@pytest.mark.parametrize("name,config", [("llama", LLAMA), ("gpt", GPT)])
+def test_the_embedding_and_the_head_share_one_bucket_of_the_packed_parameters(name, config):
+    # Stored [D, V] split by columns, the head would need a bucket of its
+    # own, and the first rank a zero row of it (the last rank one of the
+    # embedding's): V * D / T elements of padding each.
+    split = _with(config, vocab_split=True)
+    model = models.build_model(name, models.BuildArgs(split, 2, tensor_axis="tensor"))
+    params = model.init(0)
+    pipe = jpipe.Pipeline(
+        model.stages, jpipe.get_schedule("1f1b", 2, 4), jpipe.make_mesh(2, tensor=2)
+    )
+    pipe.pack(params, model.specs(params))
+    layout = pipe.layout
+
+    def bucket(stage, *names):
+        leaves = jax.tree_util.tree_leaves_with_path(params[stage])
+        paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+        return layout.leaves[stage][paths.index("".join(f"['{n}']" for n in names))][0]
+
+    assert bucket(0, "embed", "token") == bucket(1, "head", "unembed", "embedding")
+    padded = layout.padding["held"] - layout.padding["used"]  # elements, all ranks' rows
+    assert padded < split.vocab_size * split.d_model, padded  # it was 2 V D
 
 
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)

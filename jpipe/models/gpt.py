@@ -120,11 +120,12 @@ class GPTConfig:
       remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
         or ``"attention"`` (see `jpipe.models.attention`).
       vocab_split: with a tensor axis (`make_stages`'s ``tensor_axis``),
-        split the token embedding's rows and the head's columns over it,
+        split the token embedding and the head over it by vocabulary rows,
         with a cross-entropy that never gathers the logits
-        (`jpipe.models.vocab`); T must divide `vocab_size`. The position
-        table stays whole. Off by default; without a tensor axis it changes
-        nothing.
+        (`jpipe.models.vocab`); T must divide `vocab_size`. The head's
+        weight is then stored ``[V, D]`` as the embedding is
+        (``head/unembed/embedding``, with or without an axis). The position
+        table stays whole. Off by default.
       sequence_parallel: with a tensor axis, keep the activations between
         the split matmuls (LayerNorms, residual adds, dropouts, each block's
         input) split along the sequence over it (`jpipe.models.sequence`):
@@ -429,10 +430,10 @@ _BLOCK_SPLITS = {
 }
 
 
-# With ``vocab_split``: the token embedding by rows, the head by columns.
+# With ``vocab_split``: the token embedding and the head, both stored [V, D], by vocabulary rows.
 VOCAB_SPLITS = {
     ("embed", "token"): ("T", None),
-    ("head", "unembed", "kernel"): (None, "T"),
+    ("head", "unembed", "embedding"): ("T", None),  # stored [V, D] (jpipe.models.vocab)
 }
 
 
@@ -444,7 +445,7 @@ def tensor_specs(config: GPTConfig, params_list: Sequence[Params], axis: str = "
     by rows). LayerNorms, the position table and the biases added after a
     row split are whole on every device of the axis, which computes them
     alike; so are the token embedding and the head unless
-    ``config.vocab_split`` (then by rows and by columns, the vocabulary).
+    ``config.vocab_split`` (then both by vocabulary rows).
 
     Args:
       config: the model's sizes.

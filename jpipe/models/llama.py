@@ -113,10 +113,12 @@ class LlamaConfig:
       remat: per-block rematerialization, ``"none"``, ``"full"``, ``"dots"``
         or ``"attention"`` (see `jpipe.models.attention`).
       vocab_split: with a tensor axis (`make_stages`'s ``tensor_axis``),
-        split the embedding's rows and the head's columns over it, with a
+        split the embedding and the head over it by vocabulary rows, with a
         cross-entropy that never gathers the logits (`jpipe.models.vocab`);
-        T must divide `vocab_size`. Off (the default), both are whole on
-        every device. Without a tensor axis it changes nothing.
+        T must divide `vocab_size`. The head's weight is then stored
+        ``[V, D]`` as the embedding is (``head/unembed/embedding``, with or
+        without an axis), so that the two share a bucket of the packed
+        parameters. Off (the default), both are whole on every device.
       sequence_parallel: with a tensor axis, keep the activations between
         the split matmuls (norms, residual adds, each block's input) split
         along the sequence over it (`jpipe.models.sequence`): an all-gather
@@ -379,7 +381,7 @@ def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
 class _Head(nn.Module):
     """Final RMSNorm, untied head and mean token cross-entropy.
 
-    With `tensor_axis`: ``vocab_split`` splits the head's columns and the
+    With `tensor_axis`: ``vocab_split`` splits the head's vocabulary rows and the
     cross-entropy over the axis; under ``sequence_parallel`` `x` is a slice
     of the sequence, normed as it is, then gathered for the vocabulary-split
     head, or, with the head whole, its tokens' losses computed on the slice
@@ -454,10 +456,10 @@ _BLOCK_SPLITS = {
 }
 
 
-# With ``vocab_split``: the embedding by rows, the head by columns (the vocabulary).
+# With ``vocab_split``: the embedding and the head, both stored [V, D], by vocabulary rows.
 VOCAB_SPLITS = {
     ("embed", "token"): ("T", None),
-    ("head", "unembed", "kernel"): (None, "T"),
+    ("head", "unembed", "embedding"): ("T", None),  # stored [V, D] (jpipe.models.vocab)
 }
 
 

@@ -27,6 +27,16 @@ al. 2019): each of the T devices holds ``V / T`` rows of the embedding and
 The loss is optax's ``softmax_cross_entropy_with_integer_labels`` (the same
 formula: ``log(sum(exp(z - max))) - (z_target - max)``), the vocabulary's sum
 taken in T parts: equal up to float32 summation order.
+
+**The head stored by rows.** With ``vocab_split`` the head's weight is kept
+as ``[V, D]``, the embedding's shape and split (``head/unembed/embedding``,
+split by rows over the axis), and the logits are ``y @ W.T`` (a contraction
+XLA reads in place, no transpose copied). The first rank's embedding and the
+last rank's head then fill one bucket of the packed parameters
+(`jpipe._pack`): stored ``[D, V]`` split by columns, each would need a bucket
+of its own and every other rank a zero row of it, about 3 GB a device more
+for Llama-3-8B on tensor 2 with AdamW (a row of parameters and two of
+moments, 1.05 GB each).
 """
 
 from __future__ import annotations
@@ -108,6 +118,46 @@ def vocab_cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array, axis: s
     return jnp.log(sum_exp_BxL) - target_BxL
 
 
+class UnembedRows(nn.Module):
+    """The head's logits ``y @ W.T`` from a weight ``W`` stored ``[V, D]`` (by vocabulary rows).
+
+    Flax's ``nn.Embed.attend`` computes the same for a tied head; this one is
+    the untied head's own parameter, ``embedding``, float32, initialized as
+    the bias-free dense heads are (normal, std 0.02), computed in `dtype`.
+    """
+
+    rows: int
+    dtype: jnp.dtype
+    std: float = 0.02
+
+    @nn.compact
+    def __call__(self, y_BxLxD: jax.Array) -> jax.Array:
+        table_VxD = self.param(
+            "embedding", nn.initializers.normal(self.std), (self.rows, y_BxLxD.shape[-1])
+        )
+        y_BxLxD = y_BxLxD.astype(self.dtype)
+        return lax.dot_general(y_BxLxD, table_VxD.astype(self.dtype), (((2,), (1,)), ((), ())))
+
+
+def head_as_kernel(params_list):
+    """Stage parameters with a ``[V, D]`` head (``vocab_split``) given the dense head's layout.
+
+    Each stage's ``["head"]["unembed"]`` of ``{"embedding": W}`` becomes
+    ``{"kernel": W.T}``, the parameters of the same model with
+    ``vocab_split=False`` (and of a plain dense head elsewhere); stages
+    without it are returned as they are. Works on gradients alike.
+    """
+
+    def one(params):
+        head = params.get("head") if isinstance(params, dict) else None
+        if not head or "embedding" not in head.get("unembed", {}):
+            return params
+        unembed = {"kernel": head["unembed"]["embedding"].T}
+        return {**params, "head": {**head, "unembed": unembed}}
+
+    return [one(p) for p in params_list]
+
+
 def head_loss(module: nn.Module, c, y_BxLxD, inputs: dict, axis: str | None, linear):
     """The untied head and the mean token cross-entropy of a normed `y_BxLxD`.
 
@@ -128,7 +178,10 @@ def head_loss(module: nn.Module, c, y_BxLxD, inputs: dict, axis: str | None, lin
         if weights_BxL is not None:
             weights_BxL = sequence.shard(weights_BxL, axis)
     columns = local_rows(c.vocab_size, axis, "vocab_size") if split else c.vocab_size
-    unembed = linear(columns, "unembed", dtype)
+    if c.vocab_split:  # stored [V, D] with or without the axis: the reference's layout too
+        unembed = UnembedRows(columns, dtype, name="unembed")
+    else:
+        unembed = linear(columns, "unembed", dtype)
 
     def token_losses(unembed, y_BxLxD, targets_BxL):
         logits_BxLxV = unembed(y_BxLxD)
