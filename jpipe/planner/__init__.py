@@ -7,6 +7,9 @@ docs/planner-validation.md). Its passes, one module each:
   times per device type, microbatch size and tensor-parallel degree; bytes;
   links), the importer of the published Sailor profiles, and profiles made
   from the trainer's measured stage times;
+- `jpipe.planner._choices`: a profile's activation bytes and times under the
+  model's attention and remat options (flash-style attention, rematerialization),
+  derived from what it measured by a first-principles model;
 - `jpipe.planner._partition`: the contiguous split of layers over stages of given
   speeds that minimises the slowest stage, exactly (with a brute-force
   reference and the uniform and speed-proportional baselines);
@@ -18,6 +21,11 @@ docs/planner-validation.md). Its passes, one module each:
   and the closed form.
 """
 
+from jpipe.planner._choices import (
+    MemoryChoice,
+    ModelShape,
+    with_choice,
+)
 from jpipe.planner._partition import (
     Partition,
     brute_force_partition,
@@ -50,6 +58,7 @@ from jpipe.planner._search import (
     DeviceMemory,
     Evaluation,
     MemoryFootprint,
+    NoPlanFits,
     TrainerSettings,
     evaluate,
     load_sailor_plan,
@@ -78,8 +87,11 @@ __all__ = [
     "SAILOR_DIR",
     "SAILOR_RUNTIME",
     "DeviceMemory",
+    "MemoryChoice",
     "MemoryFootprint",
     "MemoryTerms",
+    "ModelShape",
+    "NoPlanFits",
     "ClusterPlan",
     "DeviceGroup",
     "Evaluation",
@@ -116,4 +128,5 @@ __all__ = [
     "uniform_partition",
     "validate_directory",
     "validation_markdown",
+    "with_choice",
 ]

@@ -6,6 +6,7 @@ Usage::
         [--schedules 1f1b,zb_h1,my.py:fn] [--microbatch-sizes 1,2,4] [--top 3]
         [--profiles DIR_OR_FILE] [--raw-profiles] [--save plan.json] [--svg FILE] [--json]
         [--memory-layout spmd|per_rank] [--tensor-per-stage]
+        [--attention auto|xla|blockwise|cudnn] [--remat auto|none|dots|attention|full]
     python -m jpipe.plan --layer-costs 3,1,4,1,5 --speeds 1,1,0.5 [--json]
     python -m jpipe.plan --validate PLAN_CONFIG.json [--profiles DIR] [--model M] [--json]
     python -m jpipe.plan --validate-all DIR [--profiles DIR] [--markdown | --json]
@@ -39,7 +40,14 @@ the measured figures. ``--validate-all`` does every plan under a folder and
 Profiles default to the published Sailor ones inside jpipe; ``--profiles``
 takes another Sailor data folder or a jpipe profile JSON file. Sailor times
 are made non-decreasing in microbatch size unless ``--raw-profiles``.
-Bad input exits with status 2 and one line ``error: ...`` naming the flag.
+``--attention`` and ``--remat`` say how the model computes attention and what
+each block keeps for its backward (`jpipe.planner._choices` derives the
+profile's bytes and times under them); ``auto``, the default, tries the
+profile as measured first, then the choices that hold less, and the plan
+says which it uses. Bad input exits with status 2 and one line ``error:
+...`` naming the flag; with ``--json`` also one JSON object ``{"error": ...}``
+on stdout, which, where no plan fits for memory, names the binding device,
+the bytes it needs and has, and the profile's sequence length.
 The printed text gives memory in GiB (2^30 bytes; an A100-40 holds 40 GiB);
 ``--json`` and plan files give bytes. ``--memory`` takes bytes and refuses a
 figure no device has (``cpu:8`` for 8 GiB, say).
@@ -54,6 +62,7 @@ import os
 import sys
 
 from jpipe._chart import draw_gantt, text_chart
+from jpipe.planner._choices import ATTENTION, AUTO, REMAT, choices_to_try, with_choice
 from jpipe.planner._partition import (
     partition,
     proportional_partition,
@@ -70,6 +79,7 @@ from jpipe.planner._profiles import (
 from jpipe.planner._search import (
     LAYOUTS,
     MEMORY_MARGIN,
+    NoPlanFits,
     evaluate,
     gib,
     load_sailor_plan,
@@ -102,8 +112,8 @@ def _numbers(text: str, flag: str, kind=float) -> list:
     return values
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+    p = cls(
         prog="python -m jpipe.plan",
         description="Plan pipeline parallelism on mixed devices by simulating the schedule.",
     )
@@ -161,6 +171,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TYPE:BYTES,...",
         help="each device type's memory, where the profile lacks it or to override it "
         "(e.g. cpu:8e9)",
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", *ATTENTION),
+        help="the model's attention: xla (scores materialized, as Sailor profiled), "
+        "blockwise or cudnn (flash-style, no L x L scores); auto (the default) tries xla, "
+        "then blockwise where nothing fits",
+    )
+    p.add_argument(
+        "--remat",
+        default="auto",
+        choices=("auto", *REMAT),
+        help="the model's per-block rematerialization: none, dots, attention or full; auto "
+        "(the default) tries none, then dots, then full where nothing fits",
     )
     p.add_argument("--schedule", default="1f1b", help="schedule a validated plan ran")
     p.add_argument("--save", metavar="FILE", help="write the best plan as a plan file")
@@ -228,6 +253,12 @@ def _validate(args) -> dict:
     num_layers = sum(len(s) for s in plan_.stage_layers)
     model = args.model or model_of(path, num_layers, args.profiles or SAILOR_DIR)
     profile = _load(args, model)
+    if (args.attention, args.remat) != (AUTO, AUTO):  # as measured unless asked
+        shape = profile.shape
+        measured = (shape.attention, shape.remat) if shape is not None else ("xla", "none")
+        attention = measured[0] if args.attention == AUTO else args.attention
+        remat = measured[1] if args.remat == AUTO else args.remat
+        profile = with_choice(profile, choices_to_try(profile, attention, remat)[0])
     plan_, repaired = repair_layers(plan_, profile.num_layers)
     try:
         ev = evaluate(plan_, profile, receiver_busy=not args.sender_only)
@@ -289,7 +320,10 @@ def _plan(args) -> tuple[dict, str]:
         if args.tensor_parallel
         else None,
         tensor_per_stage=args.tensor_per_stage,
+        attention=args.attention,
+        remat=args.remat,
     )
+    profile = result.profile or profile  # its bytes and times under the chosen options
     best = result.best[0].evaluation
     if args.save:
         with open(args.save, "w") as f:
@@ -312,12 +346,17 @@ def _plan(args) -> tuple[dict, str]:
         "seconds": result.seconds,
         "derived_profile_entries": sorted(map(list, profile.derived)),
     }
+    choice = _choice_line(profile, result)
+    if choice:
+        out["model_options"] = result.memory_choice.to_json()
+        out["model_options_tried"] = [c.to_json() for c in result.tried]
     unsplit = f", {result.unsplit} shapes left unsplit (bound)" if result.unsplit else ""
     text = [
         f"{profile.model} on {args.devices}, global batch {args.global_batch}: "
         f"{result.considered} candidates, {result.simulated} simulated, "
         f"{len(result.skipped)} skipped{unsplit}, {result.seconds:.2f} s; "
         "memory in GiB (2^30 bytes)",
+        *([choice] if choice else []),
         "",
     ]
     for i, c in enumerate(result.best):
@@ -336,10 +375,50 @@ def _plan(args) -> tuple[dict, str]:
     return out, "\n".join(text)
 
 
+def _choice_line(profile, result) -> str:
+    """Which attention and remat the plans assume, and why, or "" where the profile
+    does not give its model's shape."""
+    choice = result.memory_choice
+    if choice is None:
+        return ""
+    shape = profile.shape
+    seq = f"sequences of {shape.sequence_length} tokens" if shape else "its sequences"
+    measured = shape is not None and (choice.attention, choice.remat) == (
+        shape.attention,
+        shape.remat,
+    )
+    line = f"model options: {choice} (set them in the model's config)"
+    if result.tried:
+        line += "; nothing fits with " + ", nor with ".join(str(c) for c in result.tried)
+    if measured:
+        return f"{line}; the profile's bytes as measured ({seq})"
+    return f"{line}; bytes and times derived from the profile's ({seq}) by a model, not measured"
+
+
+class _JsonErrors(argparse.ArgumentParser):
+    """A parser whose errors are raised (as `_Usage`) rather than printed, so that
+    ``--json`` can answer them in JSON."""
+
+    def error(self, message):
+        raise _Usage(message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0, or 2 on an error)."""
+    """Runs the command line; returns the exit status (0, or 2 on an error).
+
+    Every error is one line ``error: ...`` on stderr. With ``--json`` it is also one
+    JSON object on stdout, ``{"error": ...}``, a bad command line's included; where no
+    plan fits for memory the object also names the binding device, the bytes it needs
+    and has, and the profile's sequence length (`NoPlanFits.to_json`).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in argv
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(_JsonErrors if as_json else argparse.ArgumentParser).parse_args(argv)
+    except _Usage as e:
+        print(json.dumps({"error": f"{e}", "usage": _parser().format_usage().strip()}))
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
@@ -422,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out, text = _plan(args)
     except (ValueError, OSError) as e:
+        if args.json:
+            print(json.dumps(e.to_json() if isinstance(e, NoPlanFits) else {"error": str(e)}))
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -34,6 +34,10 @@ MemoryCheck = Callable[[int, int, int], bool]
 ExtraCost = Callable[[int, int, int], float]
 
 
+class NoSplitFits(ValueError):
+    """No contiguous split of the layers over the stages fits in the devices' memory."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """A contiguous split of layers into stages.
@@ -109,7 +113,8 @@ def partition(
       The optimal `Partition`.
 
     Raises:
-      ValueError: bad costs, fewer layers than stages, or no split fits in memory.
+      ValueError: bad costs or fewer layers than stages; `NoSplitFits` (a
+        `ValueError`) where no split fits in memory.
     """
     rows = _check_costs(cost)
     S, L = len(rows), len(rows[0])
@@ -136,7 +141,7 @@ def partition(
                     here, where = cand, i
             best[s][j], cut[s][j] = here, where
     if best[S][L][0] == math.inf:
-        raise ValueError(
+        raise NoSplitFits(
             f"no split of {L} layers into {S} stages fits in the devices' memory; "
             "use more stages, more tensor parallelism, or smaller microbatches"
         )
@@ -165,7 +170,7 @@ def brute_force_partition(
         if best is None or p.bottleneck < best.bottleneck:
             best = p
     if best is None:
-        raise ValueError(f"no split of {L} layers into {S} stages fits in the devices' memory")
+        raise NoSplitFits(f"no split of {L} layers into {S} stages fits in the devices' memory")
     return best
 
 

@@ -48,6 +48,8 @@ import os
 import statistics
 from collections.abc import Sequence
 
+from jpipe.planner._choices import SAILOR_SHAPES, MemoryChoice, ModelShape
+
 FORMAT = "jpipe-profile/2"
 OLD_FORMATS = ("jpipe-profile/1",)
 SAILOR_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_data", "sailor")
@@ -404,6 +406,13 @@ class Profile:
         links an importer read from another entry than their own (a flaw of the data).
       layer_blocks: transformer blocks per layer when a layer holds several
         (a profile of measured stages); `None` means one per ``"block"`` layer.
+      shape: the model's shape (sequence length, width, heads) and the attention
+        and remat its bytes were measured under, where known (`ModelShape`); it
+        lets `jpipe.planner._choices` derive the bytes under other choices.
+      recompute_bytes: ``{T: bytes per layer of one sequence}`` a layer's backward
+        holds once while it re-runs its forward (remat); empty when none does.
+      memory_choice: the attention and remat choice the bytes and times stand for
+        when `jpipe.planner._choices.with_choice` derived them; `None` as measured.
     """
 
     model: str
@@ -421,6 +430,9 @@ class Profile:
     missing: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
     link_notes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     layer_blocks: tuple[int, ...] | None = None
+    shape: ModelShape | None = None
+    recompute_bytes: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    memory_choice: MemoryChoice | None = None
 
     @property
     def num_layers(self) -> int:
@@ -483,6 +495,13 @@ class Profile:
     def activations(self, mbs: int, tp: int) -> tuple[float, ...]:
         """Residual bytes per layer one GPU keeps for a microbatch of `mbs` sequences."""
         return tuple(x * mbs for x in self._by_tp(self.activation_bytes, tp, "activation bytes"))
+
+    def recomputes(self, mbs: int, tp: int) -> tuple[float, ...]:
+        """Bytes per layer a layer's backward holds once, for `mbs` sequences, while it
+        re-runs its forward (remat; zeros without)."""
+        if not self.recompute_bytes:
+            return (0.0,) * self.num_layers
+        return tuple(x * mbs for x in self._by_tp(self.recompute_bytes, tp, "recompute bytes"))
 
     def outputs(self, mbs: int) -> tuple[float, ...]:
         """Output bytes per layer of a microbatch of `mbs` sequences."""
@@ -695,11 +714,29 @@ def load_sailor_profile(
         inter=inter,
         missing=missing,
         link_notes=link_notes,
+        shape=_sailor_shape(model, num_layers),
     )
 
 
+def _sailor_shape(model: str, num_layers: int) -> ModelShape | None:
+    """The model's shape as Sailor profiled it, where known and its layers agree."""
+    shape = SAILOR_SHAPES.get(model)
+    if shape is None or max(shape.block_layers) >= num_layers - 1:
+        return None
+    return shape
+
+
 def profile_to_json(profile: Profile) -> dict:
-    """The profile as one JSON-ready object (format ``"jpipe-profile/2"``)."""
+    """The profile as one JSON-ready object (format ``"jpipe-profile/2"``).
+
+    A profile whose bytes a memory choice derived (`Profile.memory_choice`) is
+    refused: the file holds what was measured, and the choice is the planner's.
+    """
+    if profile.memory_choice is not None:
+        raise ValueError(
+            f"this profile's bytes stand for {profile.memory_choice}, derived by the planner; "
+            "save the profile as measured"
+        )
     return {
         "format": FORMAT,
         "model": profile.model,
@@ -709,6 +746,7 @@ def profile_to_json(profile: Profile) -> dict:
         "activation_bytes": {str(t): list(v) for t, v in profile.activation_bytes.items()},
         "output_bytes": list(profile.output_bytes),
         "memory_terms": profile.memory_terms.to_json(),
+        **({} if profile.shape is None else {"model_shape": profile.shape.to_json()}),
         "devices": {
             d: {
                 "memory_bytes": profile.memory.get(d),
@@ -752,6 +790,7 @@ _PROFILE_FIELDS = (
     "activation_bytes",
     "output_bytes",
     "memory_terms",
+    "model_shape",
     "devices",
     "intra_node",
     "inter_node",
@@ -921,6 +960,12 @@ def profile_from_json(d: dict, where: str = "the profile") -> Profile:
         memory_terms = MemoryTerms.from_json(terms)
     except (TypeError, ValueError) as e:
         raise read.error("memory_terms", f"cannot be read: {e}") from None
+    shape = None
+    if d.get("model_shape") is not None:
+        try:
+            shape = ModelShape.from_json(read.typed(d["model_shape"], "model_shape", dict), n)
+        except (TypeError, ValueError) as e:
+            raise read.error("model_shape", f"cannot be read: {e}") from None
     intra: dict[str, dict[int, Link]] = {}
     for i, e in enumerate(read.typed(d.get("intra_node", []), "intra_node", list)):
         at = f"intra_node[{i}]"
@@ -954,6 +999,7 @@ def profile_from_json(d: dict, where: str = "the profile") -> Profile:
         intra=intra,
         layer_blocks=blocks,
         inter=inter,
+        shape=shape,
     )
 
 

@@ -51,7 +51,8 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    Each device group has its own tensor degree, so the stages of a
    ``per_rank`` plan may differ in it (one mesh per rank); a ``spmd`` plan,
    one program on one mesh, keeps one degree (`ClusterPlan.check` refuses
-   others).
+   others). Under remat a stage also holds, once, the bytes of the block its
+   backward re-runs (`Profile.recomputes`, in the ``working`` term).
 
 `Evaluation.closed_form_seconds` is the formula the published heterogeneous planners (AMP,
 Metis, Sailor, FlashFlex) use on the same inputs:
@@ -80,6 +81,13 @@ update (`_busy_bound`), and simulated when it reaches the front again. Shapes
 whose parameters cannot fit whatever the split (`_parameters_fit`) are
 skipped before it. Both bounds never exceed the simulated step, so the best
 plans are the ones an exhaustive search would keep.
+
+`plan` runs that search once per attention and remat choice of the model
+(`jpipe.planner._choices`), as measured first, and keeps the first choice under
+which a plan fits. Where none does it raises one `NoPlanFits`: the shape that
+came closest (its binding device's need over what it may hold; for a shape no
+split fits, the split that needs the least memory), with the bytes needed and
+available, the profile's sequence length and the microbatch size.
 """
 
 from __future__ import annotations
@@ -107,7 +115,9 @@ from jpipe._simulate import (
     simulate,
 )
 from jpipe._validate import analyze
+from jpipe.planner._choices import AUTO, MemoryChoice, choices_to_try, with_choice
 from jpipe.planner._partition import (
+    NoSplitFits,
     Partition,
     partition,
     proportional_partition,
@@ -351,6 +361,13 @@ def _stage_activations(profile: Profile, layers, mbs: int, tp: int) -> float:
     return sum(acts[l] for l in layers)
 
 
+def _stage_recompute(profile: Profile, layers, mbs: int, tp: int) -> float:
+    """What the stage's backward holds once while a layer re-runs its forward (remat):
+    its largest layer's `Profile.recomputes`."""
+    rec = profile.recomputes(mbs, tp)
+    return max((rec[l] for l in layers), default=0.0)
+
+
 def _stage_inputs(profile: Profile, stage_layers, mbs: int) -> list[float]:
     """What an FC of each stage keeps: its input, the output of the stage before (the
     first stage's input is the batch)."""
@@ -412,6 +429,10 @@ def memory_footprint(
             _stage_activations(profile, layers, mbs, dev[s].tensor_parallel)
             for s, layers in enumerate(plan.stage_layers)
         ]
+        rec = [
+            _stage_recompute(profile, layers, mbs, dev[s].tensor_parallel)
+            for s, layers in enumerate(plan.stage_layers)
+        ]
         values = _values(schedule, act, _stage_inputs(profile, plan.stage_layers, mbs))
         for r in range(plan.pipe):
             stages = [s for s in range(S) if owner[s] == r]
@@ -421,7 +442,9 @@ def memory_footprint(
                 "parameters": terms.bytes_per_param
                 * sum(_stage_params(profile, plan.stage_layers[s], tp) for s in stages),
                 "values": values[r],
-                "working": terms.working_factor * max((act[s] for s in stages), default=0.0),
+                "working": max(
+                    (terms.working_factor * act[s] + rec[s] for s in stages), default=0.0
+                ),
             }
     # Every device of one program holds the largest rank's parameters, values and working
     # memory; its fixed overhead (context, libraries, kernels) is its own.
@@ -778,6 +801,74 @@ class SearchResult:
     seconds: float
     memory_margin: float = MEMORY_MARGIN
     unsplit: int = 0  # shapes whose bound before the split kept them out of the top
+    # the attention and remat the plans assume (`None`: the profile's bytes as measured),
+    # the choices tried before it that fit nothing, and the profile under that choice
+    memory_choice: MemoryChoice | None = None
+    tried: tuple[MemoryChoice, ...] = ()
+    profile: Profile | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryMiss:
+    """The shape that came closest to fitting when none did, and its binding device.
+
+    Attributes:
+      plan: the shape with a split (the fastest one the split found, or, where no
+        split fits each stage alone, the split that needs the least memory).
+      device: its binding device (`MemoryFootprint.binding`).
+      available_bytes: what that device may hold (usable memory less the margin).
+      note: why the planner's own split did not fit, where it found none.
+      shapes: how many shapes ran out of memory.
+      choice: the attention and remat it assumed (`None`: as measured).
+    """
+
+    plan: ClusterPlan
+    device: DeviceMemory
+    available_bytes: float
+    note: str = ""
+    shapes: int = 1
+    choice: MemoryChoice | None = None
+
+    @property
+    def needed_bytes(self) -> float:
+        return self.device.footprint_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.needed_bytes / self.available_bytes if self.available_bytes > 0 else math.inf
+
+
+class NoPlanFits(ValueError):
+    """No plan fits. Where memory is why, `miss` is the closest shape (`MemoryMiss`);
+    `sequence_length` is the profile's (`None` where it does not say), `tried` the
+    attention and remat choices searched."""
+
+    def __init__(self, message: str, miss=None, sequence_length=None, tried=()):
+        super().__init__(message)
+        self.miss, self.sequence_length, self.tried = miss, sequence_length, tuple(tried)
+
+    def to_json(self) -> dict:
+        """The error as the command line's ``--json`` gives it."""
+        out = {"error": str(self)}
+        m = self.miss
+        if m is not None:
+            out |= {
+                "binding_device": m.device.kind,
+                "binding_rank": m.device.rank,
+                "binding_replica": m.device.replica,
+                "needed_bytes": m.needed_bytes,
+                "available_bytes": m.available_bytes,
+                "memory_bytes": m.device.memory_bytes,
+                "parts": m.device.parts,
+                "sequence_length": self.sequence_length,
+                "microbatch_size": m.plan.microbatch_size,
+                "shape": _describe(m.plan),
+                "stage_layers": [list(x) for x in m.plan.stage_layers],
+                **(m.choice.to_json() if m.choice is not None else {}),
+            }
+        if self.tried:
+            out["tried"] = [c.to_json() for c in self.tried if c is not None]
+        return out
 
 
 def parse_devices(text: str) -> list[tuple[str, int]]:
@@ -945,6 +1036,20 @@ def _split_layers(
         list(itertools.accumulate(profile.activations(mbs, d.tensor_parallel), initial=0.0))
         for d in devs
     ]
+    # recompute[s][a][b]: the most a layer of [a, b) holds while its backward re-runs it
+    recompute = None
+    if profile.recompute_bytes:
+        recompute = []
+        for d in devs:
+            rec = profile.recomputes(mbs, d.tensor_parallel)
+            table = []
+            for a in range(len(rec)):
+                row, most = [0.0] * (len(rec) + 1), 0.0
+                for b in range(a + 1, len(rec) + 1):
+                    most = max(most, rec[b - 1])
+                    row[b] = most
+                table.append(row)
+            recompute.append(table)
 
     # fwd[s][l], bwd[s][l]: seconds to move layer l's output across the cut after stage
     # s, and its gradient back (`_cut_seconds`)
@@ -968,6 +1073,8 @@ def _split_layers(
     def fits(s, a, b):
         params = terms.bytes_per_param * (pcount[s][b] - pcount[s][a])
         values = (live[s] + terms.working_factor) * (abytes[s][b] - abytes[s][a])
+        if recompute is not None:
+            values += recompute[s][a][b]
         if budgets is not None and (params > budgets[0] or values > budgets[1]):
             return False
         return params + values <= capacity[s]
@@ -989,8 +1096,125 @@ def plan(
     memory_margin: float = MEMORY_MARGIN,
     tensor_parallel: Sequence[int] | None = None,
     tensor_per_stage: bool = False,
+    attention: str = AUTO,
+    remat: str = AUTO,
 ) -> SearchResult:
     """Searches placements of `devices` and returns the `top` plans by predicted step time.
+
+    Args:
+      profile: the model's profile.
+      devices: ``[(device type, count), ...]``.
+      global_batch: sequences per step.
+      schedules, microbatch_sizes, gpus_per_node, top, receiver_busy, memory_layout,
+        memory_margin, tensor_parallel, tensor_per_stage: the search's options
+        (`_plan_once`).
+      attention, remat: the model's attention implementation and remat policy the
+        plans assume (`jpipe.models.attention`), each ``"auto"`` (the default) to
+        let the search choose. Under each choice the profile's bytes and times are
+        derived (`jpipe.planner._choices`; it needs the profile's model shape) and
+        the search below runs; the first choice under which some plan fits wins
+        (`SearchResult.memory_choice`). The choices are tried as measured first,
+        then by their cost in time (no remat, ``dots``, ``full``; flash-style
+        ``blockwise`` attention where the remat re-runs the forward), so a model
+        that fits as measured gets the plans it always got.
+
+    Raises:
+      NoPlanFits: no plan fits under any choice; where memory is why, it names the
+        binding device of the shape that came closest, the bytes it needs and
+        those it has, and the profile's sequence length (`NoPlanFits.to_json`).
+      ValueError: bad arguments.
+    """
+    kwargs = dict(
+        schedules=schedules,
+        microbatch_sizes=microbatch_sizes,
+        gpus_per_node=gpus_per_node,
+        top=top,
+        receiver_busy=receiver_busy,
+        memory_layout=memory_layout,
+        memory_margin=memory_margin,
+        tensor_parallel=tensor_parallel,
+        tensor_per_stage=tensor_per_stage,
+    )
+    choices = choices_to_try(profile, attention, remat)
+    failed: list[tuple[MemoryChoice | None, NoPlanFits]] = []
+    for choice in choices:
+        adjusted = with_choice(profile, choice)
+        try:
+            result = _plan_once(adjusted, devices, global_batch, **kwargs)
+        except NoPlanFits as e:
+            if e.miss is not None and choice is not None:
+                e.miss = dataclasses.replace(e.miss, choice=choice)
+            failed.append((choice, e))
+            continue
+        return dataclasses.replace(
+            result, memory_choice=choice, tried=tuple(c for c, _ in failed), profile=adjusted
+        )
+    raise _no_plan_fits(profile, devices, global_batch, failed, kwargs)
+
+
+def _no_plan_fits(profile, devices, global_batch, failed, kwargs) -> NoPlanFits:
+    """One error for every choice that fit nothing: where memory is why, the closest
+    shape of any choice, its binding device, what it needs and has, and the profile's
+    sequence length and the shape's microbatch size."""
+    shape = profile.shape
+    seq = shape.sequence_length if shape is not None else None
+    tried = [c for c, _ in failed]
+    misses = [e.miss for _, e in failed if e.miss is not None]
+    what = f"{profile.model} on {','.join(f'{k}:{n}' for k, n in devices)}"
+    if not misses:
+        return NoPlanFits(str(failed[-1][1]), None, seq, tried)
+    m = min(misses, key=lambda x: x.ratio)
+    dev = m.device
+    if dev.usable_bytes is None or not dev.memory_bytes:  # its memory unknown: no figures
+        return NoPlanFits(str(failed[-1][1]), None, seq, tried)
+    margin = kwargs.get("memory_margin", MEMORY_MARGIN)
+    parts = ", ".join(f"{k} {v / GIB:.3g}" for k, v in dev.parts.items())
+    where = f"rank {dev.rank}" + (f" replica {dev.replica}" if m.plan.data > 1 else "")
+    B = m.plan.microbatch_size
+    text = (
+        f"no plan fits: out of memory: the closest shape, {_describe(m.plan)}, needs "
+        f"{gib(m.needed_bytes)} on the {dev.kind} of {where} ({parts} GiB), which has "
+        f"{gib(dev.memory_bytes)}, {gib(m.available_bytes)} of it usable "
+        f"({dev.usable_bytes / dev.memory_bytes:.2f} usable x {1 - margin:.2f} margin): "
+        "it does not fit"
+    )
+    if m.note:
+        text += f" ({m.note}; the split shown needs the least)"
+    sequences = f"sequences of {seq} tokens" if seq else "one sequence"
+    text += (
+        f"; the profile's activations are for {sequences}, {B} "
+        f"{'sequence' if B == 1 else 'sequences'} a microbatch here"
+    )
+    if m.choice is not None:
+        text += f", with {m.choice}"
+    if len([c for c in tried if c is not None]) > 1:
+        text += (
+            " (tried, attention/remat: "
+            + ", ".join(f"{c.attention}/{c.remat}" for c in tried)
+            + ")"
+        )
+    elif shape is not None and m.choice is not None:
+        text += " (--attention auto --remat auto tries the choices that hold less)"
+    text += f"; {m.shapes} shapes of {what} at global batch {global_batch} ran out of memory"
+    return NoPlanFits(text, m, seq, tried)
+
+
+def _plan_once(
+    profile: Profile,
+    devices: Sequence[tuple[str, int]],
+    global_batch: int,
+    *,
+    schedules: Sequence[str] = ("1f1b",),
+    microbatch_sizes: Sequence[int] | None = None,
+    gpus_per_node: int = 8,
+    top: int = 3,
+    receiver_busy: bool = True,
+    memory_layout: str = "spmd",
+    memory_margin: float = MEMORY_MARGIN,
+    tensor_parallel: Sequence[int] | None = None,
+    tensor_per_stage: bool = False,
+) -> SearchResult:
+    """`plan`'s search under the profile's bytes and times as they stand.
 
     Args:
       profile: the model's profile.
@@ -1074,6 +1298,10 @@ def plan(
     live_of: dict = {}  # the same key -> `_live_units` of the schedule
     searched: dict = {}  # what the searches of `--schedules search` share (`_searched`)
     considered = 0
+    # shapes out of memory: those no split fits (their least-memory split is found only if
+    # no plan fits), and the simulated candidates that did not fit (a `MemoryMiss` each)
+    unsplittable: dict = {}
+    too_big: list[MemoryMiss] = []
 
     def schedule_of(spec, p, M):
         key = (spec, p, M)
@@ -1117,6 +1345,10 @@ def plan(
                     receiver_busy,
                     live=live_of[key],
                 )
+            except NoSplitFits as e:
+                skipped.append(f"{where}: {e}")
+                unsplittable.setdefault((shape.ranks, shape.microbatch_size, key), (shape, e))
+                return
             except ValueError as e:
                 skipped.append(f"{where}: {e}")
                 return
@@ -1186,12 +1418,23 @@ def plan(
                 f"{_describe(candidate)}: out of memory, "
                 + ev.memory.why(memory_layout, memory_margin)
             )
+            too_big.append(_miss(candidate, ev.memory, memory_margin))
             continue
         found.append(ev)
         found.sort(key=lambda e: e.step_seconds)
         del found[top:]
     if not found:
-        raise ValueError("no plan fits: " + _summarise(skipped))
+        for shape, e in unsplittable.values():
+            schedule = built[(shape.schedule, shape.pipe, shape.num_microbatches)][0]
+            least = _least_memory_split(profile, shape, schedule)
+            memory = memory_footprint(least, profile, schedule)
+            too_big.append(_miss(least, memory, memory_margin, str(e).split(";")[0]))
+        closest = min(too_big, key=lambda m: m.ratio, default=None)
+        if closest is not None:
+            closest = dataclasses.replace(
+                closest, shapes=len(too_big), choice=profile.memory_choice
+            )
+        raise NoPlanFits("no plan fits: " + _summarise(skipped), closest)
     best = tuple(
         Candidate(
             ev,
@@ -1210,6 +1453,30 @@ def plan(
         memory_margin,
         unsplit,
     )
+
+
+def _miss(plan_: ClusterPlan, memory: MemoryFootprint, margin: float, note: str = ""):
+    """`plan_`'s binding device as a `MemoryMiss` (none known: an infinite need)."""
+    m = memory.binding(plan_.memory_layout, margin)
+    available = math.inf if m.usable_bytes is None else m.usable_bytes * (1 - margin)
+    return MemoryMiss(plan_, m, available, note)
+
+
+def _least_memory_split(profile: Profile, shape: ClusterPlan, schedule: Schedule) -> ClusterPlan:
+    """`shape` with the split whose fullest stage needs the least memory: its parameters,
+    its live microbatches of residuals and its working memory (`_split_layers`' terms,
+    the exact partitioner minimising their largest sum)."""
+    terms, mbs = profile.memory_terms, shape.microbatch_size
+    live = _live_units(schedule)
+    rows = []
+    for s in range(schedule.num_stages):
+        tp = shape.ranks[schedule.stage_to_rank[s]][0].tensor_parallel
+        per = live[s] + terms.working_factor
+        rows.append([
+            terms.bytes_per_param * n + per * a
+            for n, a in zip(profile.params_per_gpu(tp), profile.activations(mbs, tp))
+        ])  # fmt: skip
+    return dataclasses.replace(shape, stage_layers=partition(rows).layers)
 
 
 def _evicts_across_degrees(schedule: Schedule, ranks) -> str | None:
@@ -1370,7 +1637,7 @@ def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, rec
     mbs, terms = plan_.microbatch_size, profile.memory_terms
     dev = [plan_.ranks[owner[s]][0] for s in range(S)]
     outputs = profile.outputs(mbs)
-    F, I, W, B, forward, act, evict, params = ([] for _ in range(8))
+    F, I, W, B, forward, act, rec, evict, params = ([] for _ in range(9))
     for s, layers in enumerate(plan_.stage_layers):
         g = dev[s]
         t = profile.layer_times(g.kind, mbs, g.tensor_parallel)
@@ -1381,6 +1648,7 @@ def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, rec
         I.append(sum(i_half[l] for l in layers))
         W.append(sum(w_half[l] for l in layers))
         act.append(_stage_activations(profile, layers, mbs, g.tensor_parallel))
+        rec.append(_stage_recompute(profile, layers, mbs, g.tensor_parallel))
         partner = plan_.ranks[R - 1 - owner[s]][0]
         evict.append(_link_seconds(profile, g, partner, act[-1]) if partner != g else 0.0)
         params.append(terms.bytes_per_param * _stage_params(profile, layers, g.tensor_parallel))
@@ -1399,7 +1667,7 @@ def _stage_figures(profile: Profile, plan_: ClusterPlan, schedule: Schedule, rec
     return StageFigures(
         Costs(F=F, I=I, W=W, B=B, recompute=forward, evict=evict),
         dataclasses.replace(sizes, params=params),
-        working=[terms.working_factor * a for a in act],
+        working=[terms.working_factor * a + r for a, r in zip(act, rec)],
         num_stages=S,
         source=f"the {profile.model} profile",
     )
@@ -1605,11 +1873,17 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
     """The JSON plan file for `ev` (``"jpipe-plan/1"``): read back by `read_plan_file`.
 
     Its ``mesh`` gives ``tensor`` as the largest degree and, where ranks differ,
-    ``tensor_per_rank`` (`ClusterPlan.mesh`)."""
+    ``tensor_per_rank`` (`ClusterPlan.mesh`). Where the profile gives the model's
+    shape, ``model_options`` names the attention and remat its memory assumes
+    (`SearchResult.memory_choice`; pass the profile `plan` planned with,
+    `SearchResult.profile`), for the model's config to set."""
     p = ev.plan
     why_not = _evicts_across_degrees(ev.simulation.schedule, p.ranks)
     if why_not:
         raise ValueError(f"the trainer cannot run this plan: {why_not}")
+    choice = profile.memory_choice
+    if choice is None and profile.shape is not None:  # the bytes as measured
+        choice = MemoryChoice(profile.shape.attention, profile.shape.remat)
     for r, row in enumerate(p.ranks):
         if len({g.tensor_parallel for g in row}) > 1:
             raise ValueError(
@@ -1625,7 +1899,26 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
         "predicted_seconds": ev.step_seconds,
         "predicted_max_mem_bytes": ev.max_peak_bytes,
         "devices": [m.to_json() for m in ev.memory.devices(p.memory_layout)],
+        **({"model_options": choice.to_json()} if choice is not None else {}),
     }
+
+
+def _check_model_options(options, where: str) -> None:
+    """A plan file's ``model_options``, where present: the model's attention and remat."""
+    from jpipe.planner._choices import ATTENTION, REMAT
+
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise _plan_error(where, "model_options", f"must be an object, got {options!r}")
+    _unknown(options, ("attention", "remat"), where, "model_options")
+    for name, accepted in (("attention", ATTENTION), ("remat", REMAT)):
+        if name in options and options[name] not in accepted:
+            raise _plan_error(
+                where,
+                f"model_options.{name}",
+                f"is {options[name]!r}; accepted: {', '.join(accepted)}",
+            )
 
 
 # The fields of a plan file (`plan_file` writes them all): those the trainer reads, and
@@ -1646,6 +1939,7 @@ _PLAN_FIELDS = {
     "predicted_seconds": "the predicted step time",
     "predicted_max_mem_bytes": "the predicted footprint of the fullest device",
     "devices": "each device's predicted memory",
+    "model_options": "the attention and remat the predicted memory assumes",
 }
 _MESH_FIELDS = ("pipe", "data", "tensor", "tensor_per_rank")
 _GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceGroup))
@@ -1879,6 +2173,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     for name in ("predicted_seconds", "predicted_max_mem_bytes"):
         if name in d:
             _size(d[name], where, name, optional=True)
+    _check_model_options(d.get("model_options"), where)
     layout = d.get("memory_layout", "spmd")
     lowerings = {"spmd": "spmd", "per_rank": "mpmd"}  # the lowering that holds that memory
     if not isinstance(layout, str) or layout not in lowerings:
