@@ -76,6 +76,9 @@ SHUTDOWN_TIMEOUT_SECONDS = 30
 # JPIPE_JOIN_TIMEOUT (seconds) changes it, for clusters that start hosts minutes apart.
 INITIALIZATION_TIMEOUT_SECONDS = 30
 ENV_JOIN_TIMEOUT = "JPIPE_JOIN_TIMEOUT"
+# Who has started, before JAX can say (`_RollCall`): process 0 listens on the
+# coordinator's port + 1; JPIPE_ROLL_CALL_PORT names another port, or 0 for none.
+ENV_ROLL_CALL_PORT = "JPIPE_ROLL_CALL_PORT"
 # JAX's own limits sit past jpipe's, so that jpipe's line comes first: JAX aborts from
 # C++ with words of its own ("task 1") where jpipe names the process in one line.
 _JAX_MARGIN_SECONDS = 30
@@ -189,9 +192,11 @@ def initialize(
     jax.config.update("jax_enable_recoverability", True)
     joined = threading.Event()
     if num_processes is not None and process_id is not None:  # else a cluster fills them in
+        roll = _RollCall.start(coordinator_address, num_processes, process_id, joined)
         threading.Thread(
             target=_name_who_did_not_join,
             args=(joined, initialization_timeout, coordinator_address, num_processes, process_id),
+            kwargs={"roll": roll},
             daemon=True,
             name="jpipe-join-timeout",
         ).start()
@@ -215,13 +220,20 @@ def initialize(
 
 
 def _name_who_did_not_join(
-    joined: threading.Event, seconds: int, address: str | None, n: int, me: int
+    joined: threading.Event,
+    seconds: int,
+    address: str | None,
+    n: int,
+    me: int,
+    roll: _RollCall | None = None,
 ) -> None:
     """After `seconds` without every process joined: says who is missing, and exits.
 
     Process 0 listens; a process that never connects cannot be told from one
-    that has not started yet, so only the time tells. With two processes the
-    missing one is the other; with more, the line names the range awaited.
+    that has not started yet, so only the time tells. Who did start, jpipe's
+    roll call (`_RollCall`) tells: the line names the processes missing from
+    it. Without it (its port taken or closed) two processes still name the
+    other, and more name the range awaited.
     """
     # Which processes have joined cannot be learnt on JAX 0.10.2 (nor 0.12.1):
     # `connect` returns only once all of them registered, and until then the
@@ -234,7 +246,19 @@ def _name_who_did_not_join(
     if joined.wait(seconds):
         return
     label = f"process {me} of {n}"
-    if me == 0:
+    present = roll.present() if roll is not None else None
+    if present is not None and me in present:  # the roll call answered: it names them
+        missing = sorted(set(range(n)) - present)
+        who = (
+            f"process {missing[0]}"
+            if len(missing) == 1
+            else "processes " + ", ".join(map(str, missing[:-1])) + f" and {missing[-1]}"
+        )
+        text = (
+            f"{who} did not join within {seconds} s (killed, failed or never started; "
+            f"{len(present)} of {n} started)"
+        )
+    elif me == 0:
         who = "process 1" if n == 2 else f"some of processes 1 to {n - 1}"
         text = f"{who} did not join within {seconds} s (it was killed, failed or never started)"
     elif not _answers(address):
@@ -251,6 +275,121 @@ def _name_who_did_not_join(
         flush=True,
     )
     os._exit(1)
+
+
+class _RollCall:
+    """Which processes of the run have started, known before JAX's join completes.
+
+    JAX's join tells nothing until every process has registered (see
+    `_name_who_did_not_join`), so jpipe keeps a roll of its own over plain
+    TCP: process 0 listens on the coordinator's port + 1 (or
+    ``JPIPE_ROLL_CALL_PORT``) while the join runs; every other process,
+    from its start, tells it its index (``here I``) until it answers. At the
+    join timeout each process asks it who came (``who``; process 0 reads its
+    own roll; a process whose process 0 has already left takes the last
+    answer it had) and names the others. The roll closes once the join
+    completes.
+    It is best effort: where the port cannot be bound or reached, `present`
+    is None and the line falls back to what the time alone tells.
+    """
+
+    def __init__(self, port: int, host: str, me: int, server=None):
+        self.port, self.host, self.me, self.server = port, host, me, server
+        self.seen: set[int] = {0}
+
+    @classmethod
+    def start(
+        cls, address: str | None, n: int, me: int, joined: threading.Event
+    ) -> _RollCall | None:
+        try:
+            host, port = address.rsplit(":", 1)
+            port = int(port) + 1
+        except (AttributeError, ValueError):
+            return None
+        given = _env_int(ENV_ROLL_CALL_PORT)
+        port = port if given is None else given
+        if not 0 < port < 65536:
+            return None
+        host = host.strip("[]")
+        if me != 0:
+            roll = cls(port, host, me)
+            threading.Thread(
+                target=roll._report, args=(joined,), daemon=True, name="jpipe-roll-call"
+            ).start()
+            return roll
+        import socket
+
+        server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("", port))
+            server.listen(max(n, 8))
+            server.settimeout(0.5)
+        except OSError:  # the port is taken: no roll call, the line says less
+            server.close()
+            return None
+        roll = cls(port, host, me, server)
+        threading.Thread(
+            target=roll._serve, args=(joined, n), daemon=True, name="jpipe-roll-call"
+        ).start()
+        return roll
+
+    def _serve(self, joined: threading.Event, n: int) -> None:
+        try:
+            while not joined.is_set():
+                try:
+                    conn, _ = self.server.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        said = conn.recv(64).decode("ascii", "replace").split()
+                        if len(said) == 2 and said[0] == "here" and said[1].isdigit():
+                            if int(said[1]) < n:
+                                self.seen.add(int(said[1]))
+                        elif said != ["who"]:
+                            continue
+                        conn.sendall((json.dumps(sorted(self.seen)) + "\n").encode())
+                    except OSError:
+                        continue
+        finally:
+            self.server.close()
+
+    def _ask(self, words: str) -> set[int] | None:
+        import socket
+
+        try:
+            with socket.create_connection((self.host, self.port), timeout=2) as conn:
+                conn.sendall(words.encode() + b"\n")
+                answer = conn.makefile().readline()
+            seen = json.loads(answer)
+            if isinstance(seen, list) and all(isinstance(i, int) for i in seen):
+                return set(seen)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _report(self, joined: threading.Event) -> None:
+        # Says it is here until the join completes, keeping the latest roll:
+        # process 0 may be gone (its own timer ran out first) when this one's does.
+        known = None
+        while not joined.is_set():
+            known = self._ask(f"here {self.me}") or known
+            if known is not None:
+                self.seen = known
+            joined.wait(1.0)
+
+    def present(self) -> set[int] | None:
+        """The processes that have said they started, this one included; None if unknown."""
+        if self.server is not None:
+            return set(self.seen)
+        fresh = self._ask("who")
+        if fresh is not None:
+            return fresh
+        return set(self.seen) if self.me in self.seen else None
 
 
 def _answers(address: str | None) -> bool:

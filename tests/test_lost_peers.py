@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_multiprocess import ENV, _free_address
+
+pytestmark = pytest.mark.slow  # each test starts JAX processes and waits on timeouts
 
 HEARTBEAT_SECONDS = 10  # jpipe._distributed.HEARTBEAT_TIMEOUT_SECONDS, as train.py runs
 JOIN_SECONDS = 5  # the test's own join timeout (train.py's is 30 s: JPIPE_JOIN_TIMEOUT)
@@ -123,6 +126,27 @@ def test_a_process_killed_before_it_joined_is_named_within_the_join_timeout(tmp_
             assert want in out, out[-3000:]
             assert "Terminating process" not in out, out[-3000:]
         assert time.monotonic() - start < JOIN_SECONDS + 60
+    finally:
+        _stop_all(procs)
+
+
+def test_of_three_the_one_that_never_started_is_named_by_the_two_that_did(tmp_path):
+    # JAX's join says nothing until everyone is in: jpipe's roll call, on a
+    # port of its own, tells the two that started which one is missing.
+    address, roll = _free_address(), _free_address().rsplit(":", 1)[1]
+    logs = [open(tmp_path / f"log{i}", "w+") for i in range(2)]
+    procs = [_start(i, 3, address, logs[i], JPIPE_ROLL_CALL_PORT=roll) for i in range(2)]
+    try:
+        for i in (0, 1):
+            status = procs[i].wait(timeout=JOIN_SECONDS + 90)
+            out = _read(logs[i])
+            assert status == 1, out[-3000:]
+            want = (
+                f"[process {i} of 3] lost before joining: process 2 did not join within "
+                f"{JOIN_SECONDS} s (killed, failed or never started; 2 of 3 started)"
+            )
+            assert want in out, out[-3000:]
+            assert "Terminating process" not in out, out[-3000:]
     finally:
         _stop_all(procs)
 
