@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_multiprocess import ENV, ROOT, TINY, _child_env, _free_address
 
 from jpipe.train import agreement
@@ -45,6 +46,7 @@ def _start(tmp_path, extra: list[list[str]]) -> list[tuple[int, str, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_processes_started_with_different_configs_are_refused_on_every_process(tmp_path):
     # Alone, a different seed trains silently to a wrong result, and a different
     # number of microbatches crashes in gloo; both are named before compiling.

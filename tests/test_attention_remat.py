@@ -15,6 +15,8 @@ import jpipe
 from jpipe import models, testing
 from jpipe.models import attention, gpt, llama
 
+pytestmark = pytest.mark.slow  # every test compiles and runs pipelines
+
 RTOL = 1e-5
 
 LLAMA = models.LlamaConfig(

@@ -30,6 +30,7 @@ from bench.workloads import get_workload  # noqa: E402
 SCHEDULES = ("gpipe", "1f1b", "zbv")  # the quick bench's: growing, flat, and two chunks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_microbatches,repeats", [(4, 1), (6, 1), (5, 2)])
 def test_peer_matches_the_unpipelined_model(num_microbatches, repeats):
     """The vmap-style GPipe baseline computes the model's loss and every gradient."""
@@ -51,6 +52,7 @@ def test_peer_matches_the_unpipelined_model(num_microbatches, repeats):
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6), got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", lockstep.VARIANTS)
 def test_lockstep_diagnostics_do_the_pipelines_work(variant):
     """The diagnostic rows really compute each device's stage gradients.
@@ -77,6 +79,7 @@ def test_lockstep_diagnostics_do_the_pipelines_work(variant):
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6), got, want)
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_a_sane_table(tmp_path):
     """``python -m bench --quick`` (smallest model) writes JSON, Markdown and a plot.
 
@@ -158,6 +161,7 @@ def test_quick_bench_writes_a_sane_table(tmp_path):
     assert "| jpipe 1f1b |" in table and "| peer gpipe |" in table
 
 
+@pytest.mark.slow
 def test_memory_suite_row_on_a_small_gpt():
     """`python -m bench --suite memory` compiles from shapes; its row on a tiny GPT is sane."""
     from bench import memory
@@ -185,6 +189,7 @@ def test_memory_suite_row_on_a_small_gpt():
     assert "| 4 | 4 | zb_h1 | 8 | 4 slices |" in report.memory_markdown([sliced])
 
 
+@pytest.mark.slow
 def test_mesh_memory_splits_what_each_axis_promises():
     """`python -m bench.mesh_memory --quick`'s rows: fsdp halves every array, tensor the blocks'.
 

@@ -26,6 +26,7 @@ EXPECTED = {("plain", None)} | {
 }
 
 
+@pytest.mark.slow
 def test_bench_gpu_tiny_has_every_row(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ)

@@ -183,6 +183,7 @@ def _config(steps: int):
     return config
 
 
+@pytest.mark.slow
 def test_train_resumes_from_the_step_before_a_damaged_one(tmp_path, capfd):
     first = trainer.train(_config(4), str(tmp_path), progress=False)
     directory = tmp_path / "checkpoints"

@@ -96,6 +96,7 @@ def _run(config, monkeypatch, tmp_path):
     return rc, out.getvalue(), log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 def test_compile_only_both_lowerings(lowering, monkeypatch, tmp_path):
     rc, out, log = _run(tiny(lowering=lowering), monkeypatch, tmp_path)
@@ -125,6 +126,7 @@ def test_compile_only_both_lowerings(lowering, monkeypatch, tmp_path):
     assert "fits" in lines[-2]  # the table's last line
 
 
+@pytest.mark.slow
 def test_ranks_of_their_own_tensor_degrees(monkeypatch, tmp_path):
     """A mesh per rank (``mesh.tensor_per_rank``): each rank's own shapes and update program."""
     config = tiny(
@@ -139,6 +141,7 @@ def test_ranks_of_their_own_tensor_degrees(monkeypatch, tmp_path):
     assert all(r["predicted_bytes"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_too_little_memory_exits_nonzero(tmp_path):
     """Through train.py: exit 1, the JSON still last on stdout, one line naming the device."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -193,6 +196,7 @@ def test_device_memory_field():
     assert trainer.TrainConfig.from_config(tiny()).compile_only_device_memory == "80GB"
 
 
+@pytest.mark.slow
 def test_llama3_8b_shrunk_compiles_only_and_trains(monkeypatch, tmp_path):
     config = llama3_8b_shrunk()
     model = config.model

@@ -32,8 +32,16 @@ CASES += [("dualpipev", r, m, 2) for r, m in [(2, 4), (2, 5), (4, 8)]]
 CASES += [(name, r, m, 2) for name in ["vhalf", "vmin"] for r, m in [(2, 1), (2, 3), (4, 6)]]
 
 
+# The fast tier (`pytest -m "not slow"`) keeps one plain and one split-backward
+# case under each lowering; the rest run in the full suite.
+FAST_CASES = [("1f1b", 4, 3, 1), ("zb_h1", 4, 3, 1)]
+
+
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
-@pytest.mark.parametrize("name,ranks,microbatches,chunks", CASES)
+@pytest.mark.parametrize(
+    "name,ranks,microbatches,chunks",
+    [case if case in FAST_CASES else pytest.param(*case, marks=pytest.mark.slow) for case in CASES],
+)
 def test_builtin_matches_unpipelined(name, ranks, microbatches, chunks, lowering):
     result = testing.check_schedule(name, ranks, microbatches, chunks, lowering=lowering)
     assert result.passed, result
@@ -49,6 +57,7 @@ OTHER_LAYOUT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,ranks,microbatches,chunks", OTHER_LAYOUT_CASES)
 def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chunks):
     # The cases above run the layout "auto" picks; this runs the other one.
@@ -59,6 +68,7 @@ def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chu
     assert result.passed, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,microbatches,chunks",
     [
@@ -81,6 +91,7 @@ def test_pipe_by_data_mesh(name, microbatches, chunks, lowering):
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_matches_the_same_policy_unpipelined():
     name, chunks = "zb_h1", None
     # float32 parameters, bfloat16 compute and activations, float32 loss: the
@@ -98,6 +109,7 @@ def test_bfloat16_compute_matches_the_same_policy_unpipelined():
     assert testing.compare(split, whole)[1] > 100 * result.rtol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filename", ["zb1p_2rank_2stagep_compute.csv", "dualpipev_4rank_10mb.csv"])
 def test_pytorch_schedule_files(filename):
     path = PYTORCH / filename
@@ -105,6 +117,7 @@ def test_pytorch_schedule_files(filename):
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_first_and_last_stage_on_one_rank():
     # Stage 0 and stage 3 on rank 0, stages 1 and 2 on rank 1; I/W split on some.
     F, B, I, W = jpipe.F, jpipe.B, jpipe.I, jpipe.W
@@ -120,6 +133,7 @@ def test_first_and_last_stage_on_one_rank():
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_everything_on_one_rank():
     schedule = jpipe.get_schedule("1f1b", 1, 3)
     assert testing.check_schedule(schedule).passed
@@ -197,6 +211,7 @@ def _temp_bytes(name, microbatches):
     return pipe.compile(packed, make_batch(2 * microbatches)).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_memory_follows_the_schedule():
     # 1F1B keeps at most R activations alive whatever M; GPipe keeps all M.
     # (The batch itself is an argument, not temp memory.)
@@ -214,6 +229,7 @@ def test_buffer_slots_match_the_simulated_peak():
         assert pipe.plan.num_res == peak, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,chunks,data", [("1f1b", 1, 1), ("zbv", 2, 2), ("interleaved_1f1b", 2, 1)]
 )
@@ -237,6 +253,7 @@ def _dense_block(params, x, inputs):
     return jax.numpy.tanh(h @ params["w2"]) + inputs["bias"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "wrap", [lambda f: f, jax.jit, jax.checkpoint], ids=["plain", "jit", "remat"]
 )
@@ -334,6 +351,7 @@ def test_i_runs_the_backward_chain_and_w_the_weight_products(first):
     assert (i_dots, w_dots) == ((1, 2) if first else (2, 2))
 
 
+@pytest.mark.slow
 def test_more_microbatches_than_an_int8_table_holds():
     # The table is stored in the narrowest integer type that holds it: int8
     # up to microbatch 127, int16 beyond. 130 microbatches take the int16 path.
@@ -341,6 +359,7 @@ def test_more_microbatches_than_an_int8_table_holds():
     assert result.passed, result
 
 
+@pytest.mark.slow
 def test_packed_shapes_compile_like_packed_arrays():
     # A model too big for the machine is compiled from shapes: they must be
     # exactly what `pack` would place, so the compiled program is the same.
@@ -361,6 +380,7 @@ def test_packed_shapes_compile_like_packed_arrays():
     assert from_shapes.argument_size_in_bytes == from_arrays.argument_size_in_bytes
 
 
+@pytest.mark.slow
 def test_an_all_idle_program_runs_nothing():
     # The benchmarks time it to measure the program's control alone.
     stages, params, make_batch = testing.small_model(4)

@@ -97,6 +97,7 @@ slow = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 activations = st.tuples(*[st.sampled_from(testing.ACTIVATIONS)] * 3)
 
 
+@pytest.mark.slow
 @slow
 @given(
     sizes,
@@ -131,6 +132,7 @@ def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data
     assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_random_memory_actions_are_exact_in_one_spmd_program(seed):
     # Not left to the draw: each seed recomputes, evicts and offloads at
@@ -143,6 +145,7 @@ def test_random_memory_actions_are_exact_in_one_spmd_program(seed):
     assert result.passed, (schedule, result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 def test_a_fuzz_case_whose_bfloat16_leaves_round_with_the_split(lowering):
     # Found by the fuzz (seed 309330191906104562397167946855215716685): the
@@ -163,6 +166,7 @@ model_meshes = st.sampled_from(
 )
 
 
+@pytest.mark.slow
 @slow
 @given(
     sizes.map(lambda t: (t[0], min(t[1], 2), max(min(t[1], 2), t[2]), t[3])),
@@ -205,6 +209,7 @@ def corrupt(schedule: jpipe.Schedule, seed: int) -> jpipe.Schedule:
     return jpipe.Schedule.of(rows, name=f"{schedule.name}-{how}")
 
 
+@pytest.mark.slow
 @slow
 @given(sizes, st.integers(0, 2**31))
 def test_corrupted_schedules_are_refused_or_exact(size, corruption_seed):

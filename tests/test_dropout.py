@@ -18,6 +18,8 @@ import pytest
 import jpipe
 from jpipe import models, testing
 
+pytestmark = pytest.mark.slow  # every test compiles and runs pipelines
+
 RATE = 0.1
 CONFIG = models.GPTConfig(
     vocab_size=40, seq_len=8, num_layers=2, num_heads=2, d_model=16, d_ff=32, dropout=RATE

@@ -26,6 +26,8 @@ import pytest
 from jpipe import models, testing
 from jpipe import train as trainer
 
+pytestmark = pytest.mark.slow  # every test compiles and runs pipelines
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NAMES = ("vit_linen", "vit_nnx", "mixer_jax")
 
@@ -104,7 +106,8 @@ def test_train_py_resumes_after_ctrl_c_to_the_same_losses(name, tmp_path):
         "--config.eval_batches=1",
         "--config.checkpoint_every=100",  # the only checkpoint before the end is Ctrl-C's
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
 
     def command(workdir):
         return [sys.executable, str(EXAMPLES.parent / "train.py"), f"--workdir={workdir}"]

@@ -184,6 +184,7 @@ def eval_batches(config, n: int):
     return [batch for batch, _ in zip(sources.get_source(c.data.source)(args), range(n))]
 
 
+@pytest.mark.slow
 def test_trained_weights_come_out_in_the_users_own_classes(user, trained):
     config, workdir, result = trained
     params = trainer.load_params(workdir, config)
@@ -207,6 +208,7 @@ def test_trained_weights_come_out_in_the_users_own_classes(user, trained):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_run_from_a_checkpoint_or_a_saved_file(trained, tmp_path):
     config, workdir, result = trained
     params = trainer.load_params(workdir, config)
@@ -225,6 +227,7 @@ def test_init_from_starts_a_run_from_a_checkpoint_or_a_saved_file(trained, tmp_p
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
+@pytest.mark.slow
 def test_init_from_refuses_parameters_of_another_shape_naming_the_leaf(user, trained, tmp_path):
     config, workdir, _ = trained
     params = trainer.load_params(workdir, config)
@@ -273,6 +276,7 @@ def test_a_users_file_is_imported_under_its_own_name(user, tmp_path):
         sys.modules.pop("export_fresh_model", None)
 
 
+@pytest.mark.slow
 def test_model_dtype_is_applied_to_a_builder_from_a_file(user, trained):
     config, _, _ = trained
     low = config.copy_and_resolve_references()
@@ -293,6 +297,7 @@ def test_model_dtype_is_applied_to_a_builder_from_a_file(user, trained):
         trainer.prepare(low)
 
 
+@pytest.mark.slow
 def test_check_and_testing_take_the_trainers_builder(user, capsys):
     spec = f"{user.__file__}:build"
     # The file's own get_config() gives config.model and the batches, as for train.py.
@@ -314,6 +319,7 @@ def test_check_and_testing_take_the_trainers_builder(user, capsys):
         sys.modules.pop("export_bare_model", None)
 
 
+@pytest.mark.slow
 def test_a_registered_models_checkpoint_needs_no_config(tmp_path):
     # A GPT split over 4 ranks with tensor 2, checkpointed as the trainer does
     # (its state and meta), read back without a config and on one device.

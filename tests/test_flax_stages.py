@@ -50,6 +50,7 @@ def _model(layers_per_stage):
     )
 
 
+@pytest.mark.slow
 def test_uneven_split_runs_exactly_and_matches_other_splits():
     model = _model("3,4,4,3")
     params = model.init(0)
@@ -81,6 +82,7 @@ def test_bad_layer_counts(counts, message):
         _model(counts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_init_of_some_stages_makes_only_those(scan_layers):
     # What each process of a multi-process run does: its own stages, with the

@@ -17,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from jpipe.train.checkpoint import Checkpoints
+
+pytestmark = pytest.mark.slow  # each test trains, most in a train.py process
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,12 +30,14 @@ def batch(rows: int, seed: int = 0) -> dict:
     return models.example_batch(models.GPTConfig(32, 8, 1, 1, 4, 4), rows, seed)
 
 
+@pytest.mark.slow
 def test_pipelined_equals_the_model():
     model = models.build_model("llama", models.BuildArgs(CONFIG, num_stages=4))
     result = testing.check_model(model, batch(16), "1f1b", num_microbatches=4, data=2)
     assert result.passed, result.summary()
 
 
+@pytest.mark.slow
 def test_split_over_tensor_equals_the_model():
     # Each of the two devices holds 2 query heads and their key/value head.
     model = models.build_model("llama", models.BuildArgs(CONFIG, 2, tensor_axis="tensor"))
@@ -46,6 +48,7 @@ def test_split_over_tensor_equals_the_model():
     assert result.passed, result.summary()
 
 
+@pytest.mark.slow
 def test_every_split_starts_from_the_same_weights_and_loss():
     b = batch(3)
     split = llama.make_stages(CONFIG, "1,2,1")
@@ -57,6 +60,7 @@ def test_every_split_starts_from_the_same_weights_and_loss():
     chex.assert_trees_all_close(split.loss(params, b), whole.loss(whole_params, b), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_rotary_scores_depend_only_on_the_distance():
     q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
@@ -69,6 +73,7 @@ def test_rotary_scores_depend_only_on_the_distance():
     np.testing.assert_allclose(scores[0, 0], q.ravel() @ k.ravel(), rtol=1e-6)  # position 0
 
 
+@pytest.mark.slow
 def test_attention_is_causal():
     model = llama.make_stages(CONFIG, (2, 2))
     params = model.init(0)
@@ -124,6 +129,7 @@ def test_the_default_config_trains_a_llama_by_name():
     assert prepared.config.model.num_kv_heads == prepared.config.model.num_heads == 4
 
 
+@pytest.mark.slow
 def test_dropout_is_drawn_from_the_row_keys_pipelined_exactly():
     config = models.LlamaConfig(**{**CONFIG.__dict__, "dropout": 0.2})
     model = models.build_model("llama", models.BuildArgs(config, num_stages=2))
@@ -135,6 +141,7 @@ def test_dropout_is_drawn_from_the_row_keys_pipelined_exactly():
     assert result.passed, result.summary()
 
 
+@pytest.mark.slow
 def test_scanned_blocks_split_over_tensor_equal_the_model():
     config = models.LlamaConfig(**{**CONFIG.__dict__, "scan_layers": True})
     model = models.build_model("llama", models.BuildArgs(config, 2, tensor_axis="tensor"))
@@ -144,6 +151,7 @@ def test_scanned_blocks_split_over_tensor_equal_the_model():
     assert result.passed, result.summary()
 
 
+@pytest.mark.slow
 def test_logit_chunks_give_the_plain_heads_loss_and_gradients():
     # The head in slices (each recomputed in the backward), pipelined with its
     # backward split into I and W, against the plain head without a pipeline.

@@ -158,6 +158,7 @@ X64_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_both_lowerings_run_a_float32_model_exactly_with_x64_enabled():
     proc = subprocess.run(
         [sys.executable, "-c", X64_SCRIPT], capture_output=True, text=True, timeout=600

@@ -567,6 +567,7 @@ LOWERED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 @pytest.mark.parametrize("name,p,m,options,kinds", LOWERED)
 @pytest.mark.parametrize("axes", [{"data": 2}, {"tensor": 2}])
@@ -580,6 +581,7 @@ def test_memory_actions_run_exactly(name, p, m, options, kinds, axes, lowering):
     assert result.passed, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 def test_a_hand_written_schedule_with_every_action_is_exact(lowering):
     # Two ranks, two microbatches: microbatch 0's stage-0 residuals go to the
@@ -630,6 +632,7 @@ def _computations_in_branches(hlo: str) -> dict:
     return {n: (n in inside, "\n".join(lines)) for n, lines in bodies.items()}
 
 
+@pytest.mark.slow
 def test_the_spmd_program_copies_residuals_without_branching_collectives():
     # Evictions and loads ride collectives that every device runs every
     # tick, outside any conditional (one that only some ranks take would
@@ -660,6 +663,7 @@ def test_the_spmd_program_copies_residuals_without_branching_collectives():
     )
 
 
+@pytest.mark.slow
 def test_the_trainer_runs_memory_actions_under_spmd(tmp_path):
     # With dropout: a recompute draws the forward's own masks (they come from
     # the row keys in the batch), so the losses after updates match 1F1B's.

@@ -70,6 +70,7 @@ def test_a_schedule_that_waits_forever_is_refused_by_name():
         issue_order(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,chunks", [("1f1b", None), ("zb_h1", None), ("zbv", 2)])
 def test_no_piece_holds_a_conditional(name, chunks):
     pipe, _, params, batch = _pipeline(name, chunks=chunks)
@@ -84,6 +85,7 @@ def test_no_piece_holds_a_conditional(name, chunks):
     assert re.search(r"\bconditional\(", text) is not None
 
 
+@pytest.mark.slow
 def test_forward_only_loss_and_repeated_steps():
     pipe, model, params, batch = _pipeline("interleaved_1f1b", chunks=2, data=2)
     packed = pipe.pack(params)
@@ -102,6 +104,7 @@ def test_forward_only_loss_and_repeated_steps():
     assert pieces <= ops <= 3 * pieces
 
 
+@pytest.mark.slow
 def test_what_only_the_spmd_lowering_does_is_refused_naming_the_lowering():
     pipe, _, params, batch = _pipeline()
     packed = pipe.pack(params)
@@ -140,6 +143,7 @@ def test_a_stage_reading_its_pipe_index_is_refused():
         pipe.value_and_grad(packed, {"x": np.ones((4, 3), np.float32)})
 
 
+@pytest.mark.slow
 def test_the_trainer_runs_the_per_rank_lowering_to_the_spmd_losses(tmp_path):
     from test_train import tiny_config
 
@@ -180,6 +184,7 @@ def _bytes_on(devices) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,ranks,chunks,data,options",
     [

@@ -88,6 +88,7 @@ def test_launcher_prefixes_lines_and_stops_the_others_on_the_first_failure():
     assert "process 1 exited with status 3; stopping process(es) [0]" in err
 
 
+@pytest.mark.slow
 def test_launcher_stops_a_job_past_its_time_limit_and_on_an_exception():
     # Both processes print their pid and sleep: a hung job, as a collective
     # waiting on a peer that never comes would be.
@@ -179,6 +180,7 @@ def test_a_work_directory_that_cannot_be_made_names_the_flag(one_process_config,
         trainer.train(one_process_config(2, 2), "/proc/x", progress=False)
 
 
+@pytest.mark.slow
 def test_checker_pack_and_unpack_across_two_processes():
     status, out, err, _ = _run([WORKER, "pipeline"])
     assert status == 0, err[-3000:]
@@ -196,6 +198,7 @@ def test_checker_pack_and_unpack_across_two_processes():
     assert out.count("PASS") == 2
 
 
+@pytest.mark.slow
 def test_ranks_of_different_shapes_across_two_processes_are_exact():
     # Ranks 0 and 1 (tensor 1) in process 0, rank 2 (tensor 2) in process 1: the
     # activation and its gradient are regrouped between the shapes through the
@@ -212,6 +215,7 @@ def test_ranks_of_different_shapes_across_two_processes_are_exact():
         assert r["rel"] <= 1e-5, r  # float32, as the compiler tests
 
 
+@pytest.mark.slow
 def test_an_exception_in_one_process_ends_the_run_naming_it():
     status, _, err, seconds = _run([WORKER, "raise"])
     assert status == 1
@@ -338,6 +342,7 @@ def two_processes(tmp_path_factory, cache_env):
 LOWERINGS = {"spmd": {}, "mpmd": {"lowering": "mpmd", "schedule": "1f1b_bpipe"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", sorted(LOWERINGS))
 def test_pipe4_across_two_processes_trains_as_one_process(one_process, two_processes, lowering):
     # Ranks 0-1 in process 0, 2-3 in process 1: one pipe hop crosses. The
@@ -367,6 +372,7 @@ def _assert_record_close(got: tuple, want: tuple, rel: float) -> None:
             assert abs(a - b) <= rel * abs(b), f"step {step}: {name} {a} != {b} (rel {rel})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
     tmp_path, cache_env, one_process, lowering

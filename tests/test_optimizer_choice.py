@@ -55,6 +55,7 @@ GRADS = [buckets(s) for s in (1, 2, 3)]
 ALL_ROWS = {"a": np.ones(3, bool), "b": np.ones(3, bool)}
 
 
+@pytest.mark.slow
 def test_adamw_is_the_earlier_optimizer_bit_for_bit():
     c = opt_config(grad_clip_norm=0.5)
     rows = {"a": np.array([True, False, False]), "b": np.array([False, True, True])}
@@ -230,6 +231,7 @@ def figures(params, batch):
 """
 
 
+@pytest.mark.slow
 def test_eval_fn_and_rows_per_second_on_a_batch_without_tokens(tmp_path, capsys):
     mixer = ROOT / "examples" / "mixer_jax.py"
     config = trainer.config_from_file(mixer)

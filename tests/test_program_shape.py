@@ -46,6 +46,7 @@ def compiled_step(name, ranks, microbatches, chunks=1, rows=2, control="auto"):
 SWITCH_IN_PLACE = switch_writes_in_place("cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("control", ["cond", "switch"])
 @pytest.mark.parametrize(
     "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
@@ -71,6 +72,7 @@ def test_a_step_has_few_conditionals_whatever_its_size(name, chunks, control):
     assert classes < pipe.schedule.num_stages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
 )
@@ -106,6 +108,7 @@ def test_the_probe_matches_what_each_jaxlib_was_measured_to_do():
         assert SWITCH_IN_PLACE
 
 
+@pytest.mark.slow
 def test_stages_of_one_structure_share_one_branch():
     # The checker's model: an embedding stage, alike blocks, a head.
     _, pipe, batch = compiled_step("1f1b", 4, 4)
@@ -133,6 +136,7 @@ _COUNT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_deeper_pipelines_do_not_grow_the_program():
     # 16 ranks of alike blocks compile to the same pieces as 4: the program
     # holds each distinct stage once (in a fresh process with 16 devices).
@@ -150,6 +154,7 @@ def test_deeper_pipelines_do_not_grow_the_program():
     assert sixteen["conditionals"] == four["conditionals"] == 8, counts
 
 
+@pytest.mark.slow
 def test_residual_buffer_is_the_largest_ranks_need():
     # One stage per rank: each rank keeps its peak of live residuals at its
     # own stage's size, and the buffer is the largest rank's (each F writes
@@ -173,6 +178,7 @@ def value_rows(avals) -> int:
     return sum(-(-n // ROW) for n in words)
 
 
+@pytest.mark.slow
 def test_values_of_every_dtype_share_one_buffer():
     # Rank 0 keeps float32 residuals, rank 1 bfloat16 ones: one buffer of
     # words holds both, as large as the larger rank's values of every dtype
@@ -224,6 +230,7 @@ intervals = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(intervals)
 def test_packed_values_never_overlap_while_both_live(ivs):
@@ -245,6 +252,7 @@ def test_packed_values_never_overlap_while_both_live(ivs):
         assert extent == peak
 
 
+@pytest.mark.slow
 def test_show_reports_the_programs_transfers(capsys):
     from jpipe import show
 

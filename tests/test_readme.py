@@ -21,6 +21,7 @@ def test_first_lines_are_the_two_commands():
     assert 'pip install -e ".[test]" && pytest' in ci
 
 
+@pytest.mark.slow
 def test_the_schedule_example_runs(tmp_path, capsys):
     code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
     path = tmp_path / "my_schedule.py"
@@ -61,6 +62,7 @@ def _readme_loss_table(python: str) -> dict[int, str] | None:
     return {int(step): loss.strip() for step, loss in cells}
 
 
+@pytest.mark.slow
 def test_the_loss_table_is_what_train_py_prints(tmp_path):
     # `python train.py` exactly as the README runs it (the default config,
     # 300 steps, about 2 minutes on 2 cores), in a fresh process: every

@@ -93,6 +93,7 @@ def _stacked_params(seed):
 _ACT = jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32)
 
 
+@pytest.mark.slow
 def test_a_bf16_dense_stage_stashes_no_weight_copy():
     params = _block_params(0)
     k = StageKernels.trace(_bf16_stage, params, _ACT, {})
@@ -139,6 +140,7 @@ def _model():
     return stages, params
 
 
+@pytest.mark.slow
 def test_the_first_stage_rebuilds_its_embedding_lookup():
     stages, params = _model()
     inputs = {"tokens": jax.ShapeDtypeStruct((ROWS,), jnp.int32)}
@@ -149,6 +151,7 @@ def test_the_first_stage_rebuilds_its_embedding_lookup():
     assert ((ROWS, HIDDEN), "bfloat16") in _kinds(k.res_avals)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_rebuilt_residuals_give_the_unpipelined_loss_and_gradients(name):
     stages, params = _model()
@@ -168,6 +171,7 @@ def test_rebuilt_residuals_give_the_unpipelined_loss_and_gradients(name):
     assert rel_err <= RTOL, (abs_err, rel_err)
 
 
+@pytest.mark.slow
 def test_gpt_stages_stash_no_weight_copy_scanned_or_not():
     config = gpt.GPTConfig(
         vocab_size=32, seq_len=4, num_layers=4, num_heads=1, d_model=8, d_ff=16, dtype="bfloat16"

@@ -183,6 +183,7 @@ def _gpt(scan_layers: bool):
     return model, model.init(0)
 
 
+@pytest.mark.slow
 def test_scanned_gpt_has_the_unrolled_weights():
     unrolled, unrolled_params = _gpt(False)
     scanned, params = _gpt(True)
@@ -199,6 +200,7 @@ def test_scanned_gpt_has_the_unrolled_weights():
         dataclasses.replace(_GPT, scan_layers="yes")
 
 
+@pytest.mark.slow
 def test_scanned_gpt_splits_like_the_unrolled_one():
     # One sequence a microbatch: activations smaller than weights, as at scale.
     batch = gpt.example_batch(_GPT, 1)
@@ -229,6 +231,7 @@ def test_scanned_gpt_splits_like_the_unrolled_one():
     assert bubbles[0] == bubbles[1] and 0 < bubbles[0] < 1, bubbles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("name,ranks", [("1f1b", 2), ("zb_h1", 4)])
 def test_scanned_gpt_is_exact(name, ranks, lowering):

@@ -66,6 +66,7 @@ def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
         assert runs_schedule("spmd", schedule) == accepted
 
 
+@pytest.mark.slow
 def test_no_spmd_candidate_has_an_action_the_spmd_lowering_refuses():
     result = jpipe.search_schedule(UNIFORM, 4, 8, 6.0, layout="spmd")
     for c in result.candidates:
@@ -162,8 +163,11 @@ def _fitting(result):
     # where only the local search fits, where a built-in does, where everything does
     # (where nothing fits: test_no_local_search_where_the_weights_alone_do_not_fit and
     # test_the_local_search_gives_up_when_nothing_can_fit)
-    [("spmd", 5.0), ("spmd", 7.0), ("spmd", 100.0),
-     ("per_rank", 4.5), ("per_rank", 6.0), ("per_rank", 100.0)],
+    # (the budgets where the search walks take seconds each are in the slow tier)
+    [pytest.param("spmd", 5.0, marks=pytest.mark.slow),
+     pytest.param("spmd", 7.0, marks=pytest.mark.slow), ("spmd", 100.0),
+     pytest.param("per_rank", 4.5, marks=pytest.mark.slow),
+     pytest.param("per_rank", 6.0, marks=pytest.mark.slow), ("per_rank", 100.0)],
 )  # fmt: skip
 def test_the_winner_is_the_fastest_that_fits(layout, budget):
     result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout=layout)
@@ -309,6 +313,7 @@ def test_a_stage_profile_with_a_bad_field_is_refused_by_name():
         stage_profile_from_json(dict(d, format="jpipe-profile/2"))
 
 
+@pytest.mark.slow
 def test_gpt2_small_on_a_budget_1f1b_does_not_fit():
     profile = jpipe.load_stage_profile("gpt2_small")
     for layout in ("spmd", "per_rank"):
@@ -325,6 +330,7 @@ def test_gpt2_small_on_a_budget_1f1b_does_not_fit():
         assert budget > 2**30  # a real budget, in GiB
 
 
+@pytest.mark.slow
 def test_a_walk_that_ends_slow_turns_its_transfers_into_cheaper_moves():
     # GPT-2 small, 4 ranks, M = 16, SPMD, 12 GiB: the walk on ZB-V without
     # deferred weight gradients took five offloads early (slow host copies on
@@ -351,6 +357,7 @@ FLAGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_prints_the_winner_and_saves_it(tmp_path, capsys):
     csv, png = tmp_path / "w.csv", tmp_path / "w.png"
     code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "per_rank",
@@ -397,6 +404,7 @@ def test_cli_reads_per_stage_lists_and_units():
         search_cli.figures_from_flags("F=1/2", "activation=1/2/3")
 
 
+@pytest.mark.slow
 def test_cli_on_the_shipped_profile(capsys):
     code = search_cli.main(["--profile", "gpt2_small", "-r", "4", "-m", "16",
                             "--budget", "12GiB", "--json"])  # fmt: skip

@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT))  # `bench` lives beside `jpipe`, not in the instal
 
 from bench import memory, search_budgets, stage_profile  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test compiles and runs pipelines
+
 # 8 blocks (so that a V's 8 stages each hold one), wide enough that residuals, not
 # bookkeeping, fill a device.
 SMALL = dataclasses.replace(

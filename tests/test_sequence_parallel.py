@@ -18,6 +18,8 @@ import jpipe
 from jpipe import models, testing
 from jpipe.models import gpt, vocab
 
+pytestmark = pytest.mark.slow  # each test compiles a pipeline of a split model
+
 RTOL = 1e-5
 
 LLAMA = models.LlamaConfig(

@@ -35,6 +35,7 @@ def per_device_bytes(packed: dict) -> int:
     return sum(v.addressable_shards[0].data.nbytes for v in packed.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("axes", [{"data": 2, "tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=str)
 def test_split_stages_equal_the_whole_model(axes, lowering):
@@ -74,6 +75,7 @@ def test_split_stages_equal_the_whole_model(axes, lowering):
         assert whole_bytes / 2 < per_device_bytes(packed) < whole_bytes
 
 
+@pytest.mark.slow
 def test_specs_are_checked_against_the_mesh():
     mesh = jpipe.make_mesh(2, fsdp=2, tensor=2)
     config = models.GPTConfig(**{**CONFIG.__dict__, "vocab_size": 33})  # an odd head [16, 33]
@@ -115,6 +117,7 @@ def test_make_mesh_axes():
     np.testing.assert_equal(jpipe.make_mesh(4).devices.shape, (4, 1, 1, 1))
 
 
+@pytest.mark.slow
 def test_init_makes_each_device_only_its_block():
     config = models.GPTConfig(
         vocab_size=512, seq_len=32, num_layers=4, num_heads=4, d_model=128, d_ff=512
@@ -158,6 +161,7 @@ COLLECTIVE_MESHES = {
 COLLECTIVE_SCHEDULES = (("1f1b", None), ("zb_h1", None), ("interleaved_1f1b", 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
 @pytest.mark.parametrize("block", ["mlp", "attention", "two_blocks"])
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
@@ -171,6 +175,7 @@ def test_plain_collectives_give_the_unsplit_models_gradients(block, mesh, loweri
         assert result.max_rel_err <= RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", COLLECTIVE_MESHES, ids=str)
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 def test_sequence_parallelism_inside_a_stage(mesh, lowering):
@@ -184,6 +189,7 @@ def test_sequence_parallelism_inside_a_stage(mesh, lowering):
         assert result.passed, (name, result.max_rel_err)
 
 
+@pytest.mark.slow
 def test_the_reference_can_be_the_stages_under_shard_map():
     # No unsplit functions: the reference is the user's own stages under
     # jax.shard_map (check_vma=True) on the whole batch, unpipelined.
@@ -197,6 +203,7 @@ def test_the_reference_can_be_the_stages_under_shard_map():
     )
 
 
+@pytest.mark.slow
 def test_without_the_varying_rules_the_gradients_are_wrong(monkeypatch):
     # What this guards against: traced with the axis names merely bound (as
     # before), psum transposes to psum and the input's cotangent is never
@@ -251,6 +258,7 @@ def test_a_collective_over_pipe_is_refused_before_compiling(collective, named):
     assert pipe.compile_seconds is None  # refused while tracing: nothing compiled
 
 
+@pytest.mark.slow
 def test_axis_index_over_pipe_is_allowed_and_exact():
     def stage(params, x, inputs):  # a rank-dependent scale, 1 on every rank
         rank = lax.axis_index("pipe").astype(jnp.float32)
@@ -325,6 +333,7 @@ def build(num_stages):
 '''
 
 
+@pytest.mark.slow
 def test_the_checker_runs_a_users_own_stages(tmp_path, capsys):
     import json
 
@@ -345,6 +354,7 @@ def test_the_checker_runs_a_users_own_stages(tmp_path, capsys):
     assert "model file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_stage_may_average_over_the_batch_axes():
     # Cross-replica statistics: the middle stages centre their activations
     # on the mean over the microbatch's rows, which data and fsdp split:
@@ -374,6 +384,7 @@ def test_a_stage_may_average_over_the_batch_axes():
         assert testing.compare((loss, pipe.unpack(grads)), want)[1] <= RTOL, axes
 
 
+@pytest.mark.slow
 def test_ranks_of_different_tensor_degrees_train_as_the_whole_model():
     """Rank 0 on one device (tensor 1), ranks 1 and 2 on tensor-parallel pairs (5 devices).
 
@@ -429,6 +440,7 @@ def test_ranks_of_different_tensor_degrees_train_as_the_whole_model():
     assert losses[-1] < losses[0]  # it trains
 
 
+@pytest.mark.slow
 def test_rank_meshes_are_checked():
     model = models.make_stages(CONFIG, (2, 2), tensor_axis="tensor")
     schedule = jpipe.get_schedule("1f1b", 2, 4)

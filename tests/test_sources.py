@@ -52,6 +52,7 @@ def test_grain_batches_are_a_function_of_the_step_split_by_process(tokenizer):
     assert not np.array_equal(rows[:8], rows[W : W + 8])
 
 
+@pytest.mark.slow
 def test_trainer_learns_nothing_but_runs_on_bpe_tokens(tmp_path):
     spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
     default = importlib.util.module_from_spec(spec)

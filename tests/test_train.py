@@ -116,6 +116,7 @@ def train_until_killed(config, workdir, step: int) -> None:
             trainer.train(config, str(workdir), progress=False)
 
 
+@pytest.mark.slow
 def test_pipelined_losses_match_unpipelined(reference, tmp_path):
     result, _ = reference
     single = trainer.train(tiny_config(**{"mesh.pipe": 1}), str(tmp_path), progress=False)
@@ -135,6 +136,7 @@ def test_pipelined_losses_match_unpipelined(reference, tmp_path):
     assert result.eval_losses[6] < result.eval_losses[0] - 0.3
 
 
+@pytest.mark.slow
 def test_tensor_and_fsdp_meshes_train_the_same(reference, tmp_path):
     # pipe 2 x fsdp 2 x tensor 2 from the config's flags: blocks split
     # Megatron-style, every array split over fsdp, the same losses as the
@@ -150,6 +152,7 @@ def test_tensor_and_fsdp_meshes_train_the_same(reference, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_ranks_of_their_own_tensor_degrees_train_the_same(reference, tmp_path):
     # mesh.tensor_per_rank: rank 0 on one device, rank 1 on a tensor pair, 2
     # more on another pair (one mesh per rank, the per-rank lowering, an AdamW
@@ -182,6 +185,7 @@ def test_ranks_of_their_own_tensor_degrees_train_the_same(reference, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     result, _ = reference
     workdir = tmp_path / "run"
@@ -196,6 +200,7 @@ def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     assert _untimed(read_metrics(workdir)) == _untimed(read_metrics(reference[1]))
 
 
+@pytest.mark.slow
 def test_resumed_run_with_dropout_equals_an_unbroken_one(reference, tmp_path):
     # The step draws each row's dropout masks from (seed, step, row), all
     # restored from the checkpoint: a resumed run draws what an unbroken one did.
@@ -223,6 +228,7 @@ def _untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_s")} for r in records]
 
 
+@pytest.mark.slow
 def test_half_written_checkpoint_is_ignored(reference, interrupted, tmp_path):
     result, _ = reference
     workdir = tmp_path / "run"
@@ -244,6 +250,7 @@ def test_half_written_checkpoint_is_ignored(reference, interrupted, tmp_path):
     assert not (checkpoints / "8").exists()
 
 
+@pytest.mark.slow
 def test_resuming_with_another_split_is_refused(interrupted, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(interrupted, workdir)
@@ -255,6 +262,7 @@ def test_resuming_with_another_split_is_refused(interrupted, tmp_path):
     assert count[0] == before
 
 
+@pytest.mark.slow
 def test_resuming_under_another_optimizer_is_refused_naming_it(interrupted, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(interrupted, workdir)
@@ -266,6 +274,7 @@ def test_resuming_under_another_optimizer_is_refused_naming_it(interrupted, tmp_
     assert count[0] == before
 
 
+@pytest.mark.slow
 def test_metrics_jsonl(reference):
     _, workdir = reference
     records = read_metrics(workdir)
@@ -361,6 +370,7 @@ def test_interleaved_schedule_has_chunks_stages():
     assert prepared.layers_per_stage == (1,) * 8
 
 
+@pytest.mark.slow
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     original = train_step_lib.train_step
 
@@ -381,6 +391,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypa
     assert [r["step"] for r in read_metrics(workdir)] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_optimizer_keeps_padding_zero_and_clips_globally():
     prepared = trainer.prepare(tiny_config())
     model = gpt.make_stages(prepared.config.model, prepared.layers_per_stage)
@@ -444,6 +455,7 @@ def test_use_cpu_devices_leaves_a_started_jax_alone():
     assert len(jax.devices()) == 8
 
 
+@pytest.mark.slow
 def test_train_py_runs(tmp_path):
     """The entry point, in its own process: fakes 2 CPU devices and trains 2 steps."""
     common = [sys.executable, str(ROOT / "train.py"), f"--workdir={tmp_path / 'run'}"]
@@ -460,7 +472,8 @@ def test_train_py_runs(tmp_path):
         "--config.model.d_model=32",
         "--config.model.d_ff=64",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
     done = subprocess.run(
         common + tiny, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
     )
@@ -492,6 +505,7 @@ def test_train_py_runs(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_same_numbers(reference):
     import struct
 
@@ -513,6 +527,7 @@ def test_tensorboard_gets_the_same_numbers(reference):
                 assert seen[(key, record["step"])] == pytest.approx(record[key], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
     # Every pass after validation (the simulator, the training and forward
     # plans, the pipeline) must be handed the dependency analysis, not redo
@@ -538,6 +553,7 @@ def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
     assert len(analysed) == len(set(analysed)) == 1, analysed
 
 
+@pytest.mark.slow
 def test_optimizer_state_split_over_data_trains_the_same(tmp_path):
     # ZeRO-1: with optimizer.shard_over_data the Adam moments are split over
     # the data axis (pipe 4 x data 2 here), each device holds half of them,
@@ -579,6 +595,7 @@ def test_optimizer_state_split_over_data_trains_the_same(tmp_path):
     assert saved == held[False] // 2, held
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
     """A real ``train.py`` sent SIGINT mid-run, resumed with the command it prints.
 
@@ -604,7 +621,8 @@ def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
         "--config.model.d_model=32",
         "--config.model.d_ff=64",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
 
     def command(workdir):
         return [sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *tiny]

@@ -71,6 +71,7 @@ def test_plan_sets_the_trainer_config(tmp_path):
         TrainConfig.from_config(config)
 
 
+@pytest.mark.slow
 def test_plan_file_trains_through_train_py(tmp_path):
     plan = _plan_file(tmp_path)
     # configs/ has no `plan` field yet; a user's config file adds it
@@ -94,7 +95,8 @@ def test_plan_file_trains_through_train_py(tmp_path):
         "--config.model.d_model=32",
         "--config.model.d_ff=64",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "devices: 2 cpu devices" in done.stdout  # faked from the plan's mesh
@@ -103,6 +105,7 @@ def test_plan_file_trains_through_train_py(tmp_path):
     assert jpipe.read_plan_file(str(plan)).layers_per_stage == (2, 1)
 
 
+@pytest.mark.slow
 def test_profile_mode_writes_the_planner_format(tmp_path):
     """`stage_profile` on measured times (what train.py --config.profile=True writes)."""
     import jax
@@ -132,6 +135,7 @@ def test_profile_mode_writes_the_planner_format(tmp_path):
     assert t.forward == (0.1, 0.2) and t.split() == ((0.15, 0.25), (0.05, 0.1))
 
 
+@pytest.mark.slow
 def test_profile_plan_train_reports_the_planned_footprint(tmp_path):
     """train.py --config.profile=True measures the runtime's memory terms; a plan made from
     that profile for the same setup predicts the compiled step's bytes per device."""

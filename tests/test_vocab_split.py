@@ -19,6 +19,8 @@ import jpipe
 from jpipe import models, testing
 from jpipe.models import gpt, llama, vocab
 
+pytestmark = pytest.mark.slow  # each test compiles a pipeline of a split model
+
 RTOL = 1e-5
 
 LLAMA = models.LlamaConfig(

@@ -13,6 +13,8 @@ import pytest
 import jpipe
 from jpipe import models, testing
 
+pytestmark = pytest.mark.slow  # every test compiles and runs pipelines
+
 CONFIG = models.GPTConfig(vocab_size=40, seq_len=8, num_layers=4, num_heads=2, d_model=16, d_ff=32)
 RTOL = 1e-5  # float32; as the compiler tests (see jpipe.testing.CheckResult)
 
