@@ -479,10 +479,18 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
 
 
 def _compiled_working(programs, out, ins) -> list[int]:
-    """Per stage, its largest compiled piece's working memory, plus its activation in and out."""
+    """Per stage, its largest issued piece's working memory, plus its activation in and out.
+
+    Per action the schedule issues, as the rank's account counts it: a B
+    issued as its I and its W holds the I-to-W carry beside the W
+    (`RankPrograms.piece_working_bytes`).
+    """
+    issued = [set() for _ in programs.compiled]
+    for _, a in programs.order:
+        issued[a.stage].add(a.kind)
     working = []
     for s, pieces in enumerate(programs.compiled):
-        kinds = [k for k in (pieces or {}) if k != "F_eval"]
+        kinds = issued[s] if pieces else ()
         most = max((programs.piece_working_bytes(s, k) for k in kinds), default=0)
         working.append(most + out[s] + ins[s])
     return working
