@@ -145,8 +145,8 @@ def get_config() -> ml_collections.ConfigDict:
     # the head split by vocabulary rows, with a cross-entropy that never gathers the
     # logits; and the activations between the split matmuls split along the sequence
     # (all-gather before, reduce-scatter after). Llama-3-8B at 8,192 tokens on pipe 4 x
-    # tensor 2 (configs/llama3_8b.py), SPMD: 58.32 GB a device, 52.67 GB with both
-    # (python -m bench.scale_split); per rank, the fullest rank 54.19 -> 46.32 GB.
+    # tensor 2 (configs/llama3_8b.py, which turns both on), SPMD: 58.32 GB a device without
+    # them, 47.42 GB with both (python -m bench.scale --seq 8192 --microbatches 16).
     config.model.vocab_split = False
     config.model.sequence_parallel = False
 

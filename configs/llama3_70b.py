@@ -11,8 +11,11 @@ key/value heads, SwiGLU of width 28,672, rotary base 500,000, the
 128,256-token vocabulary (a BPE of as many tokens trained here, as
 configs/llama3_8b.py says), an untied head. Computes in bfloat16;
 parameters, gradients, AdamW's moments, the norms and the loss stay in
-float32. Blockwise attention, each block recomputed in the backward
-(``remat="full"``) and the head's logits recomputed, as for the 8B.
+float32. The 8B's memory options: blockwise attention, each block
+recomputed in the backward (``remat="full"``), the head's logits
+recomputed, the embedding and the head split by vocabulary rows over
+``tensor`` (``vocab_split``) and the activations between the split matmuls
+split along the sequence (``sequence_parallel``).
 
 Mesh: ``tensor`` = 8 innermost (a host's 8 devices: each block split by
 heads, 8 query heads and 1 key/value head a device, and the MLP by its
@@ -21,15 +24,14 @@ the first, the head on the last). 1F1B, 32 microbatches of one 8,192-token
 sequence: 262,144 tokens a step; the bubble on 8 ranks is 7/39.
 
 Measured with ``--config.compile_only=True`` (the step compiled from shapes on
-64 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2; docs/scale.md):
-it does NOT fit 80 GB yet. Under the SPMD lowering every device needs
-96.39 GB (89.8 GiB: 25.45 GB of arguments, 70.95 GB of temp; jpipe's byte
-model predicts 110.94 GB); the command exits 1. With
-``--config.lowering=mpmd`` ranks 0 to 6 fit (66.9 to 76.4 GB) and the last,
-the head's, needs 81.10 GB (25.45 GB of arguments, 55.65 GB of its account;
-predicted 73.87 GB). What is missing: the vocabulary split over ``tensor``,
-sequence parallelism, each device holding only its own rank's parameters
-(issue 35).
+64 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2, 2026-12-06;
+docs/scale.md): 48.89 GB a device (45.5 GiB: 14.41 GB of arguments, 34.48
+GB of temp) under the SPMD lowering, which fits 80 GB; jpipe's byte model
+predicts 53.38 GB. With ``--config.lowering=mpmd``: 45.93 GB on the fullest
+rank (the last, the head's; 14.41 GB of arguments, 31.51 GB of its
+account), 40.8 to 45.0 GB on the others; predicted 37.10 GB (the per-rank
+byte model is 19% low here: docs/scale.md). Without the two splits it did
+not fit: 96.39 GB (SPMD) and 81.10 GB (per rank).
 
 Not yet run on accelerators.
 """

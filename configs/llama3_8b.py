@@ -14,7 +14,10 @@ would be a download), an untied head. Computes in bfloat16; parameters,
 gradients, AdamW's moments, the norms and the loss stay in float32. What
 makes it fit: blockwise (flash-style) attention that never holds the
 8,192 x 8,192 scores, each block recomputed in the backward from its input
-(``remat="full"``), and the head's logits recomputed (``remat_logits``).
+(``remat="full"``), the head's logits recomputed (``remat_logits``), the
+embedding and the head split by vocabulary rows over ``tensor``
+(``vocab_split``) and the activations between the split matmuls split along
+the sequence (``sequence_parallel``).
 
 Mesh: ``tensor`` = 2 innermost (each block split by heads, 16 query and 4
 key/value heads a device, and the MLP by its width), ``pipe`` = 4 (8 blocks
@@ -23,12 +26,12 @@ microbatches of one 8,192-token sequence: 131,072 tokens a step; the bubble
 on 4 ranks is 3/19.
 
 Measured with ``--config.compile_only=True`` (the step compiled from shapes on
-8 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2; docs/scale.md):
-58.32 GB a device (54.3 GiB: 16.77 GB of arguments, 41.54 GB of temp) under
-the SPMD lowering, which fits 80 GB; jpipe's byte model predicts 69.95 GB.
-With ``--config.lowering=mpmd``: 54.19 GB on the fullest rank (the last;
-16.77 GB of arguments, 37.42 GB of its account), 43.9 to 46.3 GB on the
-others; predicted 50.45 GB.
+8 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2, 2026-12-06;
+docs/scale.md): 47.42 GB a device (44.2 GiB: 13.62 GB of arguments, 33.80 GB
+of temp) under the SPMD lowering, which fits 80 GB; jpipe's byte model
+predicts 52.54 GB. With ``--config.lowering=mpmd``: 43.17 GB on the fullest
+rank (the last; 13.62 GB of arguments, 29.55 GB of its account), 38.0 to
+39.1 GB on the others; predicted 43.17 GB.
 
 Not yet run on accelerators. ``--config.model.num_layers=4
 --config.model.d_model=64 ...`` shrinks it to a model that compiles and
@@ -90,6 +93,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.attention = "blockwise"  # flash-style in plain JAX: no L x L scores
     config.model.attention_block = 512  # its tile (a divisor of seq_len)
     config.model.remat = "full"  # keep only each block's input; recompute the rest
+    # Over tensor: the embedding and the head split by vocabulary rows (a cross-entropy
+    # that never gathers the logits), and the activations between the split matmuls split
+    # along the sequence (jpipe.models.vocab, jpipe.models.sequence).
+    config.model.vocab_split = True
+    config.model.sequence_parallel = True
 
     # Optimizer (Llama 3's peak rate for 8B, warm-up scaled to this run).
     config.optimizer.learning_rate = 3e-4  # peak learning rate, reached after warm-up
