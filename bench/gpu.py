@@ -1,7 +1,8 @@
-"""``python -m bench.gpu``: step time and MFU of a GPT, plain and through both lowerings.
+"""``python -m bench.gpu``: a GPT through both lowerings, and the attention kernels.
 
-The check to run the day a GPU is lent (issue 22). One table, one row per way
-of computing the loss and gradients of the same GPT on the same global batch:
+The check to run the day a GPU is lent (issues 22 and 35). Two tables. The
+first has one row per way of computing the loss and gradients of the same
+GPT on the same global batch:
 
 - ``plain``: `jax.jit` of `jax.value_and_grad` of the model on the whole
   batch, on one device, no pipeline;
@@ -34,18 +35,39 @@ With one GPU nothing can overlap, so the pipeline rows run with ``pipe=1``
 over the plain model, not pipelining; the table says so. On a CPU the
 check fakes 2 devices unless ``XLA_FLAGS`` asks for a count.
 
+The second table is what a CPU cannot show of issue 35's attention: one row
+per sequence length and implementation of
+`jpipe.models.attention.causal_attention` (``xla``, the scores
+materialized; ``blockwise``, flash-style in plain JAX, tile
+``--attention-block``, `LlamaConfig`'s 512 on a GPU; ``cudnn``, the GPU's
+fused kernel), for one causal attention of Llama-3-8B's shape
+(`ATTENTION_SHAPE`: batch 1, 32 query heads, 8 key/value heads of 128, bf16;
+standard normal inputs). Each row times the forward and backward (the output
+and the gradients of q, k and v for a fixed cotangent, one jitted program;
+the median of ``--reps`` after ``--warmup``, as above) and gives its TFLOP/s
+(`attention_flops`), XLA's temporary bytes for the program
+(``memory_analysis()``, where the backend has it), and the largest absolute
+difference of its output and gradients from the ``xla`` row's at the same
+length. On a GPU the lengths are 2,048 and 8,192 (``--size small``);
+anywhere else they shrink to 512, so that the dense rows take seconds, and
+the ``cudnn`` row says ``skipped: not a GPU``. ``--attention-lengths`` sets
+them; ``--only gpt`` or ``--only attention`` runs one table.
+
 XLA reads ``XLA_FLAGS`` once, when its backend starts, so each set of flags
 runs in its own process: this module, started with ``--worker``, runs one
-group of rows and prints each as a JSON line; the process without
+group of rows (the attention table is a group of its own, after the GPT's)
+and prints each as a JSON line; the process without
 ``--worker`` (which never starts a backend, leaving the devices to the
 workers) runs the workers one after another, within ``--budget`` seconds in
-all, and prints the table. ``--out`` gets the table as JSON.
+all, and prints the tables. ``--out`` gets them as JSON (the attention's
+under ``"attention"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -113,6 +135,9 @@ SIZES = {
         "microbatches": 8,
         "reps": 10,
         "warmup": 2,
+        # The attention section's (sequence lengths, blockwise tile): on a GPU,
+        # and on anything else (where 8,192 tokens of dense scores take minutes).
+        "attention": {"gpu": ((2048, 8192), 512), "other": ((512,), 128)},
     },
     "tiny": {  # for the CPU test: seconds, not minutes
         "config": dict(
@@ -128,19 +153,37 @@ SIZES = {
         "microbatches": 4,
         "reps": 3,
         "warmup": 1,
+        "attention": {"gpu": ((256,), 64), "other": ((64,), 16)},
     },
 }
+
+# The attention section's shape: one layer of Llama-3-8B (`LlamaConfig`'s
+# 32 query heads, 8 key/value heads of 128), one sequence, bf16.
+ATTENTION_SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128}
+ATTENTION_DTYPE = "bfloat16"
+PARTS = ("gpt", "attention")
 
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(v) for v in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of lengths: {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"lengths must be positive: {text!r}")
+    return lengths
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.gpu",
         description="Step time and MFU of a GPT: plain jit, the SPMD lowering (default flags "
-        "and with conditional command buffers) and the per-rank lowering, per schedule.",
+        "and with conditional command buffers) and the per-rank lowering, per schedule; then "
+        "the time and memory of Llama-3-8B's attention under each implementation.",
     )
     p.add_argument("--size", choices=tuple(SIZES), default="small", help="model size (small)")
     p.add_argument(
@@ -164,7 +207,22 @@ def parser() -> argparse.ArgumentParser:
         default=450.0,
         help="seconds for every worker together (450); a worker past it is stopped",
     )
-    p.add_argument("--worker", choices=("spmd", "cmdbuf", "mpmd"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--only", choices=PARTS, help="run only the GPT table or only the attention table"
+    )
+    p.add_argument(
+        "--attention-lengths",
+        type=_lengths,
+        help="the attention rows' sequence lengths (small: 2048,8192 on a GPU, else 512)",
+    )
+    p.add_argument(
+        "--attention-block",
+        type=int,
+        help="the blockwise attention's tile (small: 512 on a GPU, else 128)",
+    )
+    p.add_argument(
+        "--worker", choices=("spmd", "cmdbuf", "mpmd", "attention"), help=argparse.SUPPRESS
+    )
     return p
 
 
@@ -177,6 +235,8 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit("--microbatches, --microbatch-size and --reps must be at least 1")
     if not args.schedules:
         raise SystemExit("--schedules names none")
+    if args.attention_block is not None and args.attention_block < 1:
+        raise SystemExit(f"--attention-block must be at least 1, got {args.attention_block}")
     return args
 
 
@@ -187,8 +247,12 @@ _STARTED = time.monotonic()
 
 
 def _emit(record: dict) -> None:
-    if record.get("kind") == "row":
-        what = " ".join(filter(None, [record["variant"], record["schedule"]]))
+    if record.get("kind") in ("row", "attention"):
+        what = (
+            " ".join(filter(None, [record["variant"], record["schedule"]]))
+            if record["kind"] == "row"
+            else f"attention {record['implementation']} L={record['seq_len']}"
+        )
         step = record.get("step_seconds")
         _log(
             f"{what}: {record.get('status')}"
@@ -319,8 +383,8 @@ def _pipeline_row(args, model, params, sched, mesh, lowering, batch_host, record
     record.update(status="ok", loss=loss, **_timing(times))
 
 
-def _guarded(fill, record: dict, *fill_args) -> None:
-    """Runs ``fill(*fill_args, record)``; a failure becomes the row's status. Emits the row."""
+def _attempt(fill, record: dict, *fill_args) -> None:
+    """Runs ``fill(*fill_args, record)``; a failure becomes the row's status."""
     try:
         fill(*fill_args, record)
     except Exception as e:
@@ -329,12 +393,170 @@ def _guarded(fill, record: dict, *fill_args) -> None:
             import traceback
 
             traceback.print_exc()
+
+
+def _guarded(fill, record: dict, *fill_args) -> None:
+    """`_attempt`, then emits the row."""
+    _attempt(fill, record, *fill_args)
     _emit(record)
     gc.collect()  # the row's arrays go before the next row allocates
 
 
+# -- the attention section (a worker of its own) -------------------------------------------
+
+# `jpipe.models.attention.IMPLEMENTATIONS`, named here so that the orchestrator
+# need not import JAX (tests/test_bench_gpu.py checks they agree).
+ATTENTION_IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
+ATTENTION_RESULTS = ("out", "dq", "dk", "dv")  # what one attention step returns
+
+
+def attention_plan(args: argparse.Namespace, gpu: bool) -> tuple[tuple[int, ...], int]:
+    """``(sequence lengths, blockwise tile)`` of the attention rows on this platform."""
+    lengths, block = SIZES[args.size]["attention"]["gpu" if gpu else "other"]
+    return args.attention_lengths or lengths, args.attention_block or block
+
+
+def attention_flops(seq_len: int) -> float:
+    """FLOPs of one causal attention's forward and backward, as FlashAttention-2 counts them.
+
+    ``4 B H L^2 K`` for the forward's two products, halved by the causal mask;
+    the backward's five products are 2.5 times that. The ``"xla"`` row
+    computes the masked half too: its TFLOP/s count only the useful half.
+    """
+    shape = ATTENTION_SHAPE
+    forward = 4.0 * shape["batch"] * shape["heads"] * seq_len**2 * shape["head_dim"] / 2
+    return 3.5 * forward
+
+
+def _attention_inputs(seq_len: int, seed: int = 0) -> tuple:
+    """``q, k, v`` and the output's cotangent: standard normal, in `ATTENTION_DTYPE`."""
+    import jax
+
+    shape = ATTENTION_SHAPE
+    b, h, g, k = shape["batch"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    keys = jax.random.split(jax.random.key(seed), 4)
+    sizes = ((b, seq_len, h, k), (b, seq_len, g, k), (b, seq_len, g, k), (b, seq_len, h, k))
+    return tuple(jax.random.normal(key, size, ATTENTION_DTYPE) for key, size in zip(keys, sizes))
+
+
+def _attention_step(q, k, v, d_out, *, implementation: str, block: int):
+    """jpipe's causal attention forward and backward: the output, then dq, dk and dv."""
+    import jax
+
+    from jpipe.models.attention import causal_attention
+
+    out, vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, implementation, block), q, k, v)
+    return (out, *vjp(d_out))
+
+
+def _temp_bytes(compiled) -> int | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # not every backend or version has it
+        return None
+    temp = getattr(stats, "temp_size_in_bytes", None)
+    return None if temp is None else int(temp)
+
+
+def _attention_row(implementation, block, inputs, reps, warmup, reference, record) -> None:
+    """Fills `record` with one implementation's time, memory and difference from ``"xla"``.
+
+    `reference`: the ``"xla"`` row's results at this length (a list the
+    ``"xla"`` row fills; empty if it failed).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(functools.partial(_attention_step, implementation=implementation, block=block))
+    start = time.perf_counter()
+    compiled = step.lower(*inputs).compile()
+    record["compile_seconds"] = time.perf_counter() - start
+    record["temp_bytes"] = _temp_bytes(compiled)
+    results = jax.block_until_ready(compiled(*inputs))
+    for _ in range(max(0, warmup - 1)):
+        jax.block_until_ready(compiled(*inputs))
+    times = []
+    gc.collect()
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - start)
+    record.update(_timing(times))
+    record["tflops"] = record["flops"] / record["step_seconds"] / 1e12
+    if implementation == "xla":
+        reference[:] = results
+        record["abs_max"] = {
+            name: float(jnp.abs(x.astype(jnp.float32)).max())
+            for name, x in zip(ATTENTION_RESULTS, results)
+        }
+    elif reference:
+        record["diff_vs_xla"] = {
+            name: float(jnp.abs(x.astype(jnp.float32) - r.astype(jnp.float32)).max())
+            for name, x, r in zip(ATTENTION_RESULTS, results, reference)
+        }
+    record["status"] = "ok"
+
+
+def attention_rows(lengths, block: int, reps: int, warmup: int):
+    """Yields the attention section's records, one per length and implementation, filled in.
+
+    Runs in this process, on its first device; ``"cudnn"`` only where that is
+    a GPU (elsewhere JAX refuses it), its row saying so.
+    """
+    import jax
+
+    device = jax.devices()[0]
+    for seq_len in lengths:
+        inputs = jax.device_put(_attention_inputs(seq_len), device)
+        reference: list = []
+        for implementation in ATTENTION_IMPLEMENTATIONS:
+            record = {
+                "kind": "attention",
+                "implementation": implementation,
+                "seq_len": seq_len,
+                "block": block if implementation == "blockwise" else None,
+                "platform": device.platform,
+                "device_kind": device.device_kind,
+                "flops": attention_flops(seq_len),
+            }
+            if implementation == "cudnn" and device.platform != "gpu":
+                record["status"] = "skipped: not a GPU"
+            else:
+                _attempt(
+                    _attention_row, record, implementation, block, inputs, reps, warmup, reference
+                )
+            yield record
+        del inputs, reference
+        gc.collect()
+
+
+def attention_worker(args: argparse.Namespace) -> int:
+    """Runs the attention section in this process, printing each record as a JSON line."""
+    import jax
+
+    device = jax.devices()[0]
+    lengths, block = attention_plan(args, device.platform == "gpu")
+    _emit(
+        {
+            "kind": "attention_env",
+            "platform": device.platform,
+            "device_kind": device.device_kind,
+            "jax": jax.__version__,
+            "lengths": list(lengths),
+            "block": block,
+        }
+    )
+    _log(f"attention on {device.device_kind} ({device.platform}): L in {lengths}, tile {block}")
+    for record in attention_rows(lengths, block, args.reps, args.warmup):
+        _emit(record)
+        gc.collect()
+    return 0
+
+
 def worker(args: argparse.Namespace) -> int:
     """Runs one group of rows in this process, printing each as a JSON line."""
+    if args.worker == "attention":
+        return attention_worker(args)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         import jpipe
 
@@ -418,6 +640,10 @@ def _worker_argv(args: argparse.Namespace, name: str) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]
+    if args.attention_lengths:
+        argv += ["--attention-lengths", ",".join(map(str, args.attention_lengths))]
+    if args.attention_block is not None:
+        argv += ["--attention-block", str(args.attention_block)]
     return argv
 
 
@@ -470,21 +696,50 @@ def orchestrate(args: argparse.Namespace) -> dict:
     deadline = start + args.budget
     env: dict | None = None
     rows: dict[tuple, dict] = {}
+    attention_env: dict | None = None
+    attention: dict[tuple, dict] = {}
 
     def collect(name, records, why):
-        nonlocal env
+        nonlocal env, attention_env
         for rec in records:
             if rec.get("kind") == "env":
                 env = env or rec
+            elif rec.get("kind") == "attention_env":
+                attention_env = rec
+            elif rec.get("kind") == "attention":
+                attention[(rec["seq_len"], rec["implementation"])] = rec
             else:
                 rows[(rec["variant"], rec["schedule"])] = rec
+        if name == "attention":
+            # The lengths come from the worker's platform; without its word, from
+            # the GPT workers' (None if neither spoke).
+            lengths = (
+                attention_env["lengths"]
+                if attention_env
+                else attention_plan(args, _gpu(env))[0]
+                if env or args.attention_lengths
+                else [None]
+            )
+            for seq_len in lengths:
+                for implementation in ATTENTION_IMPLEMENTATIONS:
+                    attention.setdefault(
+                        (seq_len, implementation),
+                        {
+                            "implementation": implementation,
+                            "seq_len": seq_len,
+                            "status": why or "error: no result",
+                        },
+                    )
+            return
         for variant, schedule in _expected(name, args.schedules):
             rows.setdefault(
                 (variant, schedule),
                 {"variant": variant, "schedule": schedule, "status": why or "error: no result"},
             )
 
-    plan = ["spmd", "cmdbuf", "mpmd"]
+    plan = ["spmd", "cmdbuf", "mpmd"] if args.only in (None, "gpt") else []
+    if args.only in (None, "attention"):
+        plan.append("attention")
     for i, name in enumerate(plan):
         if name == "cmdbuf" and not _gpu(env):
             # XLA_FLAGS' GPU flags mean nothing to another backend: no run to make.
@@ -513,7 +768,7 @@ def orchestrate(args: argparse.Namespace) -> dict:
         if rec.get("loss") is not None and plain.get("loss"):
             rec["loss_rel_diff"] = abs(rec["loss"] - plain["loss"]) / abs(plain["loss"])
     order = [("plain", None)] + [(v, s) for v in VARIANTS[1:] for s in args.schedules]
-    return {
+    result = {
         "meta": {
             "command": "python -m bench.gpu " + shlex.join(sys.argv[1:]),
             "size": args.size,
@@ -544,6 +799,30 @@ def orchestrate(args: argparse.Namespace) -> dict:
         },
         "rows": [rows[key] for key in order if key in rows],
     }
+    if "attention" in plan:
+        where = attention_env or {}
+        result["attention"] = {
+            "meta": {
+                **ATTENTION_SHAPE,
+                "dtype": ATTENTION_DTYPE,
+                "lengths": where.get("lengths"),
+                "gpu_lengths": list(attention_plan(args, True)[0]),
+                "block": where.get("block"),
+                "reps": args.reps,
+                "warmup": args.warmup,
+                "platform": where.get("platform"),
+                "device_kind": where.get("device_kind"),
+                "jax": where.get("jax"),
+            },
+            "rows": [
+                attention[key]
+                for key in sorted(
+                    attention,
+                    key=lambda k: (k[0] or 0, ATTENTION_IMPLEMENTATIONS.index(k[1])),
+                )
+            ],
+        }
+    return result
 
 
 def _gpu(env) -> bool:
@@ -555,7 +834,15 @@ def _ms(seconds) -> str:
 
 
 def table(result: dict) -> str:
-    """The table as Markdown, with a few lines of context above it."""
+    """The tables as Markdown, each with a few lines of context above it."""
+    parts = [gpt_table(result)] if result["rows"] else []
+    if "attention" in result:
+        parts.append(attention_table(result["attention"]))
+    return "\n\n".join(parts)
+
+
+def gpt_table(result: dict) -> str:
+    """The GPT rows' table as Markdown, with a few lines of context above it."""
     meta = result["meta"]
     peak = meta["peak_bf16_flops"]
     lines = [
@@ -593,6 +880,69 @@ def table(result: dict) -> str:
                     "-" if rec.get("host_ops") is None else str(rec["host_ops"]),
                     _ms(rec.get("issue_seconds")),
                     "-" if rec.get("loss") is None else f"{rec['loss']:.4f}",
+                    rec.get("status", "?"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _difference(rec: dict, names) -> str:
+    """The largest of `names` in the row's difference from ``"xla"`` (``ref, max`` on xla)."""
+    if rec.get("abs_max"):
+        return f"ref, max {max(rec['abs_max'][n] for n in names):.3g}"
+    diff = rec.get("diff_vs_xla")
+    return "-" if not diff else f"{max(diff[n] for n in names):.3g}"
+
+
+def _not_a_gpu(meta: dict) -> str:
+    lengths = ",".join(map(str, meta["lengths"] or []))
+    gpu = ",".join(map(str, meta["gpu_lengths"]))
+    return (
+        f"; not a GPU: L={lengths}"
+        + ("" if lengths == gpu else f" rather than a GPU's {gpu}")
+        + ", and no cudnn (the kernel is an NVIDIA GPU's)"
+    )
+
+
+def attention_table(section: dict) -> str:
+    """The attention rows' table as Markdown, with a few lines of context above it."""
+    meta = section["meta"]
+    lines = [
+        f"attention: Llama-3-8B's, causal, batch {meta['batch']}, {meta['heads']} query heads "
+        f"and {meta['kv_heads']} key/value heads of {meta['head_dim']}, {meta['dtype']}; "
+        f"forward and backward (dq, dk, dv) by jpipe.models.attention.causal_attention; "
+        f"median of {meta['reps']} after {meta['warmup']} warm-up",
+        f"on {meta['device_kind'] or '?'} ({meta['platform'] or '?'}, jax {meta['jax'] or '?'})"
+        + ("" if meta["platform"] in ("gpu", None) else _not_a_gpu(meta)),
+        "TFLOP/s: FlashAttention-2's count (the causal half; xla computes the masked half too). "
+        "diff: the largest |difference| from the xla row at the same L, in the output and in "
+        "the worst of dq, dk, dv (the xla row gives the largest magnitude instead)",
+        "",
+        "| attention | L | platform | fwd+bwd ms | best ms | TFLOP/s | temp MiB | compile s | "
+        "diff out | diff grads | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rec in section["rows"]:
+        name = rec["implementation"]
+        if rec.get("block"):
+            name += f" (tile {rec['block']})"
+        temp = rec.get("temp_bytes")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    "?" if rec.get("seq_len") is None else str(rec["seq_len"]),
+                    rec.get("platform") or "?",
+                    _ms(rec.get("step_seconds")),
+                    _ms(rec.get("best_seconds")),
+                    "-" if rec.get("tflops") is None else f"{rec['tflops']:.3g}",
+                    "-" if temp is None else f"{temp / 2**20:.1f}",
+                    "-" if rec.get("compile_seconds") is None else f"{rec['compile_seconds']:.1f}",
+                    _difference(rec, ATTENTION_RESULTS[:1]),
+                    _difference(rec, ATTENTION_RESULTS[1:]),
                     rec.get("status", "?"),
                 ]
             )
