@@ -230,9 +230,38 @@ def _has_casts(jaxpr) -> bool:
     return False
 
 
-def _evaluate(jaxpr, consts, args) -> list:
-    from jpipe._stage import _bind, _body  # noqa: PLC0415 (the two modules share these)
+# Call-like primitives whose body the I/W split (`jpipe._stage`) and
+# `without_casts` must see: a stage that is itself jitted, or rematerialised,
+# puts its whole backward in one equation.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_REMATS = ("remat", "checkpoint", "remat2")
 
+
+def _body(eqn):
+    """``(jaxpr, consts)`` of a call-like equation, or None."""
+    name = eqn.primitive.name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+        sub = eqn.params[_CALLS[name]]
+    elif name in _REMATS and "jaxpr" in eqn.params:
+        sub = eqn.params["jaxpr"]
+    else:
+        return None
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, []
+
+
+def _bind(eqn, invals, **changes):
+    """Binds `eqn`'s primitive on `invals`, with some params changed; a list of outputs."""
+    params = eqn.primitive.get_bind_params(dict(eqn.params, **changes))
+    subfuns = []
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _evaluate(jaxpr, consts, args) -> list:
     env = {}
 
     def read(v):

@@ -108,7 +108,7 @@ from jax.extend.core import (
     jaxprs_in_params,
 )
 
-from jpipe._manual import DeviceView, make_jaxpr_varying
+from jpipe._manual import DeviceView, _bind, _body, make_jaxpr_varying
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,26 +189,6 @@ def _is_lit(v) -> bool:
     return isinstance(v, Literal)
 
 
-# Call-like primitives whose body the I/W split must see: a stage that is
-# itself jitted, or rematerialised, puts its whole backward in one equation.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-_REMATS = ("remat", "checkpoint", "remat2")
-
-
-def _body(eqn):
-    """``(jaxpr, consts)`` of a call-like equation, or None."""
-    name = eqn.primitive.name
-    if name in _CALLS and _CALLS[name] in eqn.params:
-        sub = eqn.params[_CALLS[name]]
-    elif name in _REMATS and "jaxpr" in eqn.params:
-        sub = eqn.params["jaxpr"]
-    else:
-        return None
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, []
-
-
 def _needs_inline(jaxpr) -> bool:
     """Whether `jaxpr` has a call-like equation, here or inside a scan body."""
     for eqn in jaxpr.eqns:
@@ -251,16 +231,6 @@ def _scan_changes(eqn, body: ClosedJaxpr, num_consts: int, num_carry: int) -> di
         ft_in=flattree.pack((nones(num_consts), nones(num_carry), nones(num_xs))),
         ft_out=flattree.pack((nones(num_carry), nones(num_ys))),
     )
-
-
-def _bind(eqn, invals, **changes):
-    """Binds `eqn`'s primitive on `invals`, with some params changed; a list of outputs."""
-    params = eqn.primitive.get_bind_params(dict(eqn.params, **changes))
-    subfuns = []
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-    outs = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _eval_inline(jaxpr, consts, args):

@@ -47,6 +47,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 
+from jpipe._events import Costs, _live_events, _run
 from jpipe._schedule import MEMORY_KINDS, Action, Schedule
 
 REPLICAS_NOT_YET = (
@@ -166,16 +167,60 @@ def _rows(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
 def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Analysis:
     """The dependency analysis: indices, dependencies, deadlocks, liveness."""
     rows = _rows(schedule)
-    # The position of each action in the rank's row as written (an Overlap cell is one).
-    cell_pos = [
+    cell_pos = _cell_positions(rows, schedule)
+    if not any(rows):
+        raise ScheduleError("the schedule has no actions")
+
+    # 1. indices
+    S, M = _check_indices(rows, cell_pos, num_stages, num_microbatches)
+    # 2. placement, 3. duplicates
+    memory = schedule.has_memory_actions
+    owner, where = _place(rows, cell_pos, S, M, memory)
+    # 4. completeness
+    if num_microbatches is None:
+        _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
+    _check_complete(owner, where, S, M)
+    # 5. order on one rank
+    _check_rank_order(rows, cell_pos, where, S, M)
+    # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
+    if memory:
+        _check_residual_places(rows, cell_pos, M)
+
+    # 6. deadlock: walk the dependency graph
+    order, peak = _walk(rows, cell_pos, S, M, owner)
+    if memory:  # what a rank holds for a partner is placed in time
+        if max_live is None:  # nothing to check: run in time only if the peaks are read
+
+            def peak_live(rows=rows, order=order, S=S, M=M, owner=owner):
+                return tuple(_held_in_time(rows, None, order, S, M, owner, None)[0])
+
+            return Analysis(S, M, tuple(owner), tuple(order), rows, peak_live)
+        budgets = _budgets(max_live, len(rows))
+        peak, over = _held_in_time(rows, cell_pos, order, S, M, owner, budgets)
+        if over:
+            raise ScheduleError(over)
+        return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
+
+    # 7. live-activation budget
+    if max_live is not None:
+        _check_budget(rows, cell_pos, _budgets(max_live, len(rows)))
+    return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
+
+
+def _cell_positions(rows, schedule: Schedule) -> list:
+    """The position of each action in the rank's row as written (an Overlap cell is one)."""
+    return [
         range(len(row)) if len(row) == len(cells) else
         [pos for pos, step in enumerate(cells) for _ in step.parts]
         for row, cells in zip(rows, schedule.ranks)
     ]  # fmt: skip
-    if not any(rows):
-        raise ScheduleError("the schedule has no actions")
 
-    # 1. indices: each set at once, then each action in turn only where one is wrong
+
+def _check_indices(rows, cell_pos, num_stages, num_microbatches) -> tuple[int, int]:
+    """Step 1: every index in range, every stage and microbatch scheduled; `(S, M)`.
+
+    Each set is checked at once, then each action in turn only where one is wrong.
+    """
     R = len(rows)
     stages_seen = {a.stage for row in rows for a in row}
     mbs_seen = {a.microbatch for row in rows for a in row}
@@ -189,33 +234,42 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     )
     for r, row in enumerate(rows if wrong else ()):  # raises at the first one wrong
         for i, a in enumerate(row):
-            if a.stage < 0 or a.microbatch < 0:
-                raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: stage and microbatch must be >= 0"
-                )
-            if num_stages is not None and a.stage >= num_stages:
-                raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: stage {a.stage} is out of range; "
-                    f"the model has {_count(num_stages, 'stage')} (0..{num_stages - 1})"
-                )
-            if num_microbatches is not None and a.microbatch >= num_microbatches:
-                raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: microbatch {a.microbatch} is out of "
-                    f"range; there {'is' if num_microbatches == 1 else 'are'} "
-                    f"{_count(num_microbatches, 'microbatch')} (0..{num_microbatches - 1})"
-                )
-            if a.partner is not None and not (0 <= a.partner < len(rows) and a.partner != r):
-                raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: partner rank {a.partner} must be another "
-                    f"rank of the schedule (0..{len(rows) - 1}, not {r} itself)"
-                )
-            stages_seen.add(a.stage)
-            mbs_seen.add(a.microbatch)
+            _check_action_indices(r, cell_pos[r][i], a, R, num_stages, num_microbatches)
     S = num_stages if num_stages is not None else max(stages_seen) + 1
     M = num_microbatches if num_microbatches is not None else max(mbs_seen) + 1
+    _check_all_scheduled(rows, cell_pos, S, M, stages_seen, mbs_seen)
+    return S, M
 
-    # Checked before anything of size S * M is built, so a stray huge index
-    # is reported rather than allocated.
+
+def _check_action_indices(r, pos, a, num_ranks, num_stages, num_microbatches) -> None:
+    """Refuses action `a` (rank `r`, position `pos`) if an index of it is out of range."""
+    if a.stage < 0 or a.microbatch < 0:
+        raise ScheduleError(f"{_where(r, pos, a)}: stage and microbatch must be >= 0")
+    if num_stages is not None and a.stage >= num_stages:
+        raise ScheduleError(
+            f"{_where(r, pos, a)}: stage {a.stage} is out of range; "
+            f"the model has {_count(num_stages, 'stage')} (0..{num_stages - 1})"
+        )
+    if num_microbatches is not None and a.microbatch >= num_microbatches:
+        raise ScheduleError(
+            f"{_where(r, pos, a)}: microbatch {a.microbatch} is out of "
+            f"range; there {'is' if num_microbatches == 1 else 'are'} "
+            f"{_count(num_microbatches, 'microbatch')} (0..{num_microbatches - 1})"
+        )
+    if a.partner is not None and not (0 <= a.partner < num_ranks and a.partner != r):
+        raise ScheduleError(
+            f"{_where(r, pos, a)}: partner rank {a.partner} must be another "
+            f"rank of the schedule (0..{num_ranks - 1}, not {r} itself)"
+        )
+
+
+def _check_all_scheduled(rows, cell_pos, S, M, stages_seen, mbs_seen) -> None:
+    """Refuses a stage or microbatch below the highest that no action names.
+
+    Checked before anything of size S * M is built, so a stray huge index is
+    reported rather than allocated.
+    """
+
     def highest(attr):
         """Where the action with the largest `attr` first appears."""
         best = None
@@ -240,11 +294,17 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                 f"{highest('microbatch')})"
             )
 
-    # 2. placement, 3. duplicates; where[kind][s * M + m] = (rank, index) or None
+
+def _place(rows, cell_pos, S, M, memory: bool) -> tuple[list[int], dict[str, list]]:
+    """Steps 2 and 3: each stage on one rank, no action twice; `(owner, where)`.
+
+    `owner[s]` is the rank of stage `s`; ``where[kind][s * M + m]`` is the
+    `(rank, index)` of that action, or None. An ``FC`` is the key's forward (in
+    ``F``'s slot); each other memory kind has its own (with `memory`).
+    """
     owner: list[int] = [-1] * S
     where: dict[str, list] = {kind: [None] * (S * M) for kind in ("F", "B", "I", "W")}
-    memory = schedule.has_memory_actions
-    if memory:  # an FC is the key's forward (in F's slot); each other kind has its own
+    if memory:
         where.update({kind: [None] * (S * M) for kind in MEMORY_KINDS if kind != "FC"})
     slots_of = {**where, "FC": where["F"]}
     for r, row in enumerate(rows):
@@ -273,13 +333,16 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"at rank {prev[0]}, position {cell_pos[prev[0]][prev[1]]}"
                 )
             slots[k] = (r, i)
+    return owner, where
 
-    # 4. completeness
+
+def _check_complete(owner, where, S, M) -> None:
+    """Step 4: each key has its F and either a B or an I and a W.
+
+    Checked at once, then key by key (which raises at the first wrong) only
+    where one is wrong.
+    """
     f_at, b_at, i_at, w_at = where["F"], where["B"], where["I"], where["W"]
-    if num_microbatches is None:
-        _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
-    # Each key has its F and either a B or an I and a W: at once, then key by key (which
-    # raises at the first wrong) only where one is wrong.
     complete = None not in f_at and all(
         (b is None) != (i is None) and (i is None) == (w is None)
         for b, i, w in zip(b_at, i_at, w_at)
@@ -305,8 +368,13 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
             if problem:
                 raise ScheduleError(f"rank {r} (which holds stage {s}): {problem}")
 
-    # 5. order on one rank: a backward after its forward, a W after its I (checked at once
-    # for every key, then key by key where one is out of order)
+
+def _check_rank_order(rows, cell_pos, where, S, M) -> None:
+    """Step 5: on one rank, a backward after its forward and a W after its I.
+
+    Checked at once for every key, then key by key where one is out of order.
+    """
+    f_at, b_at, i_at, w_at = where["F"], where["B"], where["I"], where["W"]
     in_order = all(
         f[1] < b[1] if b is not None else f[1] < i[1] < w[1]
         for f, b, i, w in zip(f_at, b_at, i_at, w_at)
@@ -327,39 +395,19 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
                     f"{cell_pos[r][need]}, which it needs"
                 )
 
-    # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
-    if memory:
-        _check_residual_places(rows, cell_pos, M)
 
-    # 6. deadlock: walk the dependency graph
-    order, peak = _walk(rows, cell_pos, S, M, owner)
-    if memory:  # what a rank holds for a partner is placed in time
-        if max_live is None:  # nothing to check: run in time only if the peaks are read
-
-            def peak_live(rows=rows, order=order, S=S, M=M, owner=owner):
-                return tuple(_held_in_time(rows, None, order, S, M, owner, None)[0])
-
-            return Analysis(S, M, tuple(owner), tuple(order), rows, peak_live)
-        budgets = _budgets(max_live, len(rows))
-        peak, over = _held_in_time(rows, cell_pos, order, S, M, owner, budgets)
-        if over:
-            raise ScheduleError(over)
-        return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
-
-    # 7. live-activation budget
-    if max_live is not None:
-        budgets = _budgets(max_live, len(rows))
-        for r, row in enumerate(rows):
-            live = 0
-            for i, a in enumerate(row):
-                live += a.kind == "F"
-                if live > budgets[r]:
-                    raise ScheduleError(
-                        f"{_where(r, cell_pos[r][i], a)}: {live} live activations exceed "
-                        f"the budget of {budgets[r]} on rank {r}"
-                    )
-                live -= a.kind in ("B", "W")
-    return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
+def _check_budget(rows, cell_pos, budgets: list[int]) -> None:
+    """Step 7 (no memory actions): live activations along each rank's list within `budgets`."""
+    for r, row in enumerate(rows):
+        live = 0
+        for i, a in enumerate(row):
+            live += a.kind == "F"
+            if live > budgets[r]:
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], a)}: {live} live activations exceed "
+                    f"the budget of {budgets[r]} on rank {r}"
+                )
+            live -= a.kind in ("B", "W")
 
 
 def _budgets(max_live, num_ranks: int) -> list[int]:
@@ -496,8 +544,6 @@ def _held_in_time(rows, cell_pos, order, S, M, owner, budgets):
     Returns `(peak per rank, message)`, the message naming where `budgets` are
     first exceeded (or `None`).
     """
-    from jpipe._simulate import Costs, _live_events, _run
-
     starts, ends, issue, _ = _run(rows, order, S, M, owner, Costs())
     ones = ((1.0,) * S, (0.0,) * S, (0.0,) * S)  # residuals count; inputs and carries do not
     peaks, message = [], None

@@ -4,7 +4,8 @@ A builder is a function ``build(args: BuildArgs) -> StagedModel``: given the
 model's own config and what the run decided (how many stages, how the layers
 go over them, the tensor axis if any), it returns the stage functions, their
 initializer, their `PartitionSpec`s and the reference loss. ``"gpt"`` and
-``"llama"`` are registered here; any other is named
+``"llama"`` are registered here, by their own modules (which the package
+imports, so this module never imports them); any other is named
 ``"path/to/file.py:function"`` and loaded from that file, the way schedules
 are.
 
@@ -71,9 +72,12 @@ def register_model(name: str, config_class: type | None = None):
 
 
 def registered_models() -> tuple[str, ...]:
-    """The registered model names, sorted."""
-    import jpipe.models  # noqa: F401  (registers the built-in models)
+    """The registered model names, sorted.
 
+    The built-ins are here already: Python runs the package `jpipe.models`,
+    which imports `jpipe.models.gpt` and `jpipe.models.llama` (each registers
+    itself), before any of its modules, this one included.
+    """
     return tuple(sorted(_MODELS))
 
 

@@ -321,7 +321,7 @@ def _run(
     wall_start: float,
     interrupt: _CtrlC,
 ) -> TrainResult:
-    c, schedule, mesh = prepared.config, prepared.schedule, prepared.mesh
+    c = prepared.config
     removed = checkpoints.remove_incomplete()
     start = checkpoints.latest_step()
     interrupt.check(int(start or 0), checkpoints.directory, saved=False)
@@ -335,93 +335,22 @@ def _run(
                 {}, {}, start, start, time.perf_counter() - wall_start, None, None, None, {}
             )
 
-    model = prepared.model  # the stages config.model.name builds (jpipe.models.build_model)
     check_row_keys(prepared)
-    eval_fn = None
-    if c.eval_fn:
-        try:
-            eval_fn = load_function(c.eval_fn, "config.eval_fn")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    eval_fn = _eval_fn(c)
     # Each rank's devices make only that rank's parameters, each device its
     # own block of them (`Pipeline.init`): no device or host holds the model.
     pipeline, optimizer, lr, state = build(prepared)
-    zero1 = c.optimizer.shard_over_data
-
     if start is not None:
-        buckets = checkpoints.metadata(start).get("buckets")
-        if buckets != checkpoint_meta(pipeline, prepared)["buckets"]:
-            raise ConfigError(
-                f"the checkpoint of step {start} in {checkpoints.directory} packs the parameters "
-                "into other buckets (written by another version of jpipe?); give a new --workdir"
-            )
-        state = checkpoints.restore(start, state)
+        state = _restore(checkpoints, start, pipeline, prepared, state)
     start = int(start or 0)
 
-    # -- what a person sees before the first step --
-    sim = jpipe.simulate(schedule)
-    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    meshes = mesh if isinstance(mesh, list) else [mesh]
-    tensor = (
-        f"tensor per rank {c.mesh.tensor_per_rank} (a mesh per rank)"
-        if c.mesh.rank_tensors
-        else f"tensor={c.mesh.tensor}"
-    )
-    say(
-        f"devices: {jpipe.describe_devices([d for m in meshes for d in m.devices.flat])}"
-        f"{processes}; mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
-        f"{tensor}"
-    )
-    say(
-        f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "
-        f"{sum(prepared.layers_per_stage)} blocks as {prepared.layers_per_stage} over "
-        f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
-    )
-    say(text_chart(sim))
-    say(f"simulated (F=1, B=2): bubble {sim.bubble_fraction:.1%}, {sim.peak_activations_text()}")
-
+    _say_setup(prepared, pipeline)
     batch = device_batch(prepared.train_data, start, pipeline.batch_sharding)
     tokens_per_row = _tokens_per_row(prepared)  # a source's, known from its first batch
     interrupt.check(start, checkpoints.directory, saved=False)
-    interrupt.doing = "compiling the train step"  # before the line a Ctrl-C may answer
-    say("compiling the train step ...")
-    compile_start = time.perf_counter()
-    # A model with dropout: the step adds the batch's per-row keys from the seed.
-    keys_seed = c.seed if model.keys else None
-    compiled = compile_train_step(pipeline, optimizer, lr, state, batch, keys_seed, zero1)
-    interrupt.doing = ""
-    memory = compiled.memory_analysis()
-    line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
-    if memory is not None:
-        line += (
-            f"; per device: arguments {mib(memory.argument_size_in_bytes)}, "
-            f"temporaries {mib(memory.temp_size_in_bytes)}"
-        )
-    say(line)
-    if memory is not None and c.plan:
-        say(plan_memory_line(c.plan, memory))
+    compiled = _compile_step(prepared, pipeline, optimizer, lr, state, batch, interrupt)
     if c.profile:
-        rows = c.batch_size // c.num_microbatches // c.mesh.data
-        microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
-        keyed = batch
-        if keys_seed is not None:  # time the pieces the step runs, dropout included
-            keyed = jax.eval_shape(lambda b: with_row_keys(b, keys_seed, 0), batch)
-            microbatch = jax.device_get(with_row_keys(microbatch, keys_seed, 0))
-        times = print_profile(pipeline, compiled, state, batch, microbatch, pieces_batch=keyed)
-        if times is not None and lead:
-            path = os.path.join(workdir, "profile.json")
-            profile = stage_profile(
-                pipeline,
-                state.params,
-                times,
-                rows,
-                prepared.layers_per_stage,
-                opt_state=state.opt_state,
-                pieces_batch=keyed,
-                compiled=compiled,
-            )
-            save_profile(profile, path)
-            say(f"profile: wrote {path} (python -m jpipe.plan --profiles {path} ...)")
+        _profile(prepared, pipeline, compiled, state, batch, workdir if lead else None)
 
     interrupt.check(start, checkpoints.directory, saved=False)
     if removed:
@@ -454,16 +383,7 @@ def _run(
     rows_per_second = c.batch_size / step_seconds if step_seconds else None
     tps = rows_per_second * tokens_per_row if rows_per_second and tokens_per_row else None
     wall = time.perf_counter() - wall_start
-    eval_losses = loop.eval_losses
-    if len(eval_losses) > 1:
-        first, last = min(eval_losses), max(eval_losses)
-        say(
-            f"held-out loss: {eval_losses[first]:.4f} at step {first} -> "
-            f"{eval_losses[last]:.4f} at step {last}"
-        )
-    elif eval_losses:
-        ((step, loss),) = eval_losses.items()
-        say(f"held-out loss at step {step}: {loss:.4f}")
+    _say_held_out(loop.eval_losses)
     if step_seconds:
         rate = f"{tps:,.0f} tokens/s" if tps else f"{rows_per_second:,.1f} rows/s"
         say(
@@ -480,7 +400,7 @@ def _run(
     )
     return TrainResult(
         loop.losses,
-        eval_losses,
+        loop.eval_losses,
         start,
         final,
         wall,
@@ -489,6 +409,135 @@ def _run(
         rows_per_second,
         loop.eval_figures,
     )
+
+
+def _eval_fn(c: TrainConfig):
+    """``config.eval_fn``'s function, or None without one.
+
+    Raises:
+      ConfigError: the file or the function is not there.
+    """
+    if not c.eval_fn:
+        return None
+    try:
+        return load_function(c.eval_fn, "config.eval_fn")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _restore(
+    checkpoints: Checkpoints, start: int, pipeline: jpipe.Pipeline, prepared: Prepared, state
+) -> TrainState:
+    """The train state of the checkpoint of step `start`, into `state`'s places.
+
+    Raises:
+      ConfigError: the checkpoint packs the parameters into other buckets.
+    """
+    buckets = checkpoints.metadata(start).get("buckets")
+    if buckets != checkpoint_meta(pipeline, prepared)["buckets"]:
+        raise ConfigError(
+            f"the checkpoint of step {start} in {checkpoints.directory} packs the parameters "
+            "into other buckets (written by another version of jpipe?); give a new --workdir"
+        )
+    return checkpoints.restore(start, state)
+
+
+def _say_setup(prepared: Prepared, pipeline: jpipe.Pipeline) -> None:
+    """What a person sees before the first step: devices, mesh, model and the schedule's chart."""
+    c, schedule, mesh = prepared.config, prepared.schedule, prepared.mesh
+    sim = jpipe.simulate(schedule)
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    meshes = mesh if isinstance(mesh, list) else [mesh]
+    tensor = (
+        f"tensor per rank {c.mesh.tensor_per_rank} (a mesh per rank)"
+        if c.mesh.rank_tensors
+        else f"tensor={c.mesh.tensor}"
+    )
+    say(
+        f"devices: {jpipe.describe_devices([d for m in meshes for d in m.devices.flat])}"
+        f"{processes}; mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "
+        f"{tensor}"
+    )
+    say(
+        f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "
+        f"{sum(prepared.layers_per_stage)} blocks as {prepared.layers_per_stage} over "
+        f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
+    )
+    say(text_chart(sim))
+    say(f"simulated (F=1, B=2): bubble {sim.bubble_fraction:.1%}, {sim.peak_activations_text()}")
+
+
+def _keys_seed(prepared: Prepared) -> int | None:
+    """The seed of the batch's per-row keys the step adds (a model with dropout), or None."""
+    return prepared.config.seed if prepared.model.keys else None
+
+
+def _compile_step(
+    prepared: Prepared, pipeline: jpipe.Pipeline, optimizer, lr, state, batch, interrupt: _CtrlC
+):
+    """The compiled train step, saying how long it took and the memory it needs per device."""
+    c = prepared.config
+    interrupt.doing = "compiling the train step"  # before the line a Ctrl-C may answer
+    say("compiling the train step ...")
+    compile_start = time.perf_counter()
+    compiled = compile_train_step(
+        pipeline, optimizer, lr, state, batch, _keys_seed(prepared), c.optimizer.shard_over_data
+    )
+    interrupt.doing = ""
+    memory = compiled.memory_analysis()
+    line = f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
+    if memory is not None:
+        line += (
+            f"; per device: arguments {mib(memory.argument_size_in_bytes)}, "
+            f"temporaries {mib(memory.temp_size_in_bytes)}"
+        )
+    say(line)
+    if memory is not None and c.plan:
+        say(plan_memory_line(c.plan, memory))
+    return compiled
+
+
+def _profile(
+    prepared: Prepared, pipeline: jpipe.Pipeline, compiled, state, batch, workdir: str | None
+) -> None:
+    """``config.profile``: times the step's pieces and, with a `workdir` (process 0's),
+    writes ``profile.json`` there for the planner."""
+    c = prepared.config
+    keys_seed = _keys_seed(prepared)
+    rows = c.batch_size // c.num_microbatches // c.mesh.data
+    microbatch = {k: v[:rows] for k, v in prepared.train_data.batch_at(0).items()}
+    keyed = batch
+    if keys_seed is not None:  # time the pieces the step runs, dropout included
+        keyed = jax.eval_shape(lambda b: with_row_keys(b, keys_seed, 0), batch)
+        microbatch = jax.device_get(with_row_keys(microbatch, keys_seed, 0))
+    times = print_profile(pipeline, compiled, state, batch, microbatch, pieces_batch=keyed)
+    if times is not None and workdir is not None:
+        path = os.path.join(workdir, "profile.json")
+        profile = stage_profile(
+            pipeline,
+            state.params,
+            times,
+            rows,
+            prepared.layers_per_stage,
+            opt_state=state.opt_state,
+            pieces_batch=keyed,
+            compiled=compiled,
+        )
+        save_profile(profile, path)
+        say(f"profile: wrote {path} (python -m jpipe.plan --profiles {path} ...)")
+
+
+def _say_held_out(eval_losses: dict[int, float]) -> None:
+    """The held-out loss at the first and last evaluations of the run (or its only one)."""
+    if len(eval_losses) > 1:
+        first, last = min(eval_losses), max(eval_losses)
+        say(
+            f"held-out loss: {eval_losses[first]:.4f} at step {first} -> "
+            f"{eval_losses[last]:.4f} at step {last}"
+        )
+    elif eval_losses:
+        ((step, loss),) = eval_losses.items()
+        say(f"held-out loss at step {step}: {loss:.4f}")
 
 
 def _tokens_per_row(prepared: Prepared) -> int | None:

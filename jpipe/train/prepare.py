@@ -92,33 +92,56 @@ def prepare(
       ConfigError: naming the field, its value and what would be accepted.
     """
     c = config if isinstance(config, TrainConfig) else TrainConfig.from_config(config)
-    R, M, V = c.mesh.pipe, c.num_microbatches, c.chunks
+    devices = _enough_devices(c, devices)
+    _check_tensor_degrees(c)
+    schedule = _checked_schedule(c)
+    model = _checked_model(c, schedule.num_stages)
+    layers = tuple(model.layers_per_stage)
+    init_params = None
+    if c.init_from and not shapes_only:
+        init_params = export.initial_params(c.init_from, model, c)
+    _check_batch(c)
+    if shapes_only and not c.data.source:  # the text corpus: shapes known without reading it
+        train_data = eval_data = None
+    else:
+        train_data, eval_data = make_data(c)
+    mesh = _make_mesh(c, devices)
+    return Prepared(c, schedule, layers, mesh, train_data, eval_data, model, init_params)
 
-    if devices is None:  # a process's devices side by side (see jpipe.make_mesh)
+
+def _enough_devices(c: TrainConfig, devices) -> list:
+    """`devices` as a list (default: a process's devices side by side, see
+    `jpipe.make_mesh`), refusing fewer than ``config.mesh`` needs."""
+    if devices is None:
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     devices = list(devices)
-    if c.mesh.size > len(devices):
-        cpu_hint = (
-            f"; on a CPU-only host set cpu_devices >= {c.mesh.size} (train.py does this "
-            "unless JAX was already started)"
-            if all(d.platform == "cpu" for d in devices)
-            else ""
-        )
-        axes = [("pipe", R), ("data", c.mesh.data)]
-        axes += [(a, n) for a, n in (("fsdp", c.mesh.fsdp), ("tensor", c.mesh.tensor)) if n > 1]
-        if c.mesh.rank_tensors is not None:
-            raise ConfigError(
-                f"config.mesh.tensor_per_rank={c.mesh.tensor_per_rank!r} x config.mesh.data="
-                f"{c.mesh.data} x config.mesh.fsdp={c.mesh.fsdp} needs {c.mesh.size} devices, but "
-                f"only {len(devices)} are present ({jpipe.describe_devices(devices)}); accepted: "
-                f"the sum of tensor_per_rank * data * fsdp <= {len(devices)}{cpu_hint}"
-            )
+    if c.mesh.size <= len(devices):
+        return devices
+    cpu_hint = (
+        f"; on a CPU-only host set cpu_devices >= {c.mesh.size} (train.py does this "
+        "unless JAX was already started)"
+        if all(d.platform == "cpu" for d in devices)
+        else ""
+    )
+    axes = [("pipe", c.mesh.pipe), ("data", c.mesh.data)]
+    axes += [(a, n) for a, n in (("fsdp", c.mesh.fsdp), ("tensor", c.mesh.tensor)) if n > 1]
+    if c.mesh.rank_tensors is not None:
         raise ConfigError(
-            f"{' x '.join(f'config.mesh.{a}={n}' for a, n in axes)} needs {c.mesh.size} "
-            f"devices, but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
-            f"accepted: {' * '.join(a for a, _ in axes)} <= {len(devices)}{cpu_hint}"
+            f"config.mesh.tensor_per_rank={c.mesh.tensor_per_rank!r} x config.mesh.data="
+            f"{c.mesh.data} x config.mesh.fsdp={c.mesh.fsdp} needs {c.mesh.size} devices, but "
+            f"only {len(devices)} are present ({jpipe.describe_devices(devices)}); accepted: "
+            f"the sum of tensor_per_rank * data * fsdp <= {len(devices)}{cpu_hint}"
         )
-    for t in sorted(set(c.mesh.rank_tensors or (c.mesh.tensor,))):  # every rank's degree
+    raise ConfigError(
+        f"{' x '.join(f'config.mesh.{a}={n}' for a, n in axes)} needs {c.mesh.size} "
+        f"devices, but only {len(devices)} are present ({jpipe.describe_devices(devices)}); "
+        f"accepted: {' * '.join(a for a, _ in axes)} <= {len(devices)}{cpu_hint}"
+    )
+
+
+def _check_tensor_degrees(c: TrainConfig) -> None:
+    """Refuses a tensor degree (every rank's) that does not divide the model's heads and MLP."""
+    for t in sorted(set(c.mesh.rank_tensors or (c.mesh.tensor,))):
         heads, d_ff = getattr(c.model, "num_heads", 1), getattr(c.model, "d_ff", 1)
         kv_heads = getattr(c.model, "num_kv_heads", None)  # a Llama's
         if isinstance(kv_heads, int) and kv_heads % t:
@@ -136,6 +159,11 @@ def prepare(
                 "(each device of the tensor axis runs whole heads and an equal part of the MLP)",
             )
 
+
+def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
+    """``config.schedule`` built (or read) and validated, with the config's ranks and
+    microbatches."""
+    R, M, V = c.mesh.pipe, c.num_microbatches, c.chunks
     setting = f"mesh.pipe={R}, num_microbatches={M}, chunks={V}"
     from_file = c.schedule.lower().endswith(".csv") and os.path.isfile(c.schedule)
     try:
@@ -159,7 +187,16 @@ def prepare(
         raise config_error(
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
-    S = schedule.num_stages
+    return schedule
+
+
+def _checked_model(c: TrainConfig, S: int) -> models.StagedModel:
+    """``config.model`` cut into `S` stages (stage functions only: no arrays are made).
+
+    The layer split is checked first where the model has an integer
+    ``num_layers``; a builder from a file gets ``config.model.dtype`` applied
+    (`in_dtype`).
+    """
     num_layers = getattr(c.model, "num_layers", None)
     if isinstance(num_layers, int):
         try:
@@ -171,23 +208,25 @@ def prepare(
                 f"{e} (the schedule has {S} stages; model.num_layers={num_layers})",
             ) from None
     tensor_axis = "tensor" if c.mesh.max_tensor > 1 else None
-    try:  # stage functions only: no arrays are made
+    try:
         model = models.build_model(
             c.model_name, registry.BuildArgs(c.model, S, c.layers_per_stage, tensor_axis)
         )
     except ValueError as e:
         said = str(e) if "the schedule has" in str(e) else f"{e} (the schedule has {S} stages)"
         raise config_error("model.name", c.model_name, said) from None
-    layers = tuple(model.layers_per_stage)
     dtype = getattr(c.model, "dtype", "float32")
     if registry.is_file_spec(c.model_name) and dtype != "float32":
         if dtype not in ("bfloat16", "float16"):
             raise config_error("model.dtype", dtype, "must be 'float32', 'bfloat16' or 'float16'")
         model = in_dtype(model, dtype)
-    init_params = None
-    if c.init_from and not shapes_only:
-        init_params = export.initial_params(c.init_from, model, c)
+    return model
 
+
+def _check_batch(c: TrainConfig) -> None:
+    """Refuses a batch that does not split into the microbatches, replicas and processes, and
+    the text corpus for a model without an integer ``seq_len``."""
+    M = c.num_microbatches
     rows = M * c.mesh.replicas
     if c.batch_size % rows:
         raise config_error(
@@ -204,7 +243,6 @@ def prepare(
             c.batch_size,
             f"must be divisible by the number of processes ({jax.process_count()})",
         )
-
     if not c.data.source and not isinstance(getattr(c.model, "seq_len", None), int):
         raise config_error(
             "data.source",
@@ -213,14 +251,15 @@ def prepare(
             f"model {c.model_name} has no integer seq_len; give config.model.seq_len or a "
             "data source of your own (config.data.source=path/to/file.py:function)",
         )
-    if shapes_only and not c.data.source:  # the text corpus: shapes known without reading it
-        train_data = eval_data = None
-    else:
-        train_data, eval_data = make_data(c)
 
+
+def _make_mesh(c: TrainConfig, devices: list):
+    """The ``(pipe, data, fsdp, tensor)`` mesh over `devices`, or with
+    ``mesh.tensor_per_rank`` one mesh per rank."""
+    R = c.mesh.pipe
     if c.mesh.across_hosts is not None:
         try:
-            mesh = jpipe.make_mesh(
+            return jpipe.make_mesh(
                 R,
                 c.mesh.data,
                 devices,
@@ -235,7 +274,7 @@ def prepare(
                 f"{e} (mesh.pipe={R}, mesh.data={c.mesh.data}, pipe_hosts={c.mesh.pipe_hosts}, "
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
-    elif c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
+    if c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
         if jax.process_count() > 1:
             raise config_error(
                 "mesh.tensor_per_rank",
@@ -245,13 +284,11 @@ def prepare(
                 "a multi-process run (jpipe.Pipeline itself runs ranks of different shapes "
                 "across processes); accepted: '' (one mesh) in a multi-process run",
             )
-        mesh = jpipe.make_rank_meshes(
+        return jpipe.make_rank_meshes(
             [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
             devices,
         )
-    else:
-        mesh = jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
-    return Prepared(c, schedule, layers, mesh, train_data, eval_data, model, init_params)
+    return jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
 
 
 def check_row_keys(prepared: Prepared) -> None:
