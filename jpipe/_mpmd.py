@@ -58,9 +58,11 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe._contract import check_stage_outputs
 from jpipe._lower import axis_env
+from jpipe._lowering import MPMD, Lowering
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Action, Schedule
 from jpipe._stage import StageKernels, WeightedLoss, loss_seed
+from jpipe._ticks import make_plan
 from jpipe._transfer import Courier, process_of
 
 
@@ -841,6 +843,10 @@ class RankPrograms:
         self.courier.settle((loss, grads))
         return self._replicated(loss), grads
 
+    def __call__(self, packed, batch):
+        """`run`: called, the compiled per-rank step runs as a compiled SPMD step does."""
+        return self.run(packed, batch)
+
     def loss(self, packed, batch):
         """The mean loss over microbatches: each rank's forwards in list order, keeping nothing."""
         if not self.compiled:
@@ -1074,3 +1080,85 @@ def _refuse_pipe_index(kernels, axis_sizes: list[dict], pipe_axis: str) -> None:
 def _avals_of(k: StageKernels):
     leaves = jax.tree.leaves(k.params) + (jax.tree.leaves(k.x) if k.has_x else [])
     return leaves + jax.tree.leaves(k.inputs)
+
+
+class MpmdLowering(Lowering):
+    """The per-rank lowering behind `jpipe.Pipeline` (``lowering="mpmd"``).
+
+    Runs the step through `RankPrograms`, built once per batch shape. It is
+    driven from the host, so it refuses traced arguments (it cannot sit
+    inside `jax.jit`, `jax.grad` or `jax.vmap`), and it has no ``all_idle``
+    form (that measures the SPMD program's conditionals).
+    """
+
+    kind = MPMD
+
+    def __init__(self, pipeline, tick_layout: str):
+        super().__init__(pipeline)
+        if pipeline.all_idle:
+            raise ValueError(
+                "all_idle measures the SPMD program's control; it has no per-rank form"
+            )
+        self._tick_layout = tick_layout
+        self._plan = None
+        self._programs: dict[tuple, RankPrograms] = {}
+
+    @property
+    def plan(self):
+        # Figures only (ticks of the lock-step timeline): this lowering runs
+        # the schedule's memory actions itself, so the plan is of its compute.
+        if self._plan is None:
+            schedule = self.pipeline.schedule.without_memory_actions()
+            self._plan = make_plan(schedule, self._tick_layout)
+        return self._plan
+
+    def rank_programs(self, batch) -> RankPrograms:
+        p = self.pipeline
+        if p.layout is None:
+            raise ValueError("pack parameters first with Pipeline.pack")
+        p.check_batch(batch)
+        key = p._key(batch)
+        if key not in self._programs:
+            self._programs[key] = RankPrograms(
+                p.schedule,
+                p.layout,
+                p.mesh,
+                p._kernels(batch),
+                p.pipe_axis,
+                p.data_axis,
+                p.stage_to_rank,
+                meshes=p.rank_meshes,
+            )
+        return self._programs[key]
+
+    def _refuse_traced(self, packed, batch) -> None:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((packed, batch))):
+            raise ValueError(
+                "the per-rank lowering (lowering='mpmd') runs from the host and cannot be "
+                "traced: it cannot sit inside jax.jit, jax.grad or jax.vmap. Use "
+                "lowering='spmd' for that"
+            )
+
+    def value_and_grad(self, packed, batch):
+        self._refuse_traced(packed, batch)
+        return self.rank_programs(batch).run(packed, batch)
+
+    def loss(self, packed, batch):
+        self._refuse_traced(packed, batch)
+        return self.rank_programs(batch).loss(packed, batch)
+
+    def compile(self, packed, batch) -> RankPrograms:
+        programs = self.rank_programs(batch)
+        programs.compile(packed, batch)
+        return programs
+
+    def compiled_memory(self, compiled: RankPrograms) -> tuple[int, int]:
+        analyses = [
+            c.memory_analysis() for pieces in compiled.compiled if pieces for c in pieces.values()
+        ]
+        temp = max(a.temp_size_in_bytes for a in analyses)
+        arguments = max(a.argument_size_in_bytes for a in analyses)
+        return temp, arguments
+
+    def stage_kernels(self, batch) -> list:
+        return list(self.rank_programs(batch).kernels)

@@ -24,16 +24,16 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import CONTROLS, Program, build_step, trace_kernels
-from jpipe._mpmd import RankPrograms
+from jpipe._lower import CONTROLS, Program, trace_kernels
+from jpipe._lowering import KINDS, Lowering, LoweringKind, lowering_kind
+from jpipe._microbatch import microbatches
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
-from jpipe._ticks import make_forward_plan, make_plan
 from jpipe._validate import analyze
 
-LOWERINGS = ("spmd", "mpmd")
-"""The two lowerings of a schedule (`Pipeline`'s `lowering`)."""
+LOWERINGS = tuple(KINDS)
+"""The lowerings of a schedule (`Pipeline`'s `lowering`; `jpipe._lowering`)."""
 
 
 def make_mesh(
@@ -161,13 +161,18 @@ def make_rank_meshes(shapes: Sequence[dict[str, int]], devices=None) -> list[Mes
 
 
 def _check_rank_meshes(
-    meshes, schedule: Schedule, lowering: str, pipe_axis: str, data_axis: str, fsdp_axis: str
+    meshes,
+    schedule: Schedule,
+    lowering: LoweringKind,
+    pipe_axis: str,
+    data_axis: str,
+    fsdp_axis: str,
 ) -> tuple[Mesh, ...]:
     """One mesh per rank, checked: the per-rank lowering, the same axes and batch sizes."""
     meshes = tuple(_auto(m) for m in meshes)
     if not meshes or not all(isinstance(m, Mesh) for m in meshes):
         raise ValueError("mesh must be a jax Mesh, or (lowering='mpmd') a list of one per rank")
-    if lowering != "mpmd":
+    if not lowering.meshes_per_rank:
         raise ValueError(
             "one mesh per rank (ranks of different shapes) needs the per-rank lowering: "
             "pass lowering='mpmd' (the SPMD program is one mesh for every rank)"
@@ -248,30 +253,6 @@ def _auto(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-def split_microbatches(batch, num_microbatches: int):
-    """``[N, ...] -> [N / M, M, ...]``: microbatch m is ``[:, m]``, rows m, m + M, ...
-
-    A reshape, so it costs nothing (a transpose to ``[M, N / M]`` would copy
-    the whole batch every step), and a batch sharded over ``data`` on its rows
-    stays sharded on the first axis.
-    """
-
-    def cut(a):
-        n = a.shape[0]
-        return a.reshape((n // num_microbatches, num_microbatches) + a.shape[1:])
-
-    return jax.tree.map(cut, batch)
-
-
-def microbatches(batch, num_microbatches: int):
-    """``[N, ...] -> [M, N / M, ...]``: the microbatches stacked first, to loop over.
-
-    Microbatch m is rows ``m, m + M, m + 2M, ...`` as in `split_microbatches`
-    (this is its transpose, a copy: for references and baselines, not the pipeline).
-    """
-    return jax.tree.map(lambda a: a.swapaxes(0, 1), split_microbatches(batch, num_microbatches))
 
 
 def run_stages(stages: Sequence[Callable], params_list, inputs):
@@ -364,15 +345,9 @@ class Pipeline:
         info = analyze(schedule)
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
-        if lowering not in LOWERINGS:
-            raise ValueError(
-                f"lowering must be one of {', '.join(map(repr, LOWERINGS))}; got {lowering!r}"
-            )
-        if lowering == "mpmd" and all_idle:
-            raise ValueError(
-                "all_idle measures the SPMD program's control; it has no per-rank form"
-            )
-        self.lowering = lowering
+        kind = lowering_kind(lowering)
+        self.lowering = kind.name
+        self.lowering_kind = kind
         self.control = control
         self.all_idle = all_idle
         self.stages = tuple(stages)
@@ -381,7 +356,7 @@ class Pipeline:
         self.rank_meshes: tuple[Mesh, ...] | None = None
         if not isinstance(mesh, Mesh):
             self.rank_meshes = _check_rank_meshes(
-                mesh, schedule, lowering, pipe_axis, data_axis, fsdp_axis
+                mesh, schedule, kind, pipe_axis, data_axis, fsdp_axis
             )
             mesh = self.rank_meshes[0]  # its axis names and batch sizes are every rank's
         self.mesh = _auto(mesh)
@@ -403,21 +378,19 @@ class Pipeline:
                 f"{len(self.stages)} stage functions"
             )
         self.num_microbatches = info.num_microbatches
-        # The per-rank lowering runs memory actions itself; the SPMD program's
-        # tick plan (which it keeps for stage_to_rank and figures) is of the
-        # compute without them. The SPMD plan lays them out (jpipe._ticks).
-        planned = schedule.without_memory_actions() if lowering == "mpmd" else schedule
-        self.plan = make_plan(planned, tick_layout)
-        self.forward_plan = make_forward_plan(planned)
+        self.stage_to_rank = info.stage_to_rank
         self.layout: ParamLayout | None = None
         self._specs = None
-        # Built once per batch shape (the key of `_key`): the traced pieces,
-        # the jitted training step with its program, the jitted forward-only loss.
+        # The stages' traced pieces, once per batch shape (the key of `_key`).
         self._kernels_cache: dict[tuple, list] = {}
-        self._train_steps: dict[tuple, tuple[Callable, Program]] = {}
-        self._loss_steps: dict[tuple, Callable] = {}
-        self._rank_programs: dict[tuple, RankPrograms] = {}
         self.compile_seconds: float | None = None
+        # The step itself is the lowering's (`jpipe._lowering`).
+        self._lowering: Lowering = kind.runtime_class()(self, tick_layout)
+
+    @property
+    def plan(self):
+        """The lock-step tick plan of the schedule's compute (`jpipe.Plan`), for figures."""
+        return self._lowering.plan
 
     # -- parameters ------------------------------------------------------------
 
@@ -435,7 +408,7 @@ class Pipeline:
         inner_axes = self._inner_axes(self.mesh)
         layout = ParamLayout.of(
             params_list,
-            self.plan.stage_to_rank,
+            self.stage_to_rank,
             self.schedule.num_ranks,
             specs=specs,
             axis_sizes=inner_axes,
@@ -570,7 +543,7 @@ class Pipeline:
         names = self.mesh.axis_names
         pipe = names.index(self.pipe_axis)
         stages_of = [set() for _ in range(self.schedule.num_ranks)]
-        for s, r in enumerate(self.plan.stage_to_rank):
+        for s, r in enumerate(self.stage_to_rank):
             stages_of[r].add(s)
         programs = []
         for r in range(self.schedule.num_ranks):
@@ -689,7 +662,7 @@ class Pipeline:
             batch_axes = tuple(a for a in (self.data_axis, self.fsdp_axis) if a is not None)
             mesh, layout = self.mesh, self.layout
             if self.rank_meshes is not None:  # each stage as a device of its own rank's mesh
-                mesh = [self.rank_meshes[r] for r in self.plan.stage_to_rank]
+                mesh = [self.rank_meshes[r] for r in self.stage_to_rank]
                 layout = [self.layout.on_axes(self._inner_axes(m)) for m in mesh]
             self._kernels_cache[key] = trace_kernels(
                 self.stages,
@@ -708,75 +681,13 @@ class Pipeline:
                 "per rank, whose parameters are one dict per rank: use Pipeline.pack"
             )
 
-    def _only_spmd(self, what: str) -> None:
-        if self.lowering != "spmd":
-            raise ValueError(
-                f"{what} needs the whole step as one traceable program, which only the SPMD "
-                "lowering makes; this Pipeline uses the per-rank lowering (lowering='mpmd'), "
-                "which runs one program per piece from the host. Call "
-                "pipeline.value_and_grad(params, batch) (and apply the optimizer in a jit of "
-                "its own), or build the Pipeline with lowering='spmd'"
-            )
-
-    def rank_programs(self, batch) -> RankPrograms:
-        """The per-rank lowering's programs for this batch's shapes (lowering='mpmd')."""
-        if self.lowering != "mpmd":
-            raise ValueError("rank_programs is the per-rank lowering's; this Pipeline is 'spmd'")
+    def _packed(self) -> None:
         if self.layout is None:
             raise ValueError("pack parameters first with Pipeline.pack")
-        self.check_batch(batch)
-        key = self._key(batch)
-        if key not in self._rank_programs:
-            self._rank_programs[key] = RankPrograms(
-                self.schedule,
-                self.layout,
-                self.mesh,
-                self._kernels(batch),
-                self.pipe_axis,
-                self.data_axis,
-                self.plan.stage_to_rank,
-                meshes=self.rank_meshes,
-            )
-        return self._rank_programs[key]
 
-    def _refuse_traced(self, packed, batch) -> None:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((packed, batch))):
-            raise ValueError(
-                "the per-rank lowering (lowering='mpmd') runs from the host and cannot be "
-                "traced: it cannot sit inside jax.jit, jax.grad or jax.vmap. Use "
-                "lowering='spmd' for that"
-            )
-
-    def _build(self, batch) -> tuple[Callable, Program]:
-        """The jitted training step and its `Program`, built once per batch shape."""
-        self.check_batch(batch)
-        key = self._key(batch)
-        if key in self._train_steps:
-            return self._train_steps[key]
-        program = build_step(
-            self.stages,
-            self.plan,
-            self.layout,
-            self.mesh,
-            self._microbatch_shapes(batch),
-            self.pipe_axis,
-            self.data_axis,
-            kernels=self._kernels(batch),
-            idle=self.all_idle,
-            control=self.control,
-        )
-        M = self.num_microbatches
-
-        def value_and_grad(packed, batch):
-            return program.run(packed, split_microbatches(batch, M))
-
-        jitted = jax.jit(
-            value_and_grad,
-            in_shardings=(self.param_sharding, self.batch_sharding),
-            out_shardings=(NamedSharding(self.mesh, P()), self.param_sharding),
-        )
-        self._train_steps[key] = (jitted, program)
-        return self._train_steps[key]
+    def rank_programs(self, batch):
+        """The per-rank lowering's programs for this batch's shapes (`jpipe.RankPrograms`)."""
+        return self._lowering.rank_programs(batch)
 
     def loss(self, packed, batch):
         """The mean loss over microbatches, running only the forwards.
@@ -784,55 +695,24 @@ class Pipeline:
         Each rank runs its forwards in the schedule's order and keeps nothing
         for a backward, so this costs about a third of `value_and_grad`.
         """
-        if self.layout is None:
-            raise ValueError("pack parameters first with Pipeline.pack")
-        if self.lowering == "mpmd":
-            self._refuse_traced(packed, batch)
-            return self.rank_programs(batch).loss(packed, batch)
-        self.check_batch(batch)
-        key = self._key(batch)
-        if key not in self._loss_steps:
-            program = build_step(
-                self.stages,
-                self.forward_plan,
-                self.layout,
-                self.mesh,
-                self._microbatch_shapes(batch),
-                self.pipe_axis,
-                self.data_axis,
-                forward_only=True,
-                kernels=self._kernels(batch),
-                idle=self.all_idle,
-                control=self.control,
-            )
-            M = self.num_microbatches
-            self._loss_steps[key] = jax.jit(
-                lambda packed, batch: program.run(packed, split_microbatches(batch, M))[0],
-                in_shardings=(self.param_sharding, self.batch_sharding),
-                out_shardings=NamedSharding(self.mesh, P()),
-            )
-        return self._loss_steps[key](packed, batch)
+        self._packed()
+        return self._lowering.loss(packed, batch)
 
     def step_fn(self, batch) -> Callable:
         """The pure, unjitted ``(packed_params, batch) -> (loss, packed_grads)``.
 
         For composing with an optimizer inside the caller's own `jax.jit`;
         `batch` (arrays or shape structs) fixes the shapes it is built for.
+        Only a lowering that makes the step one program has it (SPMD).
         """
-        self._only_spmd("Pipeline.step_fn")
-        _, program = self._build(batch)
-        M = self.num_microbatches
-        return lambda packed, batch: program.run(packed, split_microbatches(batch, M))
+        return self._lowering.step_fn(batch)
 
     def stage_kernels(self, batch) -> list:
         """The F, I and W pieces (`jpipe.StageKernels`) the step runs, per stage.
 
         For profiling: they are traced for one microbatch as one device sees it.
         """
-        if self.lowering == "mpmd":
-            return list(self.rank_programs(batch).kernels)
-        _, program = self._build(batch)
-        return list(program.kernels)
+        return self._lowering.stage_kernels(batch)
 
     def program(self, batch) -> Program:
         """The lowered plan the step runs, for inspection (`jpipe.Program`).
@@ -842,41 +722,35 @@ class Pipeline:
         the residual and carry buffers are (in rows of `Program.ROW` elements).
         The per-rank lowering's counterpart is `rank_programs`.
         """
-        self._only_spmd("Pipeline.program (the SPMD program's tick table)")
-        _, program = self._build(batch)
-        return program
+        return self._lowering.program(batch)
 
     def lower(self, packed, batch):
-        """The lowered (not yet compiled) step, for inspection."""
-        self._only_spmd("Pipeline.lower (one lowered program of the whole step)")
-        jitted, _ = self._build(batch)
-        return jitted.lower(packed, batch)
+        """The lowered (not yet compiled) step, for inspection (SPMD)."""
+        return self._lowering.lower(packed, batch)
 
     def compile(self, packed, batch):
         """Compiles the step for these shapes; records `compile_seconds`.
 
-        Under the per-rank lowering, compiles every piece (`RankPrograms.compile`)
-        and returns the `RankPrograms`.
+        Under the SPMD lowering, returns the compiled program; under the
+        per-rank lowering, compiles every piece (`RankPrograms.compile`) and
+        returns the `RankPrograms`. `compiled_memory` reads either.
         """
         start = time.perf_counter()
-        if self.lowering == "mpmd":
-            programs = self.rank_programs(batch)
-            programs.compile(packed, batch)
-            self.compile_seconds = time.perf_counter() - start
-            return programs
-        compiled = self.lower(packed, batch).compile()
+        compiled = self._lowering.compile(packed, batch)
         self.compile_seconds = time.perf_counter() - start
         return compiled
 
+    def compiled_memory(self, compiled) -> tuple[int, int]:
+        """``(temp, arguments)``: the bytes of the fullest device, from `compile`'s result.
+
+        Under the per-rank lowering, the largest piece's.
+        """
+        return self._lowering.compiled_memory(compiled)
+
     def value_and_grad(self, packed, batch):
         """``(loss, packed_grads)``: the mean loss over microbatches and its gradients."""
-        if self.layout is None:
-            raise ValueError("pack parameters first with Pipeline.pack")
-        if self.lowering == "mpmd":
-            self._refuse_traced(packed, batch)
-            return self.rank_programs(batch).run(packed, batch)
-        jitted, _ = self._build(batch)
-        return jitted(packed, batch)
+        self._packed()
+        return self._lowering.value_and_grad(packed, batch)
 
 
 def reference_value_and_grad(

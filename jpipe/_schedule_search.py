@@ -89,17 +89,30 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from jpipe._lowering import LoweringKind, lowering_kind
 from jpipe._registry import get_schedule
 from jpipe._schedule import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
 from jpipe._simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
 from jpipe._validate import ScheduleError, analyze
 
 LAYOUTS = ("spmd", "per_rank")
+"""The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
+OWN = "per_rank"  # each rank's own bytes, the layout the walk reads
 # The share of the budget kept free for what the model does not count: on GPT-2 small the
 # SPMD program compiled 2 to 8% above the model, the per-rank lowering below it
 # (docs/search.md); the planner keeps the same share (`jpipe.planner.MEMORY_MARGIN`).
 MARGIN = 0.10
-LOWERING_OF = {"spmd": "spmd", "per_rank": "mpmd"}  # the Pipeline(lowering=...) of each layout
+
+
+def layout_kind(layout: str) -> LoweringKind:
+    """The lowering whose memory a layout stands for (`jpipe._lowering`): ``"spmd"`` is
+    the SPMD lowering's, ``"per_rank"`` (or ``"mpmd"``) the per-rank lowering's."""
+    try:
+        return lowering_kind(layout)
+    except ValueError:
+        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}") from None
+
+
 STAGE_PROFILE_FORMAT = "jpipe-stages/1"
 GIB = 2**30
 # Two simulated steps within this share of each other tie (`rank_candidates`).
@@ -698,6 +711,35 @@ def layer_profile_from_json(
         raise ValueError(f"not a jpipe profile: 'format' is {found!r}, not "
                          f"{TRAINER_PROFILE_FORMAT!r}")  # fmt: skip
     read = _Reader()
+    n, layer_blocks, per_stage = _layer_kinds(d, read)
+    device, mbs, F, I, W = _layer_times(d, device, n, read)
+    act, out, params, grads, working_factor = _layer_bytes(d, n, mbs, read)
+    layers = [
+        {"F": F[j], "I": I[j], "W": W[j], "activation": act[j], "output": out[j],
+         "params": params[j], "grad_output": grads[j]}
+        for j in range(n)
+    ]  # fmt: skip
+    partner, host, links = _link_rates(d, device, rates, read)
+    source = (
+        f"{d.get('model', 'a model')} on {device}, microbatches of {mbs}, "
+        f"{'measured stages' if per_stage else 'layers'} of a jpipe-profile/2; links "
+        f"{links} ({partner / 1e9:.4g} GB/s between ranks, {host / 1e9:.4g} GB/s to the host)"
+    )
+    model = str(_field(d, "model"))
+    common = dict(
+        model=model, microbatch_size=mbs, working_factor=working_factor,
+        partner_bytes_per_s=partner, host_bytes_per_s=host, source=source,
+    )  # fmt: skip
+    if not per_stage:
+        return LayerProfile(first=layers[0], block_figures=tuple(layers[1:-1]), last=layers[-1],
+                            warnings=tuple(read.warnings), **common)  # fmt: skip
+    return _from_measured_stages(layers, layer_blocks, read, common)
+
+
+def _layer_kinds(d: dict, read: _Reader) -> tuple[int, list[int] | None, bool]:
+    """A ``jpipe-profile/2``'s shape (`layer_profile_from_json`): ``(n, layer_blocks,
+    per_stage)``, its number of layers, the blocks of each (None where it does not say) and
+    whether its layers are the trainer's measured stages rather than layers."""
     kinds = _field(d, "layer_kinds")
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
         raise ValueError(f"layer_kinds is {kinds!r}; expected a list of layer kinds")
@@ -718,7 +760,14 @@ def layer_profile_from_json(
             f"layer_kinds is {kinds!r}: the search reads either layers (embedding, block..., "
             "head) or measured stages (all block, with layer_blocks)"
         )
-    # the device and its times at T = 1
+    return n, layer_blocks, per_stage
+
+
+def _layer_times(d: dict, device: str | None, n: int, read: _Reader):
+    """The `n` layers' times in a ``jpipe-profile/2`` (`layer_profile_from_json`):
+    ``(device, mbs, F, I, W)``, the device read (`device`, or the only one), the smallest
+    microbatch size it has at T = 1, and each layer's forward, input-gradient and
+    weight-gradient seconds there (a backward not split into I and W halved)."""
     devices = _field(d, "devices")
     if not isinstance(devices, dict) or not devices:
         raise ValueError(f"devices is {devices!r}; expected an object of device types")
@@ -756,7 +805,15 @@ def layer_profile_from_json(
     else:
         back = seconds("backward")
         I = W = [x / 2 for x in back]
-    # bytes
+    return device, mbs, F, I, W
+
+
+def _layer_bytes(d: dict, n: int, mbs: int, read: _Reader):
+    """The `n` layers' bytes in a ``jpipe-profile/2`` (`layer_profile_from_json`), for
+    microbatches of `mbs` sequences: ``(activation, output, params, grad_output,
+    working_factor)``, the residual and output bytes per microbatch, the parameters' bytes
+    (all the memory terms' bytes per parameter) and their gradients', and the working
+    memory in units of a stage's residuals."""
     params_by_t = _field(d, "params")
     acts_by_t = _field(d, "activation_bytes")
     for name, table in (("params", params_by_t), ("activation_bytes", acts_by_t)):
@@ -797,12 +854,16 @@ def layer_profile_from_json(
             f"memory_terms.working_factor is {working_factor:.4g}: a piece's working memory "
             "over 100 times its stage's residuals"
         )
-    layers = [
-        {"F": F[j], "I": I[j], "W": W[j], "activation": act[j], "output": out[j],
-         "params": total * counts[j], "grad_output": per_param["gradient_bytes"] * counts[j]}
-        for j in range(n)
-    ]  # fmt: skip
-    # links: the profile's own where measured, else assumed; `rates` over both
+    params = [total * c for c in counts]
+    grads = [per_param["gradient_bytes"] * c for c in counts]
+    return act, out, params, grads, working_factor
+
+
+def _link_rates(d: dict, device: str, rates: dict | None, read: _Reader):
+    """The transfer rates for a ``jpipe-profile/2`` (`layer_profile_from_json`):
+    ``(partner, host, links)``, bytes per second between ranks and to the host, and how
+    the first was found (``"measured"``: the profile's own link among the most GPUs of one
+    node of `device`; ``"assumed"``; ``"given"`` in `rates`, which override both)."""
     unknown = sorted(set(rates or ()) - {"partner_bytes_per_s", "host_bytes_per_s"})
     if unknown:
         raise ValueError(
@@ -829,20 +890,7 @@ def layer_profile_from_json(
             partner, links = value, "given"
         else:
             host = value
-    source = (
-        f"{d.get('model', 'a model')} on {device}, microbatches of {mbs}, "
-        f"{'measured stages' if per_stage else 'layers'} of a jpipe-profile/2; links "
-        f"{links} ({partner / 1e9:.4g} GB/s between ranks, {host / 1e9:.4g} GB/s to the host)"
-    )
-    model = str(_field(d, "model"))
-    common = dict(
-        model=model, microbatch_size=mbs, working_factor=working_factor,
-        partner_bytes_per_s=partner, host_bytes_per_s=host, source=source,
-    )  # fmt: skip
-    if not per_stage:
-        return LayerProfile(first=layers[0], block_figures=tuple(layers[1:-1]), last=layers[-1],
-                            warnings=tuple(read.warnings), **common)  # fmt: skip
-    return _from_measured_stages(layers, layer_blocks, read, common)
+    return partner, host, links
 
 
 def _from_measured_stages(stages, blocks_per_stage, read: _Reader, common) -> LayerProfile:
@@ -967,11 +1015,10 @@ def lowering_runs(layout: str, kind: str) -> bool:
     came to refuse (by name, as `NotImplementedError`) would leave the
     ``"spmd"`` search with no change here.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    lowering = layout_kind(layout)
     if kind not in MEMORY_KINDS:
         raise ValueError(f"{kind!r} is not a memory action ({', '.join(MEMORY_KINDS)})")
-    if layout == "per_rank":
+    if lowering.runs_all_memory_actions:
         return True
     from jpipe._ticks import make_plan  # the SPMD lowering's pass; imported only when asked
 
@@ -1024,7 +1071,7 @@ class DeviceBytes:
 
     def parts(self, rank: int) -> dict[str, float]:
         """What the device of `rank` holds, term by term (under SPMD, each the largest rank's)."""
-        if self.layout == "spmd":
+        if layout_kind(self.layout).every_device_holds_busiest:
             out = {"params": max(self.params)}
             if self.grad_output:
                 out["gradient output"] = self.grad_output
@@ -1040,12 +1087,12 @@ class DeviceBytes:
         return dataclasses.asdict(self)
 
 
-def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: float):
+def _allowances(schedule: Schedule, figures: StageFigures, busiest: bool, budget: float):
     """Per rank: the parameter bytes its device holds, its working memory, and how many
     bytes of live values its device may hold within `budget`.
 
-    Under ``"spmd"`` every device holds the largest rank's ``params``. Under
-    ``"per_rank"`` each rank holds its own gradients, but today the per-rank
+    With `busiest` (the SPMD lowering) every device holds the largest rank's
+    ``params``. Otherwise (per rank) each rank holds its own gradients, but today the per-rank
     lowering keeps the packed parameters, and the optimizer state built on
     them, whole on every rank (docs/design.md, "not yet the rank's own"): a
     rank holds the largest rank's ``params`` less its gradients
@@ -1061,13 +1108,13 @@ def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: 
             stages_of[r].append(s)
     own = [sum(params_of[s] for s in stages) for stages in stages_of]
     grads = [sum(grads_of[s] for s in stages) for stages in stages_of]
-    if layout == "spmd":
+    if busiest:
         params = [max(own)] * R
     else:
         shared = max(p - g for p, g in zip(own, grads))
         params = [shared + g for g in grads]
     working = [max((working_of[s] for s in stages), default=0.0) for stages in stages_of]
-    if layout == "spmd":
+    if busiest:
         room = [budget - max(params) - max(grads) - max(working)] * R
     else:
         room = [budget - p - w for p, w in zip(params, working)]
@@ -1175,7 +1222,8 @@ def device_bytes(
     (`StageFigures.for_schedule`). `values`, when known, is each rank's peak
     of live values (the search passes what it computed already).
     """
-    params, working, _ = _allowances(sim.schedule, figures, layout, 0.0)
+    busiest = layout_kind(layout).every_device_holds_busiest
+    params, working, _ = _allowances(sim.schedule, figures, busiest, 0.0)
     return _device_bytes(sim, figures, layout, values, params, working)
 
 
@@ -1185,7 +1233,7 @@ def _device_bytes(sim, figures, layout, values, params, working) -> DeviceBytes:
     if values is None:
         values = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
     values = tuple(max(0.0, v) for v in values)
-    if layout == "spmd":
+    if layout_kind(layout).every_device_holds_busiest:
         S = schedule.num_stages
         grads = max(
             sum(figures.grad_output_table(S)[s] for s in schedule.stages_of(r))
@@ -1504,6 +1552,7 @@ class _Evaluator:
 
     def __init__(self, figures: StageFigures, budget: float, layout: str, limit=math.inf):
         self.figures, self.budget, self.layout = figures, budget, layout
+        self.busiest = layout_kind(layout).every_device_holds_busiest
         self.count, self.limit = 0, limit
         self._allowed: dict = {}  # placement of the stages -> `_allowances` (all that it reads)
 
@@ -1531,27 +1580,27 @@ class _Evaluator:
         placement = schedule.stage_to_rank
         if placement not in self._allowed:  # memory moves leave it as the base's
             self._allowed[placement] = {
-                layout: _allowances(schedule, self.figures, layout, self.budget)
-                for layout in {self.layout, "per_rank"}
+                busiest: _allowances(schedule, self.figures, busiest, self.budget)
+                for busiest in {self.busiest, False}
             }
         allowed = self._allowed[placement]
-        room = allowed[self.layout][2]
+        room = allowed[self.busiest][2]
         curves = _curves(sim, self.figures)  # once: the SPMD check below reads them again
         fit, peaks = _fit(curves, room)
-        if self.layout == "spmd" and fit.fits:
-            params, working, _ = allowed["spmd"]
-            spmd = _device_bytes(sim, self.figures, "spmd", peaks, params, working)  # ticks
+        if self.busiest and fit.fits:
+            params, working, _ = allowed[True]
+            spmd = _device_bytes(sim, self.figures, self.layout, peaks, params, working)  # ticks
             over = spmd.most - self.budget
             if over > 0:
                 extra = max(over, sum(spmd.buffers) - max(peaks))
                 fit, peaks = _fit(curves, [r - extra for r in room])
-        params, working, _ = allowed["per_rank"]
-        return sim, fit, _device_bytes(sim, self.figures, "per_rank", peaks, params, working)
+        params, working, _ = allowed[False]
+        return sim, fit, _device_bytes(sim, self.figures, OWN, peaks, params, working)
 
     def bytes_of(self, found) -> DeviceBytes:
         """The layout's `DeviceBytes` of an evaluated schedule (the SPMD one plans its ticks)."""
         sim, _, own = found
-        if self.layout == "per_rank":
+        if not self.busiest:
             return own
         return device_bytes(sim, self.figures, self.layout, values=own.values)
 
@@ -1809,7 +1858,7 @@ class ScheduleSearch:
 
     @property
     def lowering(self) -> str:
-        return LOWERING_OF[self.layout]
+        return layout_kind(self.layout).name
 
     @property
     def usable(self) -> float:
@@ -1960,128 +2009,19 @@ def search_schedule(
         was worked out on it (`jpipe.validate`'s analysis, the SPMD program's lifetimes).
     """
     start = time.perf_counter()
-    if layout not in LAYOUTS:
-        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    if not (isinstance(num_ranks, int) and num_ranks >= 1):
-        raise ValueError(f"the number of ranks must be a positive integer, got {num_ranks!r}")
-    Ms = [microbatches] if isinstance(microbatches, int) else list(microbatches)
-    if not Ms or any(not isinstance(m, int) or m < 1 for m in Ms):
-        raise ValueError(f"microbatch counts must be positive integers, got {microbatches!r}")
-    if not budget > 0:
-        raise ValueError(f"the budget must be a positive number of bytes, got {budget!r}")
-    if not 0 <= margin < 1:
-        raise ValueError(f"the margin must be in [0, 1), got {margin!r}")
-    usable = budget * (1 - margin)
-    if batch is not None:
-        for m in Ms:
-            if batch % m:
-                raise ValueError(
-                    f"{m} microbatches do not divide the batch of {batch} sequences; "
-                    f"M must divide it"
-                )
-        reference = getattr(figures, "microbatch_size", None) or batch // Ms[0]
+    Ms = _check_search_arguments(layout, num_ranks, microbatches, budget, margin, batch)
     memory_moves = tuple(sorted(_allowed_moves(layout, memory_actions)))
-    allowed_kinds = {k for move in memory_moves for k in MOVE_KINDS[move]}
-    evaluate_count = 0
-    candidates: list[Candidate] = []
-    skipped: list[str] = []
-    bases: list[tuple[Candidate, StageFigures]] = []
-    for M in Ms:
-        scaled = figures
-        if batch is not None and batch // M != reference:
-            scaled = figures.scaled((batch // M) / reference, params=False)
-        specs = builtin_specs(num_ranks, M) if schedules is None else schedules
-        for item in specs:
-            spec, chunks = (item, None) if isinstance(item, str) else item
-            try:
-                schedule = _build(spec, num_ranks, M, chunks, built)
-                fig = scaled.for_schedule(schedule)
-            except ValueError as e:
-                skipped.append(f"{spec}{f' (V={chunks})' if chunks else ''}, M={M}: {e}")
-                continue
-            if schedule.num_ranks != num_ranks or schedule.num_microbatches != M:
-                skipped.append(
-                    f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
-                    f"{schedule.num_microbatches} microbatches"
-                )
-                continue
-            if not runs_schedule(layout, schedule):
-                kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
-                skipped.append(
-                    f"{spec}, M={M}: the {LOWERING_OF[layout]} lowering does not run its "
-                    f"memory actions ({', '.join(kinds)}); layout per_rank would take it"
-                )
-                continue
-            kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
-            if not kinds <= allowed_kinds:
-                skipped.append(
-                    f"{spec}, M={M}: its memory actions ({', '.join(sorted(kinds))}) are not "
-                    f"among those allowed ({', '.join(memory_moves) or 'none'})"
-                )
-                continue
-            sim = simulate(schedule, fig.costs)
-            evaluate_count += 1
-            memory = device_bytes(sim, fig, layout)
-            V = schedule.num_stages // max(num_ranks, 1)
-            cand = Candidate(
-                spec=spec, schedule=schedule, chunks=V, microbatches=M, simulation=sim,
-                memory=memory, fits=memory.most <= usable,
-            )  # fmt: skip
-            candidates.append(cand)
-            plain = not schedule.has_memory_actions and not any(
-                isinstance(step, Overlap) for row in schedule.ranks for step in row
-            )
-            if plain:
-                bases.append((cand, fig))
+    terms = _SearchTerms(num_ranks, layout, budget * (1 - margin), memory_moves)
+    candidates, skipped, bases = _builtin_candidates(figures, Ms, batch, schedules, terms, built)
+    simulated = len(candidates)  # one simulation each
     if log:
         fitting = sum(c.fits for c in candidates)
         log(f"  {len(candidates)} built-in candidates simulated, {fitting} fit")
-    deadline = math.inf if max_seconds is None else start + max_seconds
-    local_count = 0
     if local and memory_moves:
-        bases.sort(key=lambda x: x[0].time)
-        for cand, fig in bases:
-            best = min((c.time for c in candidates if c.fits), default=math.inf)
-            if cand.fits or cand.time >= best:
-                continue  # memory actions never make a step shorter
-            _, _, room = _allowances(cand.schedule, fig, layout, usable)
-            if min(room) < 0:  # no live value at all would fit beside them
-                skipped.append(
-                    f"{cand.label}: no local search (a device's parameters, gradients and "
-                    f"working memory alone exceed the {usable:.4g} bytes it may use)"
-                )
-                continue
-            left = max_simulations - local_count
-            if time.perf_counter() > deadline or left <= 0:
-                skipped.append(
-                    f"{cand.label}: no local search (past --max-simulations or --max-seconds)"
-                )
-                continue
-            if log:
-                log(f"  local search on {cand.label} ({format_bytes(cand.memory.most)})")
-            found = local_search(
-                cand.schedule, fig, usable, layout, deadline=deadline, log=log,
-                memory_actions=memory_moves, max_simulations=left,
-            )  # fmt: skip
-            evaluate_count += found.simulated
-            local_count += found.simulated
-            if found.schedule is None:
-                skipped.append(f"{cand.label}: the local search found no placement that fits")
-                continue
-            schedule, moves, sim, memory = found[:4]
-            candidates.append(
-                Candidate(
-                    spec=f"{cand.spec} + {len(moves)} memory move{'s' if len(moves) > 1 else ''}",
-                    schedule=schedule,
-                    chunks=cand.chunks,
-                    microbatches=cand.microbatches,
-                    simulation=sim,
-                    memory=memory,
-                    fits=memory.most <= usable,
-                    builtin=False,
-                    moves=tuple(map(str, moves)),
-                )
-            )
+        deadline = math.inf if max_seconds is None else start + max_seconds
+        simulated += _local_candidates(
+            bases, candidates, skipped, terms, max_simulations, deadline, log
+        )
     candidates = rank_candidates(candidates)
     fitting = [c for c in candidates if c.fits]
     return ScheduleSearch(
@@ -2092,7 +2032,187 @@ def search_schedule(
         budget=float(budget),
         layout=layout,
         memory_moves=memory_moves,
-        simulated=evaluate_count,
+        simulated=simulated,
         seconds=time.perf_counter() - start,
         margin=float(margin),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SearchTerms:
+    """What every candidate of one `search_schedule` is held to.
+
+    Attributes:
+      num_ranks: R.
+      layout: ``"spmd"`` or ``"per_rank"`` (`LAYOUTS`).
+      usable: the bytes a device may hold: the budget less the margin.
+      memory_moves: the kinds of memory action allowed (`MOVE_KINDS`' keys), sorted.
+    """
+
+    num_ranks: int
+    layout: str
+    usable: float
+    memory_moves: tuple[str, ...]
+
+    @property
+    def allowed_kinds(self) -> set[str]:
+        """The action kinds of the memory actions allowed."""
+        return {k for move in self.memory_moves for k in MOVE_KINDS[move]}
+
+
+def _check_search_arguments(
+    layout: str, num_ranks, microbatches, budget, margin, batch: int | None
+) -> list[int]:
+    """`search_schedule`'s microbatch counts M as a list; raises `ValueError` for a layout,
+    R, M, budget or margin it cannot take, or for a `batch` some M does not divide."""
+    layout_kind(layout)
+    if not (isinstance(num_ranks, int) and num_ranks >= 1):
+        raise ValueError(f"the number of ranks must be a positive integer, got {num_ranks!r}")
+    Ms = [microbatches] if isinstance(microbatches, int) else list(microbatches)
+    if not Ms or any(not isinstance(m, int) or m < 1 for m in Ms):
+        raise ValueError(f"microbatch counts must be positive integers, got {microbatches!r}")
+    if not budget > 0:
+        raise ValueError(f"the budget must be a positive number of bytes, got {budget!r}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"the margin must be in [0, 1), got {margin!r}")
+    if batch is not None:
+        for m in Ms:
+            if batch % m:
+                raise ValueError(
+                    f"{m} microbatches do not divide the batch of {batch} sequences; "
+                    f"M must divide it"
+                )
+    return Ms
+
+
+def _builtin_candidates(figures, Ms, batch, schedules, terms: _SearchTerms, built):
+    """Every SPEC (`schedules`, or `builtin_specs`) for every M, each simulated once:
+    ``(candidates, skipped, bases)``, the candidates in the order tried, a line for each
+    SPEC that gave none (and why), and the bases of the local search (`_is_plain`), each
+    with the figures it ran on. With `batch`, each M gets the figures scaled to its
+    microbatch size (see `search_schedule`)."""
+    if batch is not None:
+        reference = getattr(figures, "microbatch_size", None) or batch // Ms[0]
+    candidates: list[Candidate] = []
+    skipped: list[str] = []
+    bases: list[tuple[Candidate, StageFigures]] = []
+    for M in Ms:
+        scaled = figures
+        if batch is not None and batch // M != reference:
+            scaled = figures.scaled((batch // M) / reference, params=False)
+        specs = builtin_specs(terms.num_ranks, M) if schedules is None else schedules
+        for item in specs:
+            spec, chunks = (item, None) if isinstance(item, str) else item
+            try:
+                schedule = _build(spec, terms.num_ranks, M, chunks, built)
+                fig = scaled.for_schedule(schedule)
+            except ValueError as e:
+                skipped.append(f"{spec}{f' (V={chunks})' if chunks else ''}, M={M}: {e}")
+                continue
+            why_not = _why_no_candidate(spec, M, schedule, terms)
+            if why_not:
+                skipped.append(why_not)
+                continue
+            cand = _simulated(spec, M, schedule, fig, terms)
+            candidates.append(cand)
+            if _is_plain(schedule):
+                bases.append((cand, fig))
+    return candidates, skipped, bases
+
+
+def _why_no_candidate(spec, M: int, schedule: Schedule, terms: _SearchTerms) -> str | None:
+    """Why `schedule`, built for `spec` and `M` microbatches, is no candidate (a line for
+    `ScheduleSearch.skipped`), or None: it has other ranks or microbatches than asked,
+    the layout's lowering does not run its memory actions, or they are not allowed."""
+    if schedule.num_ranks != terms.num_ranks or schedule.num_microbatches != M:
+        return (
+            f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
+            f"{schedule.num_microbatches} microbatches"
+        )
+    if not runs_schedule(terms.layout, schedule):
+        kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
+        return (
+            f"{spec}, M={M}: the {layout_kind(terms.layout).name} lowering does not run its "
+            f"memory actions ({', '.join(kinds)}); layout per_rank would take it"
+        )
+    kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
+    if not kinds <= terms.allowed_kinds:
+        return (
+            f"{spec}, M={M}: its memory actions ({', '.join(sorted(kinds))}) are not "
+            f"among those allowed ({', '.join(terms.memory_moves) or 'none'})"
+        )
+    return None
+
+
+def _simulated(spec, M: int, schedule: Schedule, fig: StageFigures, terms: _SearchTerms):
+    """`schedule` as a `Candidate`: simulated on `fig`'s costs, its bytes per device under
+    the layout, whether they fit."""
+    sim = simulate(schedule, fig.costs)
+    memory = device_bytes(sim, fig, terms.layout)
+    V = schedule.num_stages // max(terms.num_ranks, 1)
+    return Candidate(
+        spec=spec, schedule=schedule, chunks=V, microbatches=M, simulation=sim,
+        memory=memory, fits=memory.most <= terms.usable,
+    )  # fmt: skip
+
+
+def _is_plain(schedule: Schedule) -> bool:
+    """Whether `schedule` has no memory actions and no overlapped steps: a base the local
+    search may add memory actions to."""
+    return not schedule.has_memory_actions and not any(
+        isinstance(step, Overlap) for row in schedule.ranks for step in row
+    )
+
+
+def _local_candidates(
+    bases, candidates: list[Candidate], skipped: list[str], terms: _SearchTerms,
+    max_simulations: int, deadline: float, log,
+) -> int:  # fmt: skip
+    """The local search over memory actions on each base, fastest first, that is faster
+    than the best candidate that fits but does not fit itself: adds what it finds to
+    `candidates` (so that a later base must beat it) and a line for each base that gave
+    nothing to `skipped`. Returns the schedules it simulated, at most `max_simulations`."""
+    usable, layout = terms.usable, terms.layout
+    simulated = 0
+    for cand, fig in sorted(bases, key=lambda x: x[0].time):
+        best = min((c.time for c in candidates if c.fits), default=math.inf)
+        if cand.fits or cand.time >= best:
+            continue  # memory actions never make a step shorter
+        _, _, room = _allowances(cand.schedule, fig, layout, usable)
+        if min(room) < 0:  # no live value at all would fit beside them
+            skipped.append(
+                f"{cand.label}: no local search (a device's parameters, gradients and "
+                f"working memory alone exceed the {usable:.4g} bytes it may use)"
+            )
+            continue
+        left = max_simulations - simulated
+        if time.perf_counter() > deadline or left <= 0:
+            skipped.append(
+                f"{cand.label}: no local search (past --max-simulations or --max-seconds)"
+            )
+            continue
+        if log:
+            log(f"  local search on {cand.label} ({format_bytes(cand.memory.most)})")
+        found = local_search(
+            cand.schedule, fig, usable, layout, deadline=deadline, log=log,
+            memory_actions=terms.memory_moves, max_simulations=left,
+        )  # fmt: skip
+        simulated += found.simulated
+        if found.schedule is None:
+            skipped.append(f"{cand.label}: the local search found no placement that fits")
+            continue
+        schedule, moves, sim, memory = found[:4]
+        candidates.append(
+            Candidate(
+                spec=f"{cand.spec} + {len(moves)} memory move{'s' if len(moves) > 1 else ''}",
+                schedule=schedule,
+                chunks=cand.chunks,
+                microbatches=cand.microbatches,
+                simulation=sim,
+                memory=memory,
+                fits=memory.most <= usable,
+                builtin=False,
+                moves=tuple(map(str, moves)),
+            )
+        )
+    return simulated

@@ -66,6 +66,7 @@ from jpipe._schedule_search import (
     StageFigures,
     byte_unit,
     format_bytes,
+    layout_kind,
     load_stage_profile,
     search_schedule,
 )
@@ -299,7 +300,7 @@ def _winner_bytes(w) -> list[str]:
             f"{r:>4}  {stages:<8}{size(m.params[r]):>10}{size(m.values[r]):>10}"
             f"{size(m.working[r]):>10}{size(m.device[r]):>11}"
         )
-    if m.layout == "spmd":
+    if layout_kind(m.layout).every_device_holds_busiest:
         lines.append(
             "(spmd: every device holds the largest params, the buffers as the program sizes "
             "them and the largest working memory; see the parts above)"

@@ -822,17 +822,12 @@ def check_schedule(
     ensure_cpu_devices(devices_needed)
 
     import jax
-    import numpy as np
 
-    from jpipe._pipeline import Pipeline, make_mesh, reference_value_and_grad
+    from jpipe._pipeline import Pipeline, make_mesh
 
-    if model is None:
-        stages, params, make_batch = small_model(S, seed, scan_layers, activations, compute_dtype)
-        model = CheckModel(stages, params, make_batch, reference=stages, name="small_model")
-    else:
-        model = load_model(model, S, seed, config=config, tensor=tensor)
-        if len(model.stages) != S:
-            raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {S}")
+    model = _model_to_check(
+        model, S, seed, scan_layers, activations, compute_dtype, config=config, tensor=tensor
+    )
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
@@ -841,30 +836,12 @@ def check_schedule(
     )
     packed = pipe.pack(model.params, model.specs)
     placed = jax.device_put(batch, pipe.batch_sharding)
-    compiled = pipe.compile(packed, placed)
-    if lowering == "mpmd":
-        loss, grads = pipe.value_and_grad(packed, placed)
-        # The largest piece's figures: what one device's program allocates at once.
-        analyses = [c.memory_analysis() for pieces in compiled.compiled for c in pieces.values()]
-        temp = max(a.temp_size_in_bytes for a in analyses)
-        arguments = max(a.argument_size_in_bytes for a in analyses)
-    else:
-        loss, grads = compiled(packed, placed)
-        memory = compiled.memory_analysis()
-        temp, arguments = memory.temp_size_in_bytes, memory.argument_size_in_bytes
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
-        # Float32: the whole batch at once. Lower precision (in the compute or in
-        # the activations' leaves): the same microbatches.
-        kinds = (activations,) if isinstance(activations, str) else tuple(activations)
-        low = compute_dtype != "float32" or any(kind != "array" for kind in kinds)
-        split = M if low else 1
-        if model.reference is not None:
-            ref_loss, ref_grads = reference_value_and_grad(
-                model.reference, model.params, batch, split
-            )
-        else:
-            model_mesh = jax.sharding.Mesh(np.array(devices[:tensor]), ("tensor",))
-            ref_loss, ref_grads = shard_map_reference(model, model_mesh, batch)
+    loss, grads, temp, arguments = _pipelined_loss_and_grads(pipe, packed, placed, lowering)
+    # Float32: the reference on the whole batch at once. Lower precision (in the compute
+    # or in the activations' leaves): on the same microbatches.
+    kinds = (activations,) if isinstance(activations, str) else tuple(activations)
+    low = compute_dtype != "float32" or any(kind != "array" for kind in kinds)
+    ref_loss, ref_grads = _reference_loss_and_grads(model, batch, devices[:tensor], M if low else 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
     return CheckResult(
         passed=bool(math.isfinite(rel_err) and rel_err <= rtol),
@@ -887,6 +864,51 @@ def check_schedule(
         tensor=tensor,
         model=model.name,
     )
+
+
+def _model_to_check(
+    model, num_stages: int, seed: int, scan_layers, activations, compute_dtype, *, config, tensor
+) -> CheckModel:
+    """The `CheckModel` `check_schedule` runs: the built-in `small_model` for None, else
+    `model` as `load_model` reads it, which must have `num_stages` stages."""
+    if model is None:
+        stages, params, make_batch = small_model(
+            num_stages, seed, scan_layers, activations, compute_dtype
+        )
+        return CheckModel(stages, params, make_batch, reference=stages, name="small_model")
+    model = load_model(model, num_stages, seed, config=config, tensor=tensor)
+    if len(model.stages) != num_stages:
+        raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {num_stages}")
+    return model
+
+
+def _pipelined_loss_and_grads(pipe, packed, placed, lowering: str):
+    """Compiles and runs `pipe`'s step on the `packed` parameters and the `placed` batch:
+    ``(loss, grads, temp_bytes, argument_bytes)``, the bytes per device from
+    `memory_analysis()` (under the per-rank lowering, the largest piece's: what one
+    device's program allocates at once)."""
+    compiled = pipe.compile(packed, placed)
+    loss, grads = compiled(packed, placed)
+    temp, arguments = pipe.compiled_memory(compiled)
+    return loss, grads, temp, arguments
+
+
+def _reference_loss_and_grads(model: CheckModel, batch, tensor_devices, split: int):
+    """The unpipelined loss and gradients `check_schedule` compares with, on the first CPU
+    device (full float32 matmuls): the model's reference on the batch in `split`
+    microbatches (1: the whole batch at once, for float32; M for lower precision in the
+    compute or in the activations' leaves, the same microbatches as the pipeline), or,
+    without a reference, its stages under `jax.shard_map` over `tensor_devices`."""
+    import jax
+    import numpy as np
+
+    from jpipe._pipeline import reference_value_and_grad
+
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
+        if model.reference is not None:
+            return reference_value_and_grad(model.reference, model.params, batch, split)
+        model_mesh = jax.sharding.Mesh(np.array(tensor_devices), ("tensor",))
+        return shard_map_reference(model, model_mesh, batch)
 
 
 def check_model(

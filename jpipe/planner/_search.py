@@ -103,7 +103,7 @@ from collections.abc import Sequence
 
 from jpipe._registry import get_schedule
 from jpipe._schedule import Schedule
-from jpipe._schedule_search import StageFigures, runs_schedule, search_schedule
+from jpipe._schedule_search import StageFigures, layout_kind, runs_schedule, search_schedule
 from jpipe._simulate import (
     Costs,
     Simulation,
@@ -204,7 +204,7 @@ class ClusterPlan:
             raise ValueError(
                 f"memory layout {self.memory_layout!r} is not one of {', '.join(LAYOUTS)}"
             )
-        if self.memory_layout == "spmd" and not self.uniform_tensor:
+        if not layout_kind(self.memory_layout).meshes_per_rank and not self.uniform_tensor:
             raise ValueError(
                 f"the ranks have tensor degrees {list(self.tensor_per_rank)}, but the spmd "
                 "layout's one program has one mesh, one tensor degree for every stage; plan "
@@ -967,7 +967,7 @@ def _fitting_split(
     # what each stage may hold besides the fixed overhead of the device that holds it
     terms = profile.memory_terms
     room_of = lambda g: usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel)  # noqa: E731
-    if shape.memory_layout == "spmd":  # every device holds the largest need
+    if layout_kind(shape.memory_layout).every_device_holds_busiest:
         capacity = [min(room_of(g) for row in ranks for g in row)] * S
     else:
         capacity = [min(room_of(g) for g in ranks[owner[s]]) for s in range(S)]
@@ -1243,21 +1243,69 @@ def _plan_once(
         was skipped.
     """
     start = time.perf_counter()
+    _check_search_options(memory_layout, memory_margin, tensor_per_stage)
+    usable = lambda kind: (  # noqa: E731
+        profile.memory_of(kind) * profile.memory_terms.usable_fraction * (1 - memory_margin)
+    )
+    _check_profiled(profile, devices)
+    if microbatch_sizes is None:
+        common = set.intersection(*({b for b, _ in profile.times[k]} for k, _ in devices))
+        microbatch_sizes = sorted(common)
+    node_size = {k: min(n, gpus_per_node) for k, n in devices}
+    assignments = _tensor_assignments(
+        devices, tensor_parallel, node_size, gpus_per_node, tensor_per_stage
+    )
+    search = _ShapeSearch(
+        profile, usable, memory_layout, memory_margin, receiver_busy, lazy=tensor_per_stage
+    )
+    for ranks, degrees_text, order in _placements(
+        devices, assignments, node_size, profile.num_layers
+    ):
+        search.queue_placement(
+            ranks, degrees_text, order, microbatch_sizes, schedules, global_batch
+        )
+    found, simulated = search.best_plans(top)
+    if not found:
+        raise search.no_plan_fits()
+    best = tuple(
+        Candidate(
+            ev,
+            _reasons(profile, ev, found, receiver_busy, memory_margin)
+            + ((search.chosen[ev.plan],) if ev.plan in search.chosen else ()),
+        )
+        for ev in found
+    )
+    return SearchResult(
+        best,
+        search.considered,
+        simulated,
+        tuple(search.skipped),
+        time.perf_counter() - start,
+        memory_margin,
+        search.unsplit(),
+    )
+
+
+def _check_search_options(memory_layout: str, memory_margin: float, tensor_per_stage: bool):
+    """Raises `ValueError` for a memory layout or margin `_plan_once` cannot take, or for
+    per-stage tensor degrees under a layout whose one program has one mesh."""
     if memory_layout not in LAYOUTS:
         raise ValueError(f"memory layout {memory_layout!r} is not one of {', '.join(LAYOUTS)}")
     if not 0 <= memory_margin < 1:
         raise ValueError(
             f"the memory margin (--memory-margin) must be in [0, 1), got {memory_margin!r}"
         )
-    if tensor_per_stage and memory_layout != "per_rank":
+    if tensor_per_stage and not layout_kind(memory_layout).meshes_per_rank:
         raise ValueError(
             "per-stage tensor degrees (--tensor-per-stage) need the per_rank layout "
             f"(--memory-layout per_rank): the {memory_layout} layout's one program has one "
             "mesh, one tensor degree for every stage"
         )
-    usable = lambda kind: (  # noqa: E731
-        profile.memory_of(kind) * profile.memory_terms.usable_fraction * (1 - memory_margin)
-    )
+
+
+def _check_profiled(profile: Profile, devices: Sequence[tuple[str, int]]) -> None:
+    """Raises `ValueError` for a device type the profile has no times for, or whose memory
+    it does not say (`Profile.memory_of`)."""
     for kind, _ in devices:
         if kind not in profile.times:
             raise ValueError(
@@ -1265,14 +1313,23 @@ def _plan_once(
                 f"{', '.join(profile.devices)}"
             )
         profile.memory_of(kind)
-    if microbatch_sizes is None:
-        common = set.intersection(*({b for b, _ in profile.times[k]} for k, _ in devices))
-        microbatch_sizes = sorted(common)
-    node_size = {k: min(n, gpus_per_node) for k, n in devices}
+
+
+def _tensor_assignments(
+    devices: Sequence[tuple[str, int]],
+    tensor_parallel: Sequence[int] | None,
+    node_size: dict[str, int],
+    gpus_per_node: int,
+    per_type: bool,
+) -> list[dict[str, int]]:
+    """The tensor degrees to try, one ``{device type: degree}`` a choice, from
+    `tensor_parallel` (default 1, 2, 4 and 8): with `per_type` every combination of the
+    degrees that divide each type's count and fit in its node (`node_size`), otherwise
+    each degree that does so for every type. Raises `ValueError` where none does."""
     kinds = [k for k, _ in devices]
     degrees = list(tensor_parallel or (1, 2, 4, 8))
     fits_node = lambda k, n, t: n % t == 0 and t <= node_size[k]  # noqa: E731
-    if tensor_per_stage:
+    if per_type:
         per_kind = [[t for t in degrees if fits_node(k, n, t)] for k, n in devices]
         for (k, n), ts in zip(devices, per_kind, strict=True):
             if not ts:
@@ -1280,179 +1337,213 @@ def _plan_once(
                     f"no tensor-parallel degree in {degrees} divides the {n} {k} devices and "
                     f"fits in a node of {node_size[k]}"
                 )
-        assignments = [dict(zip(kinds, c, strict=True)) for c in itertools.product(*per_kind)]
-    else:
-        tps = [t for t in degrees if all(fits_node(k, n, t) for k, n in devices)]
-        if not tps:
-            raise ValueError(
-                f"no tensor-parallel degree in {degrees} divides every "
-                f"device type's count and fits in a node of {gpus_per_node}"
-            )
-        assignments = [dict.fromkeys(kinds, t) for t in tps]
-    lazy = tensor_per_stage
-    queue: list = []  # (bound, order pushed, item): items to split, and candidates to simulate
-    pushed = itertools.count()
-    skipped = []
-    chosen: dict[ClusterPlan, str] = {}  # plans whose schedule the search picked: why
-    built: dict = {}  # (spec, ranks, microbatches) -> (schedule or None, error or None, runs)
-    live_of: dict = {}  # the same key -> `_live_units` of the schedule
-    searched: dict = {}  # what the searches of `--schedules search` share (`_searched`)
-    considered = 0
-    # shapes out of memory: those no split fits (their least-memory split is found only if
-    # no plan fits), and the simulated candidates that did not fit (a `MemoryMiss` each)
-    unsplittable: dict = {}
-    too_big: list[MemoryMiss] = []
+        return [dict(zip(kinds, c, strict=True)) for c in itertools.product(*per_kind)]
+    tps = [t for t in degrees if all(fits_node(k, n, t) for k, n in devices)]
+    if not tps:
+        raise ValueError(
+            f"no tensor-parallel degree in {degrees} divides every "
+            f"device type's count and fits in a node of {gpus_per_node}"
+        )
+    return [dict.fromkeys(kinds, t) for t in tps]
 
-    def schedule_of(spec, p, M):
+
+class _ShapeSearch:
+    """One `_plan_once` search: its queue, what it has built and what it skipped.
+
+    The queue holds, each at a bound on its step time (ties in the order pushed), the
+    shapes still to split (``("split", shape, key, where)`` for a built schedule,
+    ``("search", shape)`` for ``--schedules search``) and the candidates split and ready
+    to simulate (``("ready", plan, schedule)``). The eager search (`lazy` False) splits
+    every shape as it is found; the lazy one (``tensor_per_stage``) queues it at a bound
+    that needs no split (`_shape_bound`) and splits it only when it reaches the front.
+    `best_plans` then pops the smallest bound first and stops once the top plans beat
+    every bound left.
+    """
+
+    def __init__(self, profile, usable, memory_layout, memory_margin, receiver_busy, lazy):
+        self.profile, self.usable = profile, usable
+        self.memory_layout, self.memory_margin = memory_layout, memory_margin
+        self.receiver_busy, self.lazy = receiver_busy, lazy
+        self.queue: list = []  # (bound, order pushed, item): to split, and to simulate
+        self.pushed = itertools.count()
+        self.skipped: list[str] = []
+        self.chosen: dict[ClusterPlan, str] = {}  # plans whose schedule the search picked: why
+        self.built: dict = {}  # (spec, ranks, microbatches) -> (schedule or None, error, runs)
+        self.live_of: dict = {}  # the same key -> `_live_units` of the schedule
+        self.searched: dict = {}  # what the searches of `--schedules search` share (`_searched`)
+        self.considered = 0
+        # shapes out of memory: those no split fits (their least-memory split is found only if
+        # no plan fits), and the simulated candidates that did not fit (a `MemoryMiss` each)
+        self.unsplittable: dict = {}
+        self.too_big: list[MemoryMiss] = []
+
+    def _push(self, bound: float, item) -> None:
+        heapq.heappush(self.queue, (bound, next(self.pushed), item))
+
+    def schedule_of(self, spec: str, p: int, M: int):
+        """``(schedule or None, its error or None, whether the layout's lowering runs it)``
+        for `spec` on `p` ranks and `M` microbatches, built once."""
         key = (spec, p, M)
-        if key not in built:
+        if key not in self.built:
             try:
                 schedule = get_schedule(spec, p, M)
             except ValueError as e:
-                built[key] = (None, e, False)
+                self.built[key] = (None, e, False)
             else:
-                built[key] = (schedule, None, runs_schedule(memory_layout, schedule))
-                live_of[key] = _live_units(schedule)
-        return built[key]
+                self.built[key] = (schedule, None, runs_schedule(self.memory_layout, schedule))
+                self.live_of[key] = _live_units(schedule)
+        return self.built[key]
 
-    def split(bound, item):
-        """Splits the layers of a shape (`item`); queues the candidate at its bound."""
-        nonlocal considered
-        if item[0] == "search":
-            _, shape = item
-            try:
-                candidate, schedule, why = _searched(
-                    profile, shape, usable, memory_margin, receiver_busy, searched
-                )
-            except ValueError as e:
-                skipped.append(f"{_describe(shape)}: {e}")
-                return
-            why_not = _evicts_across_degrees(schedule, shape.ranks)
-            if why_not:  # the search was told so; kept as a check
-                skipped.append(f"{_describe(shape)}: {why_not}")
-                return
-            chosen[candidate] = why
-        else:
-            _, shape, key, where = item
-            schedule = built[key][0]
-            try:
-                candidate = _fitting_split(
-                    profile,
-                    shape,
-                    schedule,
-                    usable,
-                    memory_margin,
-                    receiver_busy,
-                    live=live_of[key],
-                )
-            except NoSplitFits as e:
-                skipped.append(f"{where}: {e}")
-                unsplittable.setdefault((shape.ranks, shape.microbatch_size, key), (shape, e))
-                return
-            except ValueError as e:
-                skipped.append(f"{where}: {e}")
-                return
-        considered += 1
-        after = _lower_bound(profile, candidate, schedule.stage_to_rank)
-        if lazy:  # tighter, and worth its cost where most shapes are never simulated
-            after = _busy_bound(profile, candidate, schedule, receiver_busy)
-        heapq.heappush(queue, (max(bound, after), next(pushed), ("ready", candidate, schedule)))
-
-    for ranks, degrees_text, order in _placements(
-        devices, assignments, node_size, profile.num_layers
-    ):
-        p, d = len(ranks), len(ranks[0])
-        if lazy:
-            why_not = _parameters_fit(profile, ranks, usable)
+    def queue_placement(
+        self, ranks, degrees_text, order, microbatch_sizes, schedules, global_batch
+    ) -> None:
+        """Queues every shape of one placement (`_placements`): each microbatch size that
+        divides `global_batch` over the replicas into whole microbatches, with each schedule
+        SPEC. The lazy search first skips a placement that cannot hold the parameters."""
+        d = len(ranks[0])
+        if self.lazy:
+            why_not = _parameters_fit(self.profile, ranks, self.usable)
             if why_not:
-                skipped.append(f"{degrees_text} {order}: {why_not}")
-                continue
+                self.skipped.append(f"{degrees_text} {order}: {why_not}")
+                return
         for mbs in microbatch_sizes:
             if global_batch % (mbs * d):
                 continue
-            M = global_batch // (mbs * d)
             for spec in schedules:
-                shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, memory_layout)
-                owner = None
-                if spec == SEARCH:
-                    item = ("search", shape)
-                else:
-                    schedule, error, runs = schedule_of(spec, p, M)
-                    if error is not None:
-                        skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
-                        continue
-                    if not runs:
-                        skipped.append(
-                            f"{spec}: the SPMD lowering does not run its memory actions "
-                            "(plan with --memory-layout per_rank for lowering='mpmd')"
-                        )
-                        continue
-                    if schedule.num_stages > profile.num_layers:
-                        continue
-                    where = f"{degrees_text} B={mbs} {order}"
-                    why_not = _evicts_across_degrees(schedule, ranks)
-                    if why_not:
-                        skipped.append(f"{spec} on {where}: {why_not}")
-                        continue
-                    item = ("split", shape, (spec, p, M), where)
-                    owner = schedule.stage_to_rank
-                if lazy:
-                    bound = _shape_bound(profile, ranks, mbs, M, owner, receiver_busy)
-                    heapq.heappush(queue, (bound, next(pushed), item))
-                else:
-                    split(-math.inf, item)
-    found: list[Evaluation] = []
-    simulated = 0
-    while queue:
-        bound, _, item = heapq.heappop(queue)
-        if len(found) >= top and bound >= found[top - 1].step_seconds:
-            break  # no candidate left can beat the top plans
-        if item[0] != "ready":
-            split(bound, item)
-            continue
-        _, candidate, schedule = item
-        ev = evaluate(candidate, profile, schedule, receiver_busy=receiver_busy)
-        simulated += 1
-        if not ev.memory.fits(memory_layout, memory_margin):
-            skipped.append(
-                f"{_describe(candidate)}: out of memory, "
-                + ev.memory.why(memory_layout, memory_margin)
+                shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, self.memory_layout)
+                self._queue_shape(shape, f"{degrees_text} B={mbs} {order}")
+
+    def _queue_shape(self, shape: ClusterPlan, where: str) -> None:
+        """Queues one shape to split (lazily, at `_shape_bound`) or splits it now; or notes
+        why its schedule cannot run on it."""
+        spec, p, M = shape.schedule, shape.pipe, shape.num_microbatches
+        owner = None
+        if spec == SEARCH:
+            item = ("search", shape)
+        else:
+            schedule, error, runs = self.schedule_of(spec, p, M)
+            if error is not None:
+                self.skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
+                return
+            if not runs:
+                self.skipped.append(
+                    f"{spec}: the SPMD lowering does not run its memory actions "
+                    "(plan with --memory-layout per_rank for lowering='mpmd')"
+                )
+                return
+            if schedule.num_stages > self.profile.num_layers:
+                return
+            why_not = _evicts_across_degrees(schedule, shape.ranks)
+            if why_not:
+                self.skipped.append(f"{spec} on {where}: {why_not}")
+                return
+            item = ("split", shape, (spec, p, M), where)
+            owner = schedule.stage_to_rank
+        if self.lazy:
+            bound = _shape_bound(
+                self.profile, shape.ranks, shape.microbatch_size, M, owner, self.receiver_busy
             )
-            too_big.append(_miss(candidate, ev.memory, memory_margin))
-            continue
-        found.append(ev)
-        found.sort(key=lambda e: e.step_seconds)
-        del found[top:]
-    if not found:
-        for shape, e in unsplittable.values():
-            schedule = built[(shape.schedule, shape.pipe, shape.num_microbatches)][0]
-            least = _least_memory_split(profile, shape, schedule)
-            memory = memory_footprint(least, profile, schedule)
-            too_big.append(_miss(least, memory, memory_margin, str(e).split(";")[0]))
-        closest = min(too_big, key=lambda m: m.ratio, default=None)
+            self._push(bound, item)
+        else:
+            self.split(-math.inf, item)
+
+    def split(self, bound: float, item) -> None:
+        """Splits the layers of a shape (`item`); queues the candidate at its bound."""
+        if item[0] == "search":
+            got = self._split_by_search(item[1])
+        else:
+            got = self._split_for_schedule(*item[1:])
+        if got is None:
+            return
+        candidate, schedule = got
+        self.considered += 1
+        after = _lower_bound(self.profile, candidate, schedule.stage_to_rank)
+        if self.lazy:  # tighter, and worth its cost where most shapes are never simulated
+            after = _busy_bound(self.profile, candidate, schedule, self.receiver_busy)
+        self._push(max(bound, after), ("ready", candidate, schedule))
+
+    def _split_by_search(self, shape: ClusterPlan):
+        """``(plan, schedule)`` as `jpipe.search_schedule` picks them for `shape`
+        (`_searched`), noting why it picked them; or None, noting why there is none."""
+        try:
+            candidate, schedule, why = _searched(
+                self.profile, shape, self.usable, self.memory_margin, self.receiver_busy,
+                self.searched,
+            )  # fmt: skip
+        except ValueError as e:
+            self.skipped.append(f"{_describe(shape)}: {e}")
+            return None
+        why_not = _evicts_across_degrees(schedule, shape.ranks)
+        if why_not:  # the search was told so; kept as a check
+            self.skipped.append(f"{_describe(shape)}: {why_not}")
+            return None
+        self.chosen[candidate] = why
+        return candidate, schedule
+
+    def _split_for_schedule(self, shape: ClusterPlan, key, where: str):
+        """``(plan, schedule)``: `shape` split to fit under its schedule, built under `key`
+        (`_fitting_split`); or None, noting why (and keeping aside a shape no split fits)."""
+        schedule = self.built[key][0]
+        try:
+            candidate = _fitting_split(
+                self.profile, shape, schedule, self.usable, self.memory_margin,
+                self.receiver_busy, live=self.live_of[key],
+            )  # fmt: skip
+        except NoSplitFits as e:
+            self.skipped.append(f"{where}: {e}")
+            self.unsplittable.setdefault((shape.ranks, shape.microbatch_size, key), (shape, e))
+            return None
+        except ValueError as e:
+            self.skipped.append(f"{where}: {e}")
+            return None
+        return candidate, schedule
+
+    def best_plans(self, top: int) -> tuple[list[Evaluation], int]:
+        """Pops the queue (splitting shapes, simulating candidates) until no bound left can
+        enter the `top` plans that fit: those plans, fastest first, and how many candidates
+        were simulated."""
+        found: list[Evaluation] = []
+        simulated = 0
+        while self.queue:
+            bound, _, item = heapq.heappop(self.queue)
+            if len(found) >= top and bound >= found[top - 1].step_seconds:
+                break  # no candidate left can beat the top plans
+            if item[0] != "ready":
+                self.split(bound, item)
+                continue
+            _, candidate, schedule = item
+            ev = evaluate(candidate, self.profile, schedule, receiver_busy=self.receiver_busy)
+            simulated += 1
+            if not ev.memory.fits(self.memory_layout, self.memory_margin):
+                self.skipped.append(
+                    f"{_describe(candidate)}: out of memory, "
+                    + ev.memory.why(self.memory_layout, self.memory_margin)
+                )
+                self.too_big.append(_miss(candidate, ev.memory, self.memory_margin))
+                continue
+            found.append(ev)
+            found.sort(key=lambda e: e.step_seconds)
+            del found[top:]
+        return found, simulated
+
+    def unsplit(self) -> int:
+        """How many shapes the queue still held unsplit when the search stopped."""
+        return sum(item[0] != "ready" for _, _, item in self.queue)
+
+    def no_plan_fits(self) -> NoPlanFits:
+        """The error where no plan fits: every reason a shape was skipped, and the shape out
+        of memory that came closest (of those no split fits, their least-memory split)."""
+        for shape, e in self.unsplittable.values():
+            schedule = self.built[(shape.schedule, shape.pipe, shape.num_microbatches)][0]
+            least = _least_memory_split(self.profile, shape, schedule)
+            memory = memory_footprint(least, self.profile, schedule)
+            self.too_big.append(_miss(least, memory, self.memory_margin, str(e).split(";")[0]))
+        closest = min(self.too_big, key=lambda m: m.ratio, default=None)
         if closest is not None:
             closest = dataclasses.replace(
-                closest, shapes=len(too_big), choice=profile.memory_choice
+                closest, shapes=len(self.too_big), choice=self.profile.memory_choice
             )
-        raise NoPlanFits("no plan fits: " + _summarise(skipped), closest)
-    best = tuple(
-        Candidate(
-            ev,
-            _reasons(profile, ev, found, receiver_busy, memory_margin)
-            + ((chosen[ev.plan],) if ev.plan in chosen else ()),
-        )
-        for ev in found
-    )
-    unsplit = sum(item[0] != "ready" for _, _, item in queue)
-    return SearchResult(
-        best,
-        considered,
-        simulated,
-        tuple(skipped),
-        time.perf_counter() - start,
-        memory_margin,
-        unsplit,
-    )
+        return NoPlanFits("no plan fits: " + _summarise(self.skipped), closest)
 
 
 def _miss(plan_: ClusterPlan, memory: MemoryFootprint, margin: float, note: str = ""):
@@ -2175,11 +2266,10 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             _size(d[name], where, name, optional=True)
     _check_model_options(d.get("model_options"), where)
     layout = d.get("memory_layout", "spmd")
-    lowerings = {"spmd": "spmd", "per_rank": "mpmd"}  # the lowering that holds that memory
-    if not isinstance(layout, str) or layout not in lowerings:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"{where}: memory_layout {layout!r} is not one the trainer runs; accepted: "
-            f"{', '.join(lowerings)}"
+            f"{', '.join(LAYOUTS)}"
         )
     tensor_per_rank = _tensor_per_rank(mesh, pipe, tensor, layout, where)
     devices = sum(tensor_per_rank or (tensor,) * pipe) * data
@@ -2217,7 +2307,16 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
         )
     _check_devices(d, pipe, data, stages, where)
     return TrainerSettings(
-        pipe, data, tensor, blocks, schedule, chunks, M, batch, lowerings[layout], tensor_per_rank
+        pipe,
+        data,
+        tensor,
+        blocks,
+        schedule,
+        chunks,
+        M,
+        batch,
+        layout_kind(layout).name,
+        tensor_per_rank,
     )
 
 
@@ -2246,7 +2345,7 @@ def _tensor_per_rank(mesh: dict, pipe: int, tensor: int, layout: str, where: str
         )
     if len(set(degrees)) == 1:
         return None
-    if layout != "per_rank":
+    if not layout_kind(layout).meshes_per_rank:
         raise ValueError(
             f"{where}: mesh.tensor_per_rank {list(degrees)} gives the pipeline ranks different "
             "tensor degrees, which only the per-rank lowering runs (lowering='mpmd', one mesh "

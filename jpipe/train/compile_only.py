@@ -79,6 +79,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpipe
+from jpipe._lowering import lowering_kind
 from jpipe.train.config import TrainConfig, device_memory_bytes
 from jpipe.train.prepare import Built, batch_shapes, build, check_row_keys, prepare
 from jpipe.train.profile import compiled_bytes
@@ -181,7 +182,7 @@ def compile_only(
     )
     what = (
         "the train step (one program)"
-        if c.lowering == "spmd"
+        if lowering_kind(c.lowering).one_program
         else "every piece of the per-rank lowering and the optimizer update"
     )
     log(f"compile-only: compiling {what} ... (a large model takes minutes)")
@@ -211,7 +212,7 @@ def compile_only(
         predicted = _predicted(pipeline, built, keyed, log)
         predicted_by = (
             f"jpipe._schedule_search.device_bytes (layout "
-            f"{'spmd' if c.lowering == 'spmd' else 'per_rank'}) on figures from this step's "
+            f"{lowering_kind(c.lowering).layout}) on figures from this step's "
             "pieces"
         )
     except _NotAsked as e:
@@ -254,8 +255,10 @@ def run(
     if report.fits:
         return 0
     worst = report.fullest
-    where = f"device {worst.device}" if report.lowering == "spmd" else f"rank {worst.rank}"
-    where += f" (rank {worst.rank})" if report.lowering == "spmd" else f" ({worst.device})"
+    if lowering_kind(report.lowering).one_program:  # a row per device
+        where = f"device {worst.device} (rank {worst.rank})"
+    else:  # a row per rank
+        where = f"rank {worst.rank} ({worst.device})"
     log(
         f"error: {where} needs {worst.total_bytes:,} bytes ({_gb(worst.total_bytes)}), over the "
         f"{report.device_memory} device memory of {report.device_memory_bytes:,.0f} bytes "
@@ -267,12 +270,13 @@ def run(
 def table(report: Report) -> str:
     """The report as a table, one row per device (SPMD) or per rank (per-rank lowering)."""
     unit = _unit(report.peak_bytes)
-    first = "device" if report.lowering == "spmd" else "devices"
+    per_device = lowering_kind(report.lowering).one_program  # else a row per rank
+    first = "device" if per_device else "devices"
     width = max(len(first), *(len(r.device) for r in report.devices))
     cols = ("arguments", "temp", "total", "predicted")
     lines = [
         f"compile-only: lowering {report.lowering}, mesh {report.mesh}, "
-        f"{len(report.devices)} {'devices' if report.lowering == 'spmd' else 'ranks'} "
+        f"{len(report.devices)} {'devices' if per_device else 'ranks'} "
         f"({report.platform}); bytes in {unit[0]}; device memory {report.device_memory} "
         f"= {_in(report.device_memory_bytes, _unit(report.device_memory_bytes))}",
         f"{first:<{width}}  rank " + " ".join(f"{c:>10}" for c in cols) + "  fits",
@@ -451,7 +455,7 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
     share = max(opt_held.values(), default=0) / max(max(param_held.values(), default=1), 1)
     out = [_nbytes(jax.tree.leaves(k.y)) for k in kernels]
     ins = [_nbytes(jax.tree.leaves(k.x)) if k.has_x else 0 for k in kernels]
-    if pipeline.lowering == "mpmd":
+    if not pipeline.lowering_kind.one_program:  # each piece a program: measure each
         working = _compiled_working(pipeline.rank_programs(keyed), out, ins)
     else:
         log("compile-only: jpipe's byte model: compiling each stage's pieces alone ...")
@@ -468,7 +472,7 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
         num_stages=S,
     )
     sim = jpipe.simulate(schedule)
-    layout_name = "spmd" if pipeline.lowering == "spmd" else "per_rank"
+    layout_name = pipeline.lowering_kind.layout
     predicted = device_bytes(sim, figures, layout_name)
     parts = predicted.parts(predicted.fullest)
     log(

@@ -24,6 +24,7 @@ import ml_collections
 
 import jpipe
 from jpipe._distributed import num_processes
+from jpipe._lowering import lowering_kind
 from jpipe.models import gpt
 from jpipe.train import data as data_lib
 
@@ -447,14 +448,14 @@ class TrainConfig:
             str,
             "'' or a run directory or .npz file of parameters (jpipe.train.save_params)",
         )
-        if self.profile and self.lowering != "spmd":
+        if self.profile and not lowering_kind(self.lowering).one_program:
             raise config_error(
                 "profile",
                 self.profile,
                 "measures the SPMD step's memory and stage times; the per-rank lowering's "
                 "profile is not built yet; accepted: profile=False with lowering='mpmd'",
             )
-        if self.mesh.rank_tensors is not None and self.lowering != "mpmd":
+        if self.mesh.rank_tensors is not None and not lowering_kind(self.lowering).meshes_per_rank:
             raise config_error(
                 "mesh.tensor_per_rank",
                 self.mesh.tensor_per_rank,

@@ -175,7 +175,7 @@ def compile_train_step(
     per-row keys from it (`with_row_keys`); `shard_over_data` splits the
     optimizer state over ``data`` (`state_shardings`).
     """
-    if pipeline.lowering == "mpmd":
+    if not pipeline.lowering_kind.one_program:  # the pieces run from the host
         return PerRankTrainStep(
             pipeline, optimizer, lr, state, batch, row_keys_seed, shard_over_data
         )

@@ -1,0 +1,186 @@
+"""The seam between `jpipe.Pipeline` and a lowering, and what each lowering is.
+
+A *lowering* turns a validated schedule, the stages' traced pieces
+(`jpipe.StageKernels`) and the packed parameters into the computation of a
+training step. jpipe has two:
+
+- ``"spmd"`` (`jpipe._spmd`): the whole step is one program that every
+  device runs in lock step, choosing its piece each tick through
+  conditionals (`jpipe._lower.build_step`). It can sit inside a user's own
+  `jax.jit` and be differentiated through; every device allocates the
+  busiest rank's buffers, since one program has one buffer of each kind.
+- ``"mpmd"``, the per-rank lowering (`jpipe._mpmd`): each piece is a small
+  program of its own on its rank's devices, issued from the host in the
+  schedule's order; each rank holds only its own values, and ranks may have
+  meshes of their own shapes (mixed devices).
+
+`Pipeline` does what both share once (validates the schedule, places the
+parameters, checks batches, traces the pieces, enforces the stage contract
+through the kernels) and hands the step to its `Lowering`. Code that must
+know what a lowering can do or how it holds memory asks its `LoweringKind`,
+a plain frozen record, and never compares names: the trainer asks whether
+the step is one program, the memory models (the search's, the planner's,
+the compile-only report's) ask `LoweringKind.device_bytes` what each
+device holds given what each rank needs. A third lowering is one more
+`LoweringKind` in `KINDS` and one more `Lowering` subclass; `Pipeline`, the
+trainer and the search do not change.
+
+This module imports no JAX, so the pure-Python layers (the search and the
+planner) read it freely.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringKind:
+    """What a lowering is, as the rest of jpipe needs to know it.
+
+    Attributes:
+      name: the name `jpipe.Pipeline`'s ``lowering`` takes.
+      title: how figures and messages name it.
+      layout: the name of its memory layout in the schedule search and the
+        cluster planner (``--layout``, ``--memory-layout``, plan files).
+      one_program: the whole step is one traceable program: `Pipeline.step_fn`,
+        `Pipeline.lower` and `Pipeline.program` exist, the step may sit inside
+        a user's own `jax.jit` and be profiled as one program.
+      meshes_per_rank: ranks may have meshes of their own shapes
+        (`jpipe.make_rank_meshes`).
+      every_device_holds_busiest: every device allocates what the busiest rank
+        needs (one program, one buffer of each kind), rather than its own
+        rank's need. The one rule of each lowering's memory, read by
+        `device_bytes` and by the search's and planner's byte models.
+      runs_all_memory_actions: runs every kind of memory action (offload,
+        reload, ...) a valid schedule holds; otherwise the search asks the
+        lowering's own pass which kinds it lays out
+        (`jpipe._schedule_search.lowering_runs`).
+      runtime: ``"module:Class"`` of its `Lowering`, imported when a
+        `Pipeline` is built (so this module needs no JAX).
+    """
+
+    name: str
+    title: str
+    layout: str
+    one_program: bool
+    meshes_per_rank: bool
+    every_device_holds_busiest: bool
+    runs_all_memory_actions: bool
+    runtime: str
+
+    def device_bytes(self, rank_bytes: Sequence[float]) -> list[float]:
+        """What each rank's devices allocate, given what each rank needs for itself."""
+        if self.every_device_holds_busiest and rank_bytes:
+            return [max(rank_bytes)] * len(rank_bytes)
+        return list(rank_bytes)
+
+    def runtime_class(self) -> type[Lowering]:
+        """The `Lowering` subclass that runs this kind."""
+        module, cls = self.runtime.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+SPMD = LoweringKind(
+    name="spmd",
+    title="SPMD",
+    layout="spmd",
+    one_program=True,
+    meshes_per_rank=False,
+    every_device_holds_busiest=True,
+    runs_all_memory_actions=False,
+    runtime="jpipe._spmd:SpmdLowering",
+)
+MPMD = LoweringKind(
+    name="mpmd",
+    title="per-rank",
+    layout="per_rank",
+    one_program=False,
+    meshes_per_rank=True,
+    every_device_holds_busiest=False,
+    runs_all_memory_actions=True,
+    runtime="jpipe._mpmd:MpmdLowering",
+)
+KINDS: dict[str, LoweringKind] = {k.name: k for k in (SPMD, MPMD)}
+"""Every lowering, by the name `Pipeline` takes."""
+
+ALIASES = {k.layout: k.name for k in KINDS.values()}
+"""Other spellings accepted: the names of the lowerings' memory layouts."""
+
+
+def lowering_kind(name: str | LoweringKind) -> LoweringKind:
+    """The `LoweringKind` of a name (``"spmd"``, ``"mpmd"``, or ``"per_rank"`` for the latter)."""
+    if isinstance(name, LoweringKind):
+        return name
+    kind = KINDS.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+    if kind is None:
+        raise ValueError(f"lowering must be one of {', '.join(map(repr, KINDS))}; got {name!r}")
+    return kind
+
+
+class Lowering(abc.ABC):
+    """One `Pipeline`'s step under one lowering: what `Pipeline` delegates.
+
+    Built by `Pipeline` once, with the pipeline itself (its stages,
+    schedule, meshes, parameter layout and traced pieces, `Pipeline._kernels`).
+    Each method is the `Pipeline` method of the same name; those that need
+    the whole step as one program refuse by default, with a message that
+    names the way out.
+    """
+
+    kind: LoweringKind
+
+    def __init__(self, pipeline: Any):
+        self.pipeline = pipeline
+
+    @abc.abstractmethod
+    def value_and_grad(self, packed, batch):
+        """``(loss, packed_grads)`` of one step."""
+
+    @abc.abstractmethod
+    def loss(self, packed, batch):
+        """The mean loss, forwards only."""
+
+    @abc.abstractmethod
+    def compile(self, packed, batch):
+        """Compiles the step for these shapes; returns what was compiled."""
+
+    @abc.abstractmethod
+    def stage_kernels(self, batch) -> list:
+        """The traced pieces the step runs, per stage."""
+
+    @abc.abstractmethod
+    def compiled_memory(self, compiled) -> tuple[int, int]:
+        """``(temp, arguments)`` bytes of the fullest device, from `compile`'s result."""
+
+    @property
+    @abc.abstractmethod
+    def plan(self):
+        """The lock-step tick plan of the schedule's compute (`jpipe.Plan`), for figures."""
+
+    def step_fn(self, batch):
+        self.refuse_not_one_program("Pipeline.step_fn")
+
+    def program(self, batch):
+        self.refuse_not_one_program("Pipeline.program (the SPMD program's tick table)")
+
+    def lower(self, packed, batch):
+        self.refuse_not_one_program("Pipeline.lower (one lowered program of the whole step)")
+
+    def rank_programs(self, batch):
+        raise ValueError(
+            f"rank_programs is the per-rank lowering's; this Pipeline is {self.kind.name!r}"
+        )
+
+    def refuse_not_one_program(self, what: str):
+        raise ValueError(
+            f"{what} needs the whole step as one traceable program, which only the SPMD "
+            f"lowering makes; this Pipeline uses the {self.kind.title} lowering "
+            f"(lowering={self.kind.name!r}), which runs one program per piece from the host. "
+            "Call pipeline.value_and_grad(params, batch) (and apply the optimizer in a jit of "
+            "its own), or build the Pipeline with lowering='spmd'"
+        )
