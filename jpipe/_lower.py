@@ -592,7 +592,7 @@ def build_step(
     """Lowers a plan to a `Program`: ``run(packed_params, batch_mb) -> (loss, packed_grads)``.
 
     `batch_mb` is the batch cut into microbatches, ``[rows, M, ...]`` per leaf
-    (`jpipe._pipeline.split_microbatches`).
+    (`jpipe._microbatch.split_microbatches`).
 
     Args:
       stage_fns: the user's stage functions.
@@ -615,59 +615,140 @@ def build_step(
       control: the shape of each tick's conditionals, one of `CONTROLS`
         (default ``"auto"``: what this XLA keeps in place).
     """
-    S = plan.schedule.num_stages
-    M = plan.schedule.num_microbatches
-    R = plan.num_ranks
-
-    axis_sizes = dict(mesh.shape)
-    if kernels is None:
-        batch = tuple(a for a in (data_axis, layout.fsdp_axis) if a is not None)
-        kernels = trace_kernels(stage_fns, layout, microbatch_inputs, mesh, pipe_axis, batch)
-    check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
-    last = kernels[-1]
-    weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
-    loss_leaves = jax.tree.leaves(last.y)
-    loss_dtype = jnp.result_type(*(leaf.dtype for leaf in loss_leaves))
-    # The loss accumulator: the sum of the microbatch losses, or of the
-    # weighted losses' totals and weights.
-    loss_zero = jnp.zeros((2,) if weighted else (), loss_dtype)
-
-    with axis_env(axis_sizes):
-        classes = stage_classes(kernels, layout)
-    members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
-    io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
-    num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
-    control = _resolve_control(control, mesh)
-    # (A forward-only plan has no lifetimes: its buffers are empty.)
-    # A buffer for the residuals and one for the I-to-W carries, each of
-    # every dtype; every value written in place inside its own branch. The
-    # pieces pass both on as one pair, ``buf = (residuals, carries)``.
-    res = _Arena(plan, {"res": [k.res_layout for k in kernels]})
-    carry = _Arena(plan, {"carry": [k.carry_layout for k in kernels]})
-    # Memory actions: the classes with an FC (a branch that keeps nothing),
-    # the lanes evictions and loads ride, the host buffer offloads go to.
-    fc_classes = tuple(sorted({classes[s] for _, _, (k, s, _) in plan.pieces() if k == "FC"}))
-    lanes = move_lanes(plan, classes, res.value_rows["res"])
-    host = _Arena(plan, {"host": [k.res_layout for k in kernels]})
-    host_classes = tuple(
-        sorted({classes[m.stage] for m in plan.moves if m.kind in ("OFFLOAD", "RELOAD")})
+    step = _StepBuilder(
+        stage_fns,
+        plan,
+        layout,
+        mesh,
+        microbatch_inputs,
+        pipe_axis,
+        data_axis,
+        forward_only,
+        kernels,
+        idle,
+        control,
     )
-    buckets = layout.buckets
-    table, col = program_table(
-        plan, classes, {"res": res, "carry": carry, "host": host}, idle, fc_classes, lanes
+    program = step.program()
+    table = step.narrow_table()
+
+    def run(packed, batch_mb):
+        return program(packed, batch_mb, jnp.asarray(table))
+
+    arena_rows = {"res": step.res.rows, "carry": step.carry.rows, "host": step.host.rows}
+    return Program(
+        run, tuple(step.kernels), step.classes, table, arena_rows, step.control, step.lanes[0]
     )
 
-    def zero_send():
-        return {dt: jnp.zeros((n,), dt) for dt, n in io_widths.items()}
 
-    def read_io(io, slot):
-        slot = jnp.minimum(slot, num_io - 1)
+class _StepBuilder:
+    """What `build_step` computes up front, and the parts of the program it traces.
+
+    Built once per step: the kernels and their classes (`stage_classes`), the
+    io widths, the value buffers (`_Arena`), the memory actions' lanes and
+    host classes, the program's table and its columns. Its methods are the
+    pieces of `per_rank`, the body of the `jax.shard_map`: the io reads and
+    writes, each class's F, I and W branches, a tick's conditionals
+    (`CONTROLS`), the memory actions' copies, the hand-overs between ranks,
+    the tick itself, and the loss and gradients after the scan.
+    """
+
+    def __init__(
+        self,
+        stage_fns,
+        plan: Plan,
+        layout: ParamLayout,
+        mesh,
+        microbatch_inputs,
+        pipe_axis: str,
+        data_axis: str | None,
+        forward_only: bool,
+        kernels: list[StageKernels] | None,
+        idle: bool,
+        control: str,
+    ):
+        """Traces the kernels (unless given), groups them, and places the values (`build_step`)."""
+        self.plan, self.layout, self.mesh = plan, layout, mesh
+        self.pipe_axis, self.data_axis, self.forward_only = pipe_axis, data_axis, forward_only
+        self.S = S = plan.schedule.num_stages
+        self.M = plan.schedule.num_microbatches
+        self.R = plan.num_ranks
+
+        axis_sizes = dict(mesh.shape)
+        if kernels is None:
+            batch = tuple(a for a in (data_axis, layout.fsdp_axis) if a is not None)
+            kernels = trace_kernels(stage_fns, layout, microbatch_inputs, mesh, pipe_axis, batch)
+        check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
+        self.kernels = kernels
+        last = kernels[-1]
+        self.weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
+        self.loss_leaves = jax.tree.leaves(last.y)
+        self.loss_dtype = jnp.result_type(*(leaf.dtype for leaf in self.loss_leaves))
+        # The loss accumulator: the sum of the microbatch losses, or of the
+        # weighted losses' totals and weights.
+        self.loss_zero = jnp.zeros((2,) if self.weighted else (), self.loss_dtype)
+
+        with axis_env(axis_sizes):
+            self.classes = classes = stage_classes(kernels, layout)
+        self.members = [[s for s in range(S) if classes[s] == c] for c in range(max(classes) + 1)]
+        self.io_widths = merge_widths(*(k.y_layout for k in kernels[:-1]))
+        self.num_io = max(plan.num_io, 1)  # slots; a table entry of plan.num_io means "none"
+        self.control = _resolve_control(control, mesh)
+        # (A forward-only plan has no lifetimes: its buffers are empty.)
+        # A buffer for the residuals and one for the I-to-W carries, each of
+        # every dtype; every value written in place inside its own branch. The
+        # pieces pass both on as one pair, ``buf = (residuals, carries)``.
+        self.res = _Arena(plan, {"res": [k.res_layout for k in kernels]})
+        self.carry = _Arena(plan, {"carry": [k.carry_layout for k in kernels]})
+        # Memory actions: the classes with an FC (a branch that keeps nothing),
+        # the lanes evictions and loads ride, the host buffer offloads go to.
+        self.fc_classes = tuple(
+            sorted({classes[s] for _, _, (k, s, _) in plan.pieces() if k == "FC"})
+        )
+        self.lanes = move_lanes(plan, classes, self.res.value_rows["res"])
+        self.host = _Arena(plan, {"host": [k.res_layout for k in kernels]})
+        self.host_classes = tuple(
+            sorted({classes[m.stage] for m in plan.moves if m.kind in ("OFFLOAD", "RELOAD")})
+        )
+        self.buckets = layout.buckets
+        arenas = {"res": self.res, "carry": self.carry, "host": self.host}
+        self.table, self.col = program_table(
+            plan, classes, arenas, idle, self.fc_classes, self.lanes
+        )
+        self.fsdp = layout.fsdp_axis
+        self.local_zeros = {b: (layout.local_shape(b), dt) for b, (_, dt) in self.buckets.items()}
+
+        # Branch c of each switch runs the pieces of class c (any member stands
+        # for all: they trace to the same program and read the same buckets).
+        self.classes_range = range(len(self.members))
+        self.own = [set(layout.stage_buckets(self.members[c][0])) for c in self.classes_range]
+        self.several_stages_per_rank = len(set(plan.stage_to_rank)) < S
+        keeps = [(c, True) for c in self.classes_range] + [(c, False) for c in self.fc_classes]
+        self.f_branches = [functools.partial(self.forward, c, keep) for c, keep in keeps]
+        self.i_branches = [functools.partial(self.input_grad, c) for c in self.classes_range]
+        self.w_branches = [functools.partial(self.weight_grad, c) for c in self.classes_range]
+        self.channels = plan.channels
+        self.num_writes = 2 + len(self.channels)  # F's and I's local hand-overs, then arrivals
+
+        self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
+        self.loss_axes = (pipe_axis,) + self.batch_axes
+        self.fsdp_size = mesh.shape[self.fsdp] if self.fsdp is not None else 1
+        self.param_specs = {b: layout.spec(b, pipe_axis) for b in self.buckets}
+
+    # -- io, batch and parameters -------------------------------------------
+
+    def zero_send(self):
+        """An io value of zeros, as wide as the io buffer's slots."""
+        return {dt: jnp.zeros((n,), dt) for dt, n in self.io_widths.items()}
+
+    def read_io(self, io, slot):
+        """The value in io `slot` (clamped to the buffer)."""
+        slot = jnp.minimum(slot, self.num_io - 1)
         return {dt: lax.dynamic_index_in_dim(buf, slot, 0, False) for dt, buf in io.items()}
 
-    def write_io(io, slot, values):
+    def write_io(self, io, slot, values):
         """Writes `values` to io `slot`; slot ``plan.num_io`` means none (a select, no branch)."""
-        used = slot < plan.num_io
-        slot = jnp.minimum(slot, num_io - 1)
+        used = slot < self.plan.num_io
+        slot = jnp.minimum(slot, self.num_io - 1)
         out = {}
         for dt, buf in io.items():
             old = lax.dynamic_index_in_dim(buf, slot, 0, False)
@@ -675,302 +756,307 @@ def build_step(
             out[dt] = lax.dynamic_update_index_in_dim(buf, new, slot, 0)
         return out
 
-    def inputs_of(batch_mb, mb):
+    def inputs_of(self, batch_mb, mb):
+        """Microbatch `mb`'s inputs, from the batch cut into microbatches."""
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, mb, 1, False), batch_mb)
 
-    fsdp = layout.fsdp_axis
-
-    def gathered(flat, s):
+    def gathered(self, flat, s):
         """Stage `s`'s rows of the buckets, gathered over ``fsdp`` where it splits them."""
-        out = {}
+        layout, out = self.layout, {}
         for b in layout.stage_buckets(s):
             d = layout.fsdp_dim(b)
-            out[b] = flat[b] if d is None else lax.all_gather(flat[b], fsdp, axis=d, tiled=True)
+            out[b] = (
+                flat[b] if d is None else lax.all_gather(flat[b], self.fsdp, axis=d, tiled=True)
+            )
         return out
 
-    def scattered(b, g):
+    def scattered(self, b, g):
         """A weight gradient of bucket `b`, summed over ``fsdp`` and cut to this device's block."""
-        g = g.reshape(layout.gathered_shape(b))
-        d = layout.fsdp_dim(b)
-        return g if d is None else lax.psum_scatter(g, fsdp, scatter_dimension=d, tiled=True)
+        g = g.reshape(self.layout.gathered_shape(b))
+        d = self.layout.fsdp_dim(b)
+        return g if d is None else lax.psum_scatter(g, self.fsdp, scatter_dimension=d, tiled=True)
 
-    local_zeros = {b: (layout.local_shape(b), dt) for b, (_, dt) in buckets.items()}
-    # Branch c of each switch runs the pieces of class c (any member stands
-    # for all: they trace to the same program and read the same buckets).
+    # -- the branches: one class's F, I and W --------------------------------
 
-    def make_f(c, keep=True):
-        """Class `c`'s F; without `keep`, its FC: the forward keeping nothing.
+    def forward(self, c, keep, flat, batch_mb, io, buf, row):
+        """Class `c`'s F, writing its residuals in place: ``(buf, send, loss_piece)``.
 
-        A recompute runs the F's branch: the table points its input at the
-        FC's kept io slot, sends its output nowhere and drops its loss.
+        Without `keep`, its FC: the forward keeping nothing. A recompute runs
+        the F's branch: the table points its input at the FC's kept io slot,
+        sends its output nowhere and drops its loss.
         """
-        s = members[c][0]
-        k = kernels[s]
+        s = self.members[c][0]
+        k, col, kernels = self.kernels[s], self.col, self.kernels
+        x = None
+        if s > 0:
+            prev = kernels[s - 1]
+            x = jax.tree.unflatten(
+                prev.y_tree, prev.y_layout.unpack(self.read_io(io, row[col["f_in"]]))
+            )
+        inputs = self.inputs_of(batch_mb, row[col["f_microbatch"]])
+        y, residuals = k.forward(self.layout.stage_params(s, self.gathered(flat, s)), x, inputs)
+        if keep:
+            res_buf = self.res.write_value(buf[0], "res", s, residuals, row[col["f_res_row"]])
+            buf = (res_buf, buf[1])
+        if s == self.S - 1:
+            loss_dtype = self.loss_dtype
+            loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if self.weighted else y[0]
+            return buf, self.zero_send(), loss_piece.astype(loss_dtype)
+        return buf, k.y_layout.pack(y, self.io_widths), self.loss_zero
 
-        def run(flat, batch_mb, io, buf, row):
-            """Runs the F and writes its residuals in place: ``(buf, send, loss_piece)``."""
-            x = None
-            if s > 0:
-                prev = kernels[s - 1]
-                x = jax.tree.unflatten(
-                    prev.y_tree, prev.y_layout.unpack(read_io(io, row[col["f_in"]]))
-                )
-            inputs = inputs_of(batch_mb, row[col["f_microbatch"]])
-            y, residuals = k.forward(layout.stage_params(s, gathered(flat, s)), x, inputs)
-            if keep:
-                res_buf = res.write_value(buf[0], "res", s, residuals, row[col["f_res_row"]])
-                buf = (res_buf, buf[1])
-            if s == S - 1:
-                loss_piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return buf, zero_send(), loss_piece.astype(loss_dtype)
-            return buf, k.y_layout.pack(y, io_widths), loss_zero
+    def input_grad(self, c, flat, batch_mb, io, buf, row):
+        """Class `c`'s I, writing its carry in place: ``(buf, send)``."""
+        s, S = self.members[c][0], self.S
+        k, col, kernels = self.kernels[s], self.col, self.kernels
+        residuals = self.res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
+        if s == S - 1 and self.weighted:
+            # d(total) = 1 and d(weight) = 0: the step divides by the summed
+            # weights once, at the end (the weight must not depend on the
+            # parameters).
+            g = [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(self.loss_leaves)]
+        elif s == S - 1:
+            g = loss_seed(self.M, self.loss_dtype)
+        else:
+            g = k.y_layout.unpack(self.read_io(io, row[col["i_in"]]))
+        inputs = self.inputs_of(batch_mb, row[col["i_microbatch"]])
+        params = self.layout.stage_params(s, self.gathered(flat, s))
+        dx, kept = k.input_grad(params, inputs, residuals, g)
+        send = kernels[s - 1].y_layout.pack(dx, self.io_widths) if s > 0 else self.zero_send()
+        at = row[col["i_carry_row"]]
+        return (buf[0], self.carry.write_value(buf[1], "carry", s, kept, at)), send
 
-        return run
+    def weight_grad(self, c, flat, batch_mb, buf, row):
+        """Class `c`'s W: its weight gradients, every local bucket (zeros where not its own)."""
+        s = self.members[c][0]
+        k, col = self.kernels[s], self.col
+        names = self.layout.stage_buckets(s)
+        residuals = self.res.load(buf[0], "res", s, k.res_layout, row[col["w_res_row"]])
+        kept = self.carry.load(buf[1], "carry", s, k.carry_layout, row[col["w_carry_row"]])
+        inputs = self.inputs_of(batch_mb, row[col["w_microbatch"]])
+        params = self.layout.stage_params(s, self.gathered(flat, s))
+        dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
+        return {
+            b: self.scattered(b, dp[b]) if b in dp else jnp.zeros(sh, dt)
+            for b, (sh, dt) in self.local_zeros.items()
+        }
 
-    def make_i(c):
-        s = members[c][0]
-        k = kernels[s]
+    # -- a tick's conditionals ------------------------------------------------
 
-        def run(flat, batch_mb, io, buf, row):
-            """Runs the I and writes its carry in place: ``(buf, send)``."""
-            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
-            if s == S - 1 and weighted:
-                # d(total) = 1 and d(weight) = 0: the step divides by the summed
-                # weights once, at the end (the weight must not depend on the
-                # parameters).
-                g = [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(loss_leaves)]
-            elif s == S - 1:
-                g = loss_seed(M, loss_dtype)
-            else:
-                g = k.y_layout.unpack(read_io(io, row[col["i_in"]]))
-            inputs = inputs_of(batch_mb, row[col["i_microbatch"]])
-            dx, kept = k.input_grad(layout.stage_params(s, gathered(flat, s)), inputs, residuals, g)
-            send = kernels[s - 1].y_layout.pack(dx, io_widths) if s > 0 else zero_send()
-            at = row[col["i_carry_row"]]
-            return (buf[0], carry.write_value(buf[1], "carry", s, kept, at)), send
+    def pieces_by_switch(self, flat, batch_mb, io, grads, buf, row, classes):
+        """One switch per kind, branch 0 idle, every branch writing the buffer in place."""
+        f_class, i_class, w_class = classes
+        f_branches, i_branches, w_branches = self.f_branches, self.i_branches, self.w_branches
+        zero_send, loss_zero, own = self.zero_send, self.loss_zero, self.own
 
-        return run
+        def forward_case(c):
+            return lambda b: f_branches[c](flat, batch_mb, io, b, row)
 
-    def make_w(c):
-        s = members[c][0]
-        k = kernels[s]
-        names = layout.stage_buckets(s)
+        buf, send_f, loss_piece = lax.switch(
+            f_class + 1,
+            [lambda b: (b, zero_send(), loss_zero)]
+            + [forward_case(c) for c in range(len(f_branches))],
+            buf,
+        )
+        if self.forward_only:
+            return grads, buf, send_f, zero_send(), loss_piece
 
-        def run(flat, batch_mb, buf, row):
-            residuals = res.load(buf[0], "res", s, k.res_layout, row[col["w_res_row"]])
-            kept = carry.load(buf[1], "carry", s, k.carry_layout, row[col["w_carry_row"]])
-            inputs = inputs_of(batch_mb, row[col["w_microbatch"]])
-            params = layout.stage_params(s, gathered(flat, s))
-            dp = dict(zip(names, k.weight_grad(params, inputs, residuals, kept)))
-            return {
-                b: scattered(b, dp[b]) if b in dp else jnp.zeros(sh, dt)
-                for b, (sh, dt) in local_zeros.items()
-            }
+        def input_case(c):
+            return lambda b: i_branches[c](flat, batch_mb, io, b, row)
 
-        return run
-
-    classes_range = range(len(members))
-    own = [set(layout.stage_buckets(members[c][0])) for c in classes_range]
-    several_stages_per_rank = len(set(plan.stage_to_rank)) < S
-    f_branches = [make_f(c) for c in classes_range] + [make_f(c, False) for c in fc_classes]
-    i_branches = [make_i(c) for c in classes_range]
-    w_branches = [make_w(c) for c in classes_range]
-
-    channels = plan.channels
-    num_writes = 2 + len(channels)  # F's and I's local hand-overs, then arrivals
-
-    def per_rank(packed, batch_mb, tab):
-        flat = {b: v[0] for b, v in packed.items()}
-        tab = tab[:, 0]
-        state0 = (
-            {b: jnp.zeros(sh, dt) for b, (sh, dt) in local_zeros.items()},
-            loss_zero,
-            {dt: jnp.zeros((num_io, n), dt) for dt, n in io_widths.items()},
-            (res.zeros(), carry.zeros()),
-            # Offloaded residuals, in the host's memory (pinned_host) where
-            # the platform has it (XLA:CPU keeps it with the rest).
-            jax.device_put(host.zeros(), jax.memory.Space.Host) if host_classes else None,
-            # The io writes of the tick before: (slot, value) for the local
-            # hand-overs of F and I outputs and for each channel's arrival.
-            (
-                jnp.full((num_writes,), plan.num_io, jnp.int32),
-                [zero_send() for _ in range(num_writes)],
-            ),
+        buf, send_i = lax.switch(
+            i_class + 1,
+            [lambda b: (b, zero_send())] + [input_case(c) for c in self.classes_range],
+            buf,
         )
 
-        def pieces_by_switch(flat, batch_mb, io, grads, buf, row, classes):
-            """One switch per kind, branch 0 idle, every branch writing the buffer in place."""
-            f_class, i_class, w_class = classes
+        def weight_case(c):  # adds to its own stage's buckets only
+            def add(grads):
+                dp = w_branches[c](flat, batch_mb, buf, row)
+                return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
-            def forward_case(c):
-                return lambda b: f_branches[c](flat, batch_mb, io, b, row)
+            return add
 
-            buf, send_f, loss_piece = lax.switch(
-                f_class + 1,
-                [lambda b: (b, zero_send(), loss_zero)]
-                + [forward_case(c) for c in range(len(f_branches))],
-                buf,
-            )
-            if forward_only:
-                return grads, buf, send_f, zero_send(), loss_piece
+        grads = lax.switch(
+            w_class + 1, [lambda g: g] + [weight_case(c) for c in self.classes_range], grads
+        )
+        return grads, buf, send_f, send_i, loss_piece
 
-            def input_case(c):
-                return lambda b: i_branches[c](flat, batch_mb, io, b, row)
+    def pieces_by_cond(self, flat, batch_mb, io, grads, buf, row, classes):
+        """F and I: a cond per class; W: a cond around a switch (see the module docstring)."""
+        f_class, i_class, w_class = classes
+        f_branches, i_branches, w_branches = self.f_branches, self.i_branches, self.w_branches
+        zero_send, own = self.zero_send, self.own
+        # F: a cond per class (then per class with an FC), each writing its
+        # residuals in place, as wide as they are.
+        forward = (buf, zero_send(), self.loss_zero)
+        for c in range(len(f_branches)):
 
-            buf, send_i = lax.switch(
-                i_class + 1,
-                [lambda b: (b, zero_send())] + [input_case(c) for c in classes_range],
-                buf,
-            )
+            def run_forward(state, c=c):
+                return f_branches[c](flat, batch_mb, io, state[0], row)
 
-            def weight_case(c):  # adds to its own stage's buckets only
-                def add(grads):
+            forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
+        buf, send_f, loss_piece = forward
+        if self.forward_only:
+            return grads, buf, send_f, zero_send(), loss_piece
+
+        # I: a cond per class, each writing its carry in place.
+        backward = (buf, zero_send())
+        for c in self.classes_range:
+
+            def run_input_grad(state, c=c):
+                return i_branches[c](flat, batch_mb, io, state[0], row)
+
+            backward = lax.cond(i_class == c, run_input_grad, lambda state: state, backward)
+        buf, send_i = backward
+
+        if self.several_stages_per_rank:
+            # One cond per class, each adding to its own stage's
+            # buckets only: the switch must give every branch the same
+            # outputs, so it would add zeros to the buckets of the
+            # rank's other stages (8% slower on the compiler shape).
+            for c in self.classes_range:
+
+                def add_weight_grad(grads, c=c):
                     dp = w_branches[c](flat, batch_mb, buf, row)
                     return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
 
-                return add
+                grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
+        else:
 
-            grads = lax.switch(
-                w_class + 1, [lambda g: g] + [weight_case(c) for c in classes_range], grads
+            def weight_grad(grads):
+                dp = lax.switch(w_class, w_branches, flat, batch_mb, buf, row)
+                return {b: g + dp[b] for b, g in grads.items()}
+
+            grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
+        return grads, buf, send_f, send_i, loss_piece
+
+    # -- memory actions and hand-overs ---------------------------------------
+
+    def move_residuals(self, buf, host_buf, row):
+        """`move_residuals_in` on the residuals of the pair ``buf``."""
+        res_buf, host_buf = self.move_residuals_in(buf[0], host_buf, row)
+        return (res_buf, buf[1]), host_buf
+
+    def move_residuals_in(self, buf, host_buf, row):
+        """The tick's evictions, loads, offloads and reloads, before its pieces.
+
+        Every lane's collective runs every tick, outside any branch; the
+        receiver writes what arrived, and a host copy runs, in a two-way
+        `cond` (in place). Each lane's send reads the buffer as the lanes
+        before left it, so every read comes before the write it races.
+        """
+        col = self.col
+        for i, lane in enumerate(self.lanes[0]):
+            send = lax.dynamic_slice_in_dim(buf, row[col[f"lane{i}_send"]], lane.rows, 0)
+            arrived = lax.ppermute(send, self.pipe_axis, lane.perm)
+
+            def land(b, arrived=arrived, i=i):
+                return lax.dynamic_update_slice_in_dim(b, arrived, row[col[f"lane{i}_recv"]], 0)
+
+            buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, buf)
+        for c in self.host_classes:
+            rows = self.res.value_rows["res"][self.members[c][0]]
+            here = row[col["host_class"]] == 1 + c
+            reload = row[col["host_reload"]] > 0
+
+            # Each copy reads the other buffer as the copy before left it
+            # (bound when defined): a read of an older version would keep
+            # it alive beside the new one, and XLA would copy both buffers.
+            def offload(h, rows=rows, buf=buf):
+                v = lax.dynamic_slice_in_dim(buf, row[col["host_res_row"]], rows, 0)
+                v = jax.device_put(v, jax.memory.Space.Host)
+                return lax.dynamic_update_slice_in_dim(h, v, row[col["host_row"]], 0)
+
+            host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
+
+            def bring_back(b, rows=rows, host_buf=host_buf):
+                v = lax.dynamic_slice_in_dim(host_buf, row[col["host_row"]], rows, 0)
+                v = jax.device_put(v, jax.memory.Space.Device)
+                return lax.dynamic_update_slice_in_dim(b, v, row[col["host_res_row"]], 0)
+
+            buf = lax.cond(here & reload, bring_back, lambda b: b, buf)
+        return buf, host_buf
+
+    def hand_over(self, row, send_f, send_i):
+        """The io writes for the next tick: ``(slots, values)``, local outputs then arrivals.
+
+        One collective per channel, every tick, outside any branch. A
+        shared channel (unit layout: a rank sends at most one value a tick)
+        carries whichever of the F and I outputs this rank made.
+        """
+        col = self.col
+        slots = [row[col["f_local"]], row[col["i_local"]]]
+        values = [send_f, send_i]
+        if any(kind is None for kind, _ in self.channels):
+            runs_f = row[col["f_stage"]] > 0
+            either = {dt: jnp.where(runs_f, send_f[dt], send_i[dt]) for dt in send_f}
+        sends = {"F": send_f, "I": send_i}
+        for i, (kind, d) in enumerate(self.channels):
+            value = either if kind is None else sends[kind]
+            perm = [(j, (j + d) % self.R) for j in range(self.R)]
+            arrived = {dt: lax.ppermute(value[dt], self.pipe_axis, perm) for dt in value}
+            slots.append(row[len(COLUMNS) + i])
+            values.append(arrived)
+        return jnp.stack(slots), values
+
+    # -- the tick, the scan and what follows it -------------------------------
+
+    def initial_state(self):
+        """The scan's carry before the first tick: ``(grads, loss, io, buf, host_buf, pending)``."""
+        num_writes = self.num_writes
+        return (
+            {b: jnp.zeros(sh, dt) for b, (sh, dt) in self.local_zeros.items()},
+            self.loss_zero,
+            {dt: jnp.zeros((self.num_io, n), dt) for dt, n in self.io_widths.items()},
+            (self.res.zeros(), self.carry.zeros()),
+            # Offloaded residuals, in the host's memory (pinned_host) where
+            # the platform has it (XLA:CPU keeps it with the rest).
+            (
+                jax.device_put(self.host.zeros(), jax.memory.Space.Host)
+                if self.host_classes
+                else None
+            ),
+            # The io writes of the tick before: (slot, value) for the local
+            # hand-overs of F and I outputs and for each channel's arrival.
+            (
+                jnp.full((num_writes,), self.plan.num_io, jnp.int32),
+                [self.zero_send() for _ in range(num_writes)],
+            ),
+        )
+
+    def tick(self, flat, batch_mb, state, row):
+        """One tick on one rank: the io writes, the memory actions, the pieces, the hand-overs."""
+        grads, loss, io, buf, host_buf, (write_slots, write_values) = state
+        col = self.col
+        row = row.astype(jnp.int32)
+        # The previous tick's io writes land first, before this tick reads
+        # anything. (Writing them at the end of their own tick, as the
+        # plan's phases put it, is equivalent, but XLA cannot then order
+        # each write after every read of the same tick, and it copied the
+        # whole io buffer three times a tick to be safe.)
+        for k in range(self.num_writes):
+            io = self.write_io(io, write_slots[k], write_values[k])
+        if self.plan.moves:
+            buf, host_buf = self.move_residuals(buf, host_buf, row)
+
+        # Column `{kind}_branch` is 0 when no piece of that kind runs here,
+        # else 1 + the stage's class.
+        classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
+        run_pieces = self.pieces_by_switch if self.control == "switch" else self.pieces_by_cond
+        grads, buf, send_f, send_i, loss_piece = run_pieces(
+            flat, batch_mb, io, grads, buf, row, classes
+        )
+        if self.fc_classes:  # a recompute's loss was counted by its FC
+            loss_piece = jnp.where(
+                row[col["f_mode"]] == Plan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
             )
-            return grads, buf, send_f, send_i, loss_piece
+        loss = loss + loss_piece
+        pending = self.hand_over(row, send_f, send_i)
+        return (grads, loss, io, buf, host_buf, pending), None
 
-        def pieces_by_cond(flat, batch_mb, io, grads, buf, row, classes):
-            """F and I: a cond per class; W: a cond around a switch (see the module docstring)."""
-            f_class, i_class, w_class = classes
-            # F: a cond per class (then per class with an FC), each writing its
-            # residuals in place, as wide as they are.
-            forward = (buf, zero_send(), loss_zero)
-            for c in range(len(f_branches)):
-
-                def run_forward(state, c=c):
-                    return f_branches[c](flat, batch_mb, io, state[0], row)
-
-                forward = lax.cond(f_class == c, run_forward, lambda state: state, forward)
-            buf, send_f, loss_piece = forward
-            if forward_only:
-                return grads, buf, send_f, zero_send(), loss_piece
-
-            # I: a cond per class, each writing its carry in place.
-            backward = (buf, zero_send())
-            for c in classes_range:
-
-                def run_input_grad(state, c=c):
-                    return i_branches[c](flat, batch_mb, io, state[0], row)
-
-                backward = lax.cond(i_class == c, run_input_grad, lambda state: state, backward)
-            buf, send_i = backward
-
-            if several_stages_per_rank:
-                # One cond per class, each adding to its own stage's
-                # buckets only: the switch must give every branch the same
-                # outputs, so it would add zeros to the buckets of the
-                # rank's other stages (8% slower on the compiler shape).
-                for c in classes_range:
-
-                    def add_weight_grad(grads, c=c):
-                        dp = w_branches[c](flat, batch_mb, buf, row)
-                        return {b: g + dp[b] if b in own[c] else g for b, g in grads.items()}
-
-                    grads = lax.cond(w_class == c, add_weight_grad, lambda g: g, grads)
-            else:
-
-                def weight_grad(grads):
-                    dp = lax.switch(w_class, w_branches, flat, batch_mb, buf, row)
-                    return {b: g + dp[b] for b, g in grads.items()}
-
-                grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
-            return grads, buf, send_f, send_i, loss_piece
-
-        run_pieces = pieces_by_switch if control == "switch" else pieces_by_cond
-
-        def move_residuals(buf, host_buf, row):
-            """`move_residuals_in` on the residuals of the pair ``buf``."""
-            res_buf, host_buf = move_residuals_in(buf[0], host_buf, row)
-            return (res_buf, buf[1]), host_buf
-
-        def move_residuals_in(buf, host_buf, row):
-            """The tick's evictions, loads, offloads and reloads, before its pieces.
-
-            Every lane's collective runs every tick, outside any branch; the
-            receiver writes what arrived, and a host copy runs, in a two-way
-            `cond` (in place). Each lane's send reads the buffer as the lanes
-            before left it, so every read comes before the write it races.
-            """
-            for i, lane in enumerate(lanes[0]):
-                send = lax.dynamic_slice_in_dim(buf, row[col[f"lane{i}_send"]], lane.rows, 0)
-                arrived = lax.ppermute(send, pipe_axis, lane.perm)
-
-                def land(b, arrived=arrived, i=i):
-                    return lax.dynamic_update_slice_in_dim(b, arrived, row[col[f"lane{i}_recv"]], 0)
-
-                buf = lax.cond(row[col[f"lane{i}_on"]] > 0, land, lambda b: b, buf)
-            for c in host_classes:
-                rows = res.value_rows["res"][members[c][0]]
-                here = row[col["host_class"]] == 1 + c
-                reload = row[col["host_reload"]] > 0
-
-                # Each copy reads the other buffer as the copy before left it
-                # (bound when defined): a read of an older version would keep
-                # it alive beside the new one, and XLA would copy both buffers.
-                def offload(h, rows=rows, buf=buf):
-                    v = lax.dynamic_slice_in_dim(buf, row[col["host_res_row"]], rows, 0)
-                    v = jax.device_put(v, jax.memory.Space.Host)
-                    return lax.dynamic_update_slice_in_dim(h, v, row[col["host_row"]], 0)
-
-                host_buf = lax.cond(here & ~reload, offload, lambda h: h, host_buf)
-
-                def bring_back(b, rows=rows, host_buf=host_buf):
-                    v = lax.dynamic_slice_in_dim(host_buf, row[col["host_row"]], rows, 0)
-                    v = jax.device_put(v, jax.memory.Space.Device)
-                    return lax.dynamic_update_slice_in_dim(b, v, row[col["host_res_row"]], 0)
-
-                buf = lax.cond(here & reload, bring_back, lambda b: b, buf)
-            return buf, host_buf
-
-        def tick(state, row):
-            grads, loss, io, buf, host_buf, (write_slots, write_values) = state
-            row = row.astype(jnp.int32)
-            # The previous tick's io writes land first, before this tick reads
-            # anything. (Writing them at the end of their own tick, as the
-            # plan's phases put it, is equivalent, but XLA cannot then order
-            # each write after every read of the same tick, and it copied the
-            # whole io buffer three times a tick to be safe.)
-            for k in range(num_writes):
-                io = write_io(io, write_slots[k], write_values[k])
-            if plan.moves:
-                buf, host_buf = move_residuals(buf, host_buf, row)
-
-            # Column `{kind}_branch` is 0 when no piece of that kind runs here,
-            # else 1 + the stage's class.
-            classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
-            grads, buf, send_f, send_i, loss_piece = run_pieces(
-                flat, batch_mb, io, grads, buf, row, classes
-            )
-            if fc_classes:  # a recompute's loss was counted by its FC
-                loss_piece = jnp.where(
-                    row[col["f_mode"]] == Plan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
-                )
-            loss = loss + loss_piece
-            slots = [row[col["f_local"]], row[col["i_local"]]]
-            values = [send_f, send_i]
-            # One collective per channel, every tick, outside any branch. A
-            # shared channel (unit layout: a rank sends at most one value a
-            # tick) carries whichever of the F and I outputs this rank made.
-            if any(kind is None for kind, _ in channels):
-                runs_f = row[col["f_stage"]] > 0
-                either = {dt: jnp.where(runs_f, send_f[dt], send_i[dt]) for dt in send_f}
-            sends = {"F": send_f, "I": send_i}
-            for i, (kind, d) in enumerate(channels):
-                value = either if kind is None else sends[kind]
-                perm = [(j, (j + d) % R) for j in range(R)]
-                arrived = {dt: lax.ppermute(value[dt], pipe_axis, perm) for dt in value}
-                slots.append(row[len(COLUMNS) + i])
-                values.append(arrived)
-            pending = (jnp.stack(slots), values)
-            return (grads, loss, io, buf, host_buf, pending), None
-
-        (grads, loss, *_), _ = lax.scan(tick, state0, tab)
+    def finish(self, loss, grads):
+        """The step's loss and gradients from the scan's sums: reduced over the mesh, averaged."""
+        layout, fsdp, data_axis = self.layout, self.fsdp, self.data_axis
         if fsdp is not None:
             # Summed over fsdp: the split buckets' by each reduce-scatter, the
             # others' (arrays nothing divides) here, once.
@@ -978,55 +1064,65 @@ def build_step(
                 b: g if layout.fsdp_dim(b) is not None else lax.psum(g, fsdp)
                 for b, g in grads.items()
             }
-        if weighted:
+        if self.weighted:
             # The weighted mean over every microbatch of every data shard,
             # divided once: sum(totals) / sum(weights), and the gradients of
             # the totals (seeded with 1) by the same sum of weights.
+            loss_axes = self.loss_axes
             total, weight = lax.psum(loss[0], loss_axes), lax.psum(loss[1], loss_axes)
             loss = total / weight
             if data_axis is not None:
                 grads = {b: lax.psum(g, data_axis) for b, g in grads.items()}
             grads = {b: (g / weight).astype(g.dtype) for b, g in grads.items()}
             return loss, {b: g[None] for b, g in grads.items()}
-        loss = lax.psum(loss, pipe_axis) / M
-        if batch_axes:
-            loss = lax.pmean(loss, batch_axes)
+        loss = lax.psum(loss, self.pipe_axis) / self.M
+        if self.batch_axes:
+            loss = lax.pmean(loss, self.batch_axes)
         if data_axis is not None:
             grads = {b: lax.pmean(g, data_axis) for b, g in grads.items()}
         if fsdp is not None:
-            grads = {b: (g / fsdp_size).astype(g.dtype) for b, g in grads.items()}
+            grads = {b: (g / self.fsdp_size).astype(g.dtype) for b, g in grads.items()}
         return loss, {b: g[None] for b, g in grads.items()}
 
-    # Manual over every axis of the mesh: `pipe` and `data` as above, `fsdp`
-    # by the gathers and scatters around each piece, model axes (`tensor`) by
-    # the stage functions' own collectives. Left to the partitioner, an axis
-    # that splits the values kept in the flat buffers made XLA reshard them
-    # with collective-permutes inside the branches, which deadlock when pipe
-    # ranks take different branches.
-    batch_axes = tuple(a for a in (data_axis, fsdp) if a is not None)
-    loss_axes = (pipe_axis,) + batch_axes
-    fsdp_size = mesh.shape[fsdp] if fsdp is not None else 1
-    param_specs = {b: layout.spec(b, pipe_axis) for b in buckets}
-    program = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(param_specs, P(batch_axes or None), P(None, pipe_axis)),
-        out_specs=(P(), param_specs),
-        axis_names=set(mesh.axis_names),
-        # The kernels are pre-traced jaxprs replayed with `jaxpr_as_fun`, which
-        # does not insert the casts between values that vary over `pipe` and
-        # values that do not; the program differentiates nothing across ranks,
-        # so the check buys nothing here.
-        check_vma=False,
-    )
-    narrow = next(
-        (t for t in (np.int8, np.int16) if table.size == 0 or table.max() <= np.iinfo(t).max),
-        np.int32,
-    )
-    table = table.astype(narrow)
+    def per_rank(self, packed, batch_mb, tab):
+        """The program on one device: the scan over its column of the table, then `finish`."""
+        flat = {b: v[0] for b, v in packed.items()}
+        tab = tab[:, 0]
+        state0 = self.initial_state()
 
-    def run(packed, batch_mb):
-        return program(packed, batch_mb, jnp.asarray(table))
+        def tick(state, row):
+            return self.tick(flat, batch_mb, state, row)
 
-    arena_rows = {"res": res.rows, "carry": carry.rows, "host": host.rows}
-    return Program(run, tuple(kernels), classes, table, arena_rows, control, lanes[0])
+        (grads, loss, *_), _ = lax.scan(tick, state0, tab)
+        return self.finish(loss, grads)
+
+    def program(self):
+        """`per_rank` as a `jax.shard_map` over the whole mesh: ``(packed, batch_mb, table)``."""
+        # Manual over every axis of the mesh: `pipe`, `data` (`build_step`), `fsdp`
+        # by the gathers and scatters around each piece, model axes (`tensor`) by
+        # the stage functions' own collectives. Left to the partitioner, an axis
+        # that splits the values kept in the flat buffers made XLA reshard them
+        # with collective-permutes inside the branches, which deadlock when pipe
+        # ranks take different branches.
+        param_specs = self.param_specs
+        return jax.shard_map(
+            self.per_rank,
+            mesh=self.mesh,
+            in_specs=(param_specs, P(self.batch_axes or None), P(None, self.pipe_axis)),
+            out_specs=(P(), param_specs),
+            axis_names=set(self.mesh.axis_names),
+            # The kernels are pre-traced jaxprs replayed with `jaxpr_as_fun`, which
+            # does not insert the casts between values that vary over `pipe` and
+            # values that do not; the program differentiates nothing across ranks,
+            # so the check buys nothing here.
+            check_vma=False,
+        )
+
+    def narrow_table(self) -> np.ndarray:
+        """The table in the narrowest integer type that holds it."""
+        table = self.table
+        narrow = next(
+            (t for t in (np.int8, np.int16) if table.size == 0 or table.max() <= np.iinfo(t).max),
+            np.int32,
+        )
+        return table.astype(narrow)
