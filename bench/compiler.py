@@ -84,12 +84,12 @@ def memory_rows(workload, devices, args, log) -> list[dict]:
 def presplit_temp(row: rows.Row, num_microbatches: int) -> int | None:
     """Temp bytes of a jpipe step whose batch arrives already cut into microbatches.
 
-    Uses `Pipeline._build`, which returns the step on ``[M, rows, ...]``
-    inputs; None if that hook is gone.
+    Uses the SPMD lowering's `_build` (`jpipe._spmd`), which returns the step
+    on ``[M, rows, ...]`` inputs; None if that hook is gone.
     """
     pipe = row.pipeline
     packed, batch = row.args
-    build = getattr(pipe, "_build", None)
+    build = getattr(getattr(pipe, "_lowering", None), "_build", None)
     if build is None:
         return None
     try:

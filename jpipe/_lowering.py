@@ -20,10 +20,13 @@ through the kernels) and hands the step to its `Lowering`. Code that must
 know what a lowering can do or how it holds memory asks its `LoweringKind`,
 a plain frozen record, and never compares names: the trainer asks whether
 the step is one program, the memory models (the search's, the planner's,
-the compile-only report's) ask `LoweringKind.device_bytes` what each
-device holds given what each rank needs. A third lowering is one more
-`LoweringKind` in `KINDS` and one more `Lowering` subclass; `Pipeline`, the
-trainer and the search do not change.
+the compile-only report's) whether every device holds the busiest rank's
+bytes. A third lowering is one more `LoweringKind` in `KINDS` and one more
+`Lowering` subclass; `Pipeline` and the trainer do not change. What is
+not yet shared: the byte models themselves (the search's SPMD model sizes
+the SPMD program's tick buffers, `jpipe._schedule_search.spmd_buffers`),
+and which memory actions a lowering that does not run them all takes is
+asked of the SPMD tick plan (`jpipe._schedule_search.lowering_runs`).
 
 This module imports no JAX, so the pure-Python layers (the search and the
 planner) read it freely.
@@ -34,7 +37,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -54,11 +56,11 @@ class LoweringKind:
         (`jpipe.make_rank_meshes`).
       every_device_holds_busiest: every device allocates what the busiest rank
         needs (one program, one buffer of each kind), rather than its own
-        rank's need. The one rule of each lowering's memory, read by
-        `device_bytes` and by the search's and planner's byte models.
+        rank's need. The rule of each lowering's memory that the search's,
+        the planner's and the compile-only report's byte models read.
       runs_all_memory_actions: runs every kind of memory action (offload,
         reload, ...) a valid schedule holds; otherwise the search asks the
-        lowering's own pass which kinds it lays out
+        SPMD tick plan which kinds it lays out
         (`jpipe._schedule_search.lowering_runs`).
       runtime: ``"module:Class"`` of its `Lowering`, imported when a
         `Pipeline` is built (so this module needs no JAX).
@@ -72,12 +74,6 @@ class LoweringKind:
     every_device_holds_busiest: bool
     runs_all_memory_actions: bool
     runtime: str
-
-    def device_bytes(self, rank_bytes: Sequence[float]) -> list[float]:
-        """What each rank's devices allocate, given what each rank needs for itself."""
-        if self.every_device_holds_busiest and rank_bytes:
-            return [max(rank_bytes)] * len(rank_bytes)
-        return list(rank_bytes)
 
     def runtime_class(self) -> type[Lowering]:
         """The `Lowering` subclass that runs this kind."""
@@ -108,15 +104,10 @@ MPMD = LoweringKind(
 KINDS: dict[str, LoweringKind] = {k.name: k for k in (SPMD, MPMD)}
 """Every lowering, by the name `Pipeline` takes."""
 
-ALIASES = {k.layout: k.name for k in KINDS.values()}
-"""Other spellings accepted: the names of the lowerings' memory layouts."""
 
-
-def lowering_kind(name: str | LoweringKind) -> LoweringKind:
-    """The `LoweringKind` of a name (``"spmd"``, ``"mpmd"``, or ``"per_rank"`` for the latter)."""
-    if isinstance(name, LoweringKind):
-        return name
-    kind = KINDS.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+def lowering_kind(name: str) -> LoweringKind:
+    """The `LoweringKind` of a lowering's name (``"spmd"`` or ``"mpmd"``)."""
+    kind = KINDS.get(name) if isinstance(name, str) else None
     if kind is None:
         raise ValueError(f"lowering must be one of {', '.join(map(repr, KINDS))}; got {name!r}")
     return kind
@@ -134,8 +125,9 @@ class Lowering(abc.ABC):
 
     kind: LoweringKind
 
-    def __init__(self, pipeline: Any):
+    def __init__(self, pipeline: Any, tick_layout: str):
         self.pipeline = pipeline
+        self.tick_layout = tick_layout  # how the tick plan lays pieces out (`jpipe.make_plan`)
 
     @abc.abstractmethod
     def value_and_grad(self, packed, batch):
@@ -155,23 +147,33 @@ class Lowering(abc.ABC):
 
     @abc.abstractmethod
     def compiled_memory(self, compiled) -> tuple[int, int]:
-        """``(temp, arguments)`` bytes of the fullest device, from `compile`'s result."""
+        """``(temp, arguments)`` bytes per device, from `compile`'s result (`Pipeline`'s)."""
 
     @property
     @abc.abstractmethod
     def plan(self):
-        """The lock-step tick plan of the schedule's compute (`jpipe.Plan`), for figures."""
+        """The lock-step tick plan (`jpipe.Plan`): under SPMD the one its program runs,
+        memory actions included; per rank, of the schedule's compute, for figures."""
+
+    @property
+    @abc.abstractmethod
+    def forward_plan(self):
+        """The tick plan of the forwards alone (`jpipe._ticks.make_forward_plan`)."""
 
     def step_fn(self, batch):
+        """The unjitted step; only a lowering that makes the step one program has it."""
         self.refuse_not_one_program("Pipeline.step_fn")
 
     def program(self, batch):
+        """The SPMD program's `jpipe.Program`; only a one-program lowering has it."""
         self.refuse_not_one_program("Pipeline.program (the SPMD program's tick table)")
 
     def lower(self, packed, batch):
+        """The lowered step; only a one-program lowering has it."""
         self.refuse_not_one_program("Pipeline.lower (one lowered program of the whole step)")
 
     def rank_programs(self, batch):
+        """The per-rank lowering's `jpipe.RankPrograms`; other lowerings refuse."""
         raise ValueError(
             f"rank_programs is the per-rank lowering's; this Pipeline is {self.kind.name!r}"
         )

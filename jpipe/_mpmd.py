@@ -44,6 +44,7 @@ those by name.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -62,7 +63,7 @@ from jpipe._lowering import MPMD, Lowering
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Action, Schedule
 from jpipe._stage import StageKernels, WeightedLoss, loss_seed
-from jpipe._ticks import make_plan
+from jpipe._ticks import make_forward_plan, make_plan
 from jpipe._transfer import Courier, process_of
 
 
@@ -1094,23 +1095,19 @@ class MpmdLowering(Lowering):
     kind = MPMD
 
     def __init__(self, pipeline, tick_layout: str):
-        super().__init__(pipeline)
-        if pipeline.all_idle:
-            raise ValueError(
-                "all_idle measures the SPMD program's control; it has no per-rank form"
-            )
-        self._tick_layout = tick_layout
-        self._plan = None
+        super().__init__(pipeline, tick_layout)
         self._programs: dict[tuple, RankPrograms] = {}
 
-    @property
+    # Figures only (ticks of the lock-step timeline), made when first asked:
+    # this lowering runs the schedule's memory actions itself, so the plans
+    # are of its compute.
+    @functools.cached_property
     def plan(self):
-        # Figures only (ticks of the lock-step timeline): this lowering runs
-        # the schedule's memory actions itself, so the plan is of its compute.
-        if self._plan is None:
-            schedule = self.pipeline.schedule.without_memory_actions()
-            self._plan = make_plan(schedule, self._tick_layout)
-        return self._plan
+        return make_plan(self.pipeline.schedule.without_memory_actions(), self.tick_layout)
+
+    @functools.cached_property
+    def forward_plan(self):
+        return make_forward_plan(self.pipeline.schedule.without_memory_actions())
 
     def rank_programs(self, batch) -> RankPrograms:
         p = self.pipeline
@@ -1153,6 +1150,8 @@ class MpmdLowering(Lowering):
         return programs
 
     def compiled_memory(self, compiled: RankPrograms) -> tuple[int, int]:
+        if not any(compiled.compiled):
+            raise ValueError("nothing is compiled yet: call Pipeline.compile first")
         analyses = [
             c.memory_analysis() for pieces in compiled.compiled if pieces for c in pieces.values()
         ]

@@ -30,6 +30,7 @@ from jpipe._microbatch import microbatches
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
+from jpipe._ticks import LAYOUTS as TICK_LAYOUTS
 from jpipe._validate import analyze
 
 LOWERINGS = tuple(KINDS)
@@ -346,6 +347,14 @@ class Pipeline:
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)
+        if all_idle and not kind.one_program:
+            raise ValueError(
+                "all_idle measures the SPMD program's control; it has no per-rank form"
+            )
+        if tick_layout not in TICK_LAYOUTS:
+            raise ValueError(
+                f"unknown tick layout {tick_layout!r}: use one of {', '.join(TICK_LAYOUTS)}"
+            )
         self.lowering = kind.name
         self.lowering_kind = kind
         self.control = control
@@ -389,8 +398,14 @@ class Pipeline:
 
     @property
     def plan(self):
-        """The lock-step tick plan of the schedule's compute (`jpipe.Plan`), for figures."""
+        """The lock-step tick plan (`jpipe.Plan`): under SPMD the one its program runs,
+        memory actions included; per rank, of the schedule's compute, for figures."""
         return self._lowering.plan
+
+    @property
+    def forward_plan(self):
+        """The tick plan of the forwards alone, which `loss` runs under SPMD."""
+        return self._lowering.forward_plan
 
     # -- parameters ------------------------------------------------------------
 
@@ -681,7 +696,7 @@ class Pipeline:
                 "per rank, whose parameters are one dict per rank: use Pipeline.pack"
             )
 
-    def _packed(self) -> None:
+    def _require_packed(self) -> None:
         if self.layout is None:
             raise ValueError("pack parameters first with Pipeline.pack")
 
@@ -695,7 +710,7 @@ class Pipeline:
         Each rank runs its forwards in the schedule's order and keeps nothing
         for a backward, so this costs about a third of `value_and_grad`.
         """
-        self._packed()
+        self._require_packed()
         return self._lowering.loss(packed, batch)
 
     def step_fn(self, batch) -> Callable:
@@ -741,15 +756,18 @@ class Pipeline:
         return compiled
 
     def compiled_memory(self, compiled) -> tuple[int, int]:
-        """``(temp, arguments)``: the bytes of the fullest device, from `compile`'s result.
+        """``(temp, arguments)`` bytes per device, from `compile`'s result.
 
-        Under the per-rank lowering, the largest piece's.
+        Under SPMD, the program's (every device runs it). Under the per-rank
+        lowering, the largest temp and the largest arguments of any one piece
+        (each what one device's program allocates at once; they may be two
+        pieces'). Raises `ValueError` before `compile`.
         """
         return self._lowering.compiled_memory(compiled)
 
     def value_and_grad(self, packed, batch):
         """``(loss, packed_grads)``: the mean loss over microbatches and its gradients."""
-        self._packed()
+        self._require_packed()
         return self._lowering.value_and_grad(packed, batch)
 
 

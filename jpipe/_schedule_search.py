@@ -89,15 +89,15 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from jpipe._lowering import LoweringKind, lowering_kind
+from jpipe._lowering import KINDS, MPMD, LoweringKind
 from jpipe._registry import get_schedule
 from jpipe._schedule import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
 from jpipe._simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
 from jpipe._validate import ScheduleError, analyze
 
-LAYOUTS = ("spmd", "per_rank")
+LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "per_rank")
 """The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
-OWN = "per_rank"  # each rank's own bytes, the layout the walk reads
+OWN = MPMD.layout  # each rank's own bytes, the layout the walk reads
 # The share of the budget kept free for what the model does not count: on GPT-2 small the
 # SPMD program compiled 2 to 8% above the model, the per-rank lowering below it
 # (docs/search.md); the planner keeps the same share (`jpipe.planner.MEMORY_MARGIN`).
@@ -106,11 +106,11 @@ MARGIN = 0.10
 
 def layout_kind(layout: str) -> LoweringKind:
     """The lowering whose memory a layout stands for (`jpipe._lowering`): ``"spmd"`` is
-    the SPMD lowering's, ``"per_rank"`` (or ``"mpmd"``) the per-rank lowering's."""
-    try:
-        return lowering_kind(layout)
-    except ValueError:
-        raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}") from None
+    the SPMD lowering's, ``"per_rank"`` the per-rank lowering's."""
+    for kind in KINDS.values():
+        if kind.layout == layout:
+            return kind
+    raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
 
 
 STAGE_PROFILE_FORMAT = "jpipe-stages/1"
@@ -2049,6 +2049,11 @@ class _SearchTerms:
       memory_moves: the kinds of memory action allowed (`MOVE_KINDS`' keys), sorted.
     """
 
+    @property
+    def busiest(self) -> bool:
+        """Whether every device holds the busiest rank's bytes (the SPMD layout)."""
+        return layout_kind(self.layout).every_device_holds_busiest
+
     num_ranks: int
     layout: str
     usable: float
@@ -2172,13 +2177,13 @@ def _local_candidates(
     than the best candidate that fits but does not fit itself: adds what it finds to
     `candidates` (so that a later base must beat it) and a line for each base that gave
     nothing to `skipped`. Returns the schedules it simulated, at most `max_simulations`."""
-    usable, layout = terms.usable, terms.layout
+    usable = terms.usable
     simulated = 0
     for cand, fig in sorted(bases, key=lambda x: x[0].time):
         best = min((c.time for c in candidates if c.fits), default=math.inf)
         if cand.fits or cand.time >= best:
             continue  # memory actions never make a step shorter
-        _, _, room = _allowances(cand.schedule, fig, layout, usable)
+        _, _, room = _allowances(cand.schedule, fig, terms.busiest, usable)
         if min(room) < 0:  # no live value at all would fit beside them
             skipped.append(
                 f"{cand.label}: no local search (a device's parameters, gradients and "
@@ -2194,7 +2199,7 @@ def _local_candidates(
         if log:
             log(f"  local search on {cand.label} ({format_bytes(cand.memory.most)})")
         found = local_search(
-            cand.schedule, fig, usable, layout, deadline=deadline, log=log,
+            cand.schedule, fig, usable, terms.layout, deadline=deadline, log=log,
             memory_actions=terms.memory_moves, max_simulations=left,
         )  # fmt: skip
         simulated += found.simulated

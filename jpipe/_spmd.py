@@ -31,9 +31,9 @@ class SpmdLowering(Lowering):
     kind = SPMD
 
     def __init__(self, pipeline, tick_layout: str):
-        super().__init__(pipeline)
+        super().__init__(pipeline, tick_layout)
         self._plan = make_plan(pipeline.schedule, tick_layout)
-        self.forward_plan = make_forward_plan(pipeline.schedule)
+        self._forward_plan = make_forward_plan(pipeline.schedule)
         # Built once per batch shape (`Pipeline._key`): the jitted training step
         # with its program, the jitted forward-only loss.
         self._train_steps: dict[tuple, tuple[Callable, Program]] = {}
@@ -42,6 +42,10 @@ class SpmdLowering(Lowering):
     @property
     def plan(self):
         return self._plan
+
+    @property
+    def forward_plan(self):
+        return self._forward_plan
 
     def _program(self, batch, plan, **options) -> Program:
         p = self.pipeline
@@ -88,7 +92,7 @@ class SpmdLowering(Lowering):
         p.check_batch(batch)
         key = p._key(batch)
         if key not in self._loss_steps:
-            program = self._program(batch, self.forward_plan, forward_only=True)
+            program = self._program(batch, self._forward_plan, forward_only=True)
             M = p.num_microbatches
             self._loss_steps[key] = jax.jit(
                 lambda packed, batch: program.run(packed, split_microbatches(batch, M))[0],

@@ -836,7 +836,7 @@ def check_schedule(
     )
     packed = pipe.pack(model.params, model.specs)
     placed = jax.device_put(batch, pipe.batch_sharding)
-    loss, grads, temp, arguments = _pipelined_loss_and_grads(pipe, packed, placed, lowering)
+    loss, grads, temp, arguments = _pipelined_loss_and_grads(pipe, packed, placed)
     # Float32: the reference on the whole batch at once. Lower precision (in the compute
     # or in the activations' leaves): on the same microbatches.
     kinds = (activations,) if isinstance(activations, str) else tuple(activations)
@@ -882,11 +882,11 @@ def _model_to_check(
     return model
 
 
-def _pipelined_loss_and_grads(pipe, packed, placed, lowering: str):
+def _pipelined_loss_and_grads(pipe, packed, placed):
     """Compiles and runs `pipe`'s step on the `packed` parameters and the `placed` batch:
     ``(loss, grads, temp_bytes, argument_bytes)``, the bytes per device from
-    `memory_analysis()` (under the per-rank lowering, the largest piece's: what one
-    device's program allocates at once)."""
+    `memory_analysis()` (`Pipeline.compiled_memory`; under the per-rank lowering, the
+    largest temp and the largest arguments of any one piece)."""
     compiled = pipe.compile(packed, placed)
     loss, grads = compiled(packed, placed)
     temp, arguments = pipe.compiled_memory(compiled)

@@ -242,9 +242,8 @@ def test_forward_only_loss(name, chunks, data):
     ref, _ = jpipe.reference_value_and_grad(pipe.stages, params, batch)
     assert abs(float(pipe.loss(packed, batch)) - float(ref)) <= RTOL * abs(float(ref))
     assert float(pipe.loss(packed, batch)) == pytest.approx(float(loss), rel=RTOL)
-    # The SPMD lowering's loss runs the forward plan: only forwards, as many ticks as
-    # the slowest rank's forwards need, no residual slots.
-    forward_plan = pipe._lowering.forward_plan
+    # Only forwards: as many ticks as the slowest rank's forwards need, no residual slots.
+    forward_plan = pipe.forward_plan
     assert forward_plan.num_res == 0
     assert all(piece[0] == "F" for _, _, piece in forward_plan.pieces())
     assert all(len(pieces) <= 1 for row in forward_plan.ticks for pieces in row)

@@ -412,3 +412,22 @@ def test_cli_on_the_shipped_profile(capsys):
     assert code == 0 and max(d["winner"]["device_bytes"]) <= 0.9 * 12 * 2**30
     assert d["layout"] == "spmd" and "GPT-2 small" in d["figures"]
     assert dataclasses.is_dataclass(jpipe.load_stage_profile("gpt2_small"))
+
+
+def test_per_rank_local_search_counts_each_ranks_own_room():
+    """Under "per_rank" a rank whose own bytes leave room is searched, though the
+    busiest rank's bytes on every device (the SPMD room) would leave none."""
+    figures = StageFigures(
+        jpipe.Costs(F=1, I=1, W=1, evict=0.3, offload=0.5),
+        jpipe.Sizes(activation=2, carry=0.5, input=0.05, params=[10, 1]),
+        working=[1, 8],
+        grad_output=[5, 0.5],
+        num_stages=2,
+    )
+    found = jpipe.search_schedule(
+        figures, 2, 4, budget=20, layout="per_rank", schedules=["gpipe"], margin=0
+    )
+    assert not found.candidates[0].fits  # plain GPipe holds too much: the walk must run
+    assert not any("no local search" in line for line in found.skipped), found.skipped
+    assert found.winner is not None and found.winner.fits
+    assert found.winner.memory.most <= 20

@@ -433,7 +433,7 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
     schedule = pipeline.schedule
     kernels = pipeline.stage_kernels(keyed)
     S = schedule.num_stages
-    rank_of = pipeline.plan.stage_to_rank
+    rank_of = pipeline.stage_to_rank
     layout = pipeline.layout
     layouts = [layout] * S
     if pipeline.rank_meshes is not None:

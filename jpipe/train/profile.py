@@ -62,7 +62,7 @@ def measure_stages(
       microbatch: one microbatch as one device sees it (host arrays).
       reps: timed runs per piece, after one warm-up.
     """
-    stage_to_rank = pipeline.plan.stage_to_rank
+    stage_to_rank = pipeline.stage_to_rank
     devices = [pipeline.mesh.devices[stage_to_rank[s]].flat[0] for s in range(len(stage_to_rank))]
     pieces = stage_pieces(
         pipeline.stage_kernels(batch),
