@@ -30,7 +30,7 @@ from jpipe._microbatch import microbatches
 from jpipe._pack import ParamLayout
 from jpipe._schedule import Schedule
 from jpipe._stage import WeightedLoss
-from jpipe._ticks import LAYOUTS as TICK_LAYOUTS
+from jpipe._ticks import check_layout as check_tick_layout
 from jpipe._validate import analyze
 
 LOWERINGS = tuple(KINDS)
@@ -351,10 +351,7 @@ class Pipeline:
             raise ValueError(
                 "all_idle measures the SPMD program's control; it has no per-rank form"
             )
-        if tick_layout not in TICK_LAYOUTS:
-            raise ValueError(
-                f"unknown tick layout {tick_layout!r}: use one of {', '.join(TICK_LAYOUTS)}"
-            )
+        check_tick_layout(tick_layout)  # the per-rank lowering makes its plan only if asked
         self.lowering = kind.name
         self.lowering_kind = kind
         self.control = control

@@ -453,10 +453,15 @@ def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layou
     return _Layout("packed", when, len(fullest), float(sum(fullest)), shared, kinds)
 
 
-def _choose_layout(schedule: Schedule, layout: str, sim=None) -> _Layout:
-    """The `_Layout` that `make_plan` lays `schedule` out in (see there)."""
+def check_layout(layout: str) -> None:
+    """Refuses a tick layout that is not one of `LAYOUTS`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+
+
+def _choose_layout(schedule: Schedule, layout: str, sim=None) -> _Layout:
+    """The `_Layout` that `make_plan` lays `schedule` out in (see there)."""
+    check_layout(layout)
     if schedule.has_memory_actions:
         if layout == "packed":
             kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
@@ -836,8 +841,7 @@ def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = 
     """
     if forward_only:
         return make_forward_plan(schedule)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown tick layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    check_layout(layout)
     info = analyze(schedule)
     chosen = _choose_layout(schedule, layout)  # slots for the chosen layout only
     return _plan_of(schedule, chosen, info)
