@@ -84,7 +84,7 @@ def memory_rows(workload, devices, args, log) -> list[dict]:
 def presplit_temp(row: rows.Row, num_microbatches: int) -> int | None:
     """Temp bytes of a jpipe step whose batch arrives already cut into microbatches.
 
-    Uses the SPMD lowering's `_build` (`jpipe._spmd`), which returns the step
+    Uses the SPMD lowering's `_build` (`jpipe.lower.spmd.lowering`), which returns the step
     on ``[M, rows, ...]`` inputs; None if that hook is gone.
     """
     pipe = row.pipeline

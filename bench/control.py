@@ -7,7 +7,7 @@
 per class: ``classes + 4`` conditionals) or with ``"switch"`` (one
 `lax.switch` per piece kind with an idle branch, every branch writing its
 buffer in place: 3). ``"auto"`` takes the switch where XLA updates a buffer
-in place through one (`jpipe._lower.switch_writes_in_place`). For each
+in place through one (`jpipe.lower.spmd.program.switch_writes_in_place`). For each
 schedule this prints, for both shapes:
 
 - **memory**: GPT-2-small's training step (the real 50,257-token
@@ -37,7 +37,7 @@ import jax  # noqa: E402
 
 from bench import measure, memory  # noqa: E402
 from bench.workloads import get_workload  # noqa: E402
-from jpipe._lower import switch_writes_in_place  # noqa: E402
+from jpipe.lower.spmd.program import switch_writes_in_place  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 
 SCHEDULES = (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2))

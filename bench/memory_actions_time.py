@@ -39,8 +39,8 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 
 from jpipe import models  # noqa: E402
-from jpipe._schedule_search import _spec_text  # noqa: E402  (``zbv:max_deferred_w=0``)
 from jpipe.models import gpt  # noqa: E402
+from jpipe.search.engine import _spec_text  # noqa: E402  (``zbv:max_deferred_w=0``)
 
 CONFIG = gpt.GPTConfig(vocab_size=256, num_layers=8, d_model=128, num_heads=4, seq_len=64, d_ff=512)
 # (schedule, options, stages per rank, the schedule it saves memory on)

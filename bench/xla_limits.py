@@ -13,7 +13,7 @@
    write copy the whole buffer. On jaxlib 0.12.0's every shape here updates
    it in place (XLA's fix for buffers passed through conditionals), which
    is what lets jpipe lower a tick with one switch per piece kind
-   (`jpipe._lower.switch_writes_in_place` probes the same thing).
+   (`jpipe.lower.spmd.program.switch_writes_in_place` probes the same thing).
 2. **Transfers of only what is sent.** `lax.ragged_all_to_all` sends a
    dynamic number of elements per peer, so an idle channel would move zero
    bytes without a conditional around it. This runs one under `shard_map` and

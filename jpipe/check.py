@@ -42,9 +42,9 @@ import argparse
 import json
 import sys
 
-from jpipe._console import run_main
-from jpipe._registry import add_option_argument, get_schedule, parse_options
-from jpipe._validate import ScheduleError
+from jpipe.runtime.console import run_main
+from jpipe.schedule.registry import add_option_argument, get_schedule, parse_options
+from jpipe.schedule.validate import ScheduleError
 
 
 def main(argv=None) -> int:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError:
             pass
-        from jpipe._distributed import initialize
+        from jpipe.runtime.distributed import initialize
         from jpipe.testing import check_schedule, ensure_cpu_devices
 
         initialize()  # joins the other processes when jpipe.launch (or a cluster) started several

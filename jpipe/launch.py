@@ -9,7 +9,7 @@ Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
 ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which train.py and the checker
 pass to `jax.distributed.initialize`. Output lines are prefixed with the
 process index; the exit status is the first non-zero one, and when a process
-fails the others are stopped. See `jpipe._launch` and docs/multihost.md.
+fails the others are stopped. See `jpipe.runtime.launch` and docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jpipe._console import run_main
-from jpipe._launch import launch
+from jpipe.runtime.console import run_main
+from jpipe.runtime.launch import launch
 
 
 def main(argv=None) -> int:

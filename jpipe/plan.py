@@ -1,9 +1,9 @@
-"""``python -m jpipe.plan``: the cluster planner's command line (`jpipe.planner._cli`)."""
+"""``python -m jpipe.plan``: the cluster planner's command line (`jpipe.planner.cli`)."""
 
 import sys
 
-from jpipe._console import run_main
-from jpipe.planner._cli import main
+from jpipe.planner.cli import main
+from jpipe.runtime.console import run_main
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -48,11 +48,11 @@ import dataclasses
 import json
 import sys
 
-from jpipe._chart import chrome_trace, draw_gantt, text_chart
-from jpipe._console import run_main
-from jpipe._registry import add_option_argument, get_schedule, parse_options
-from jpipe._simulate import Costs, Simulation, Sizes, simulate
-from jpipe._ticks import program_shape
+from jpipe.lower.spmd.ticks import program_shape
+from jpipe.runtime.console import run_main
+from jpipe.schedule.chart import chrome_trace, draw_gantt, text_chart
+from jpipe.schedule.registry import add_option_argument, get_schedule, parse_options
+from jpipe.schedule.simulate import Costs, Simulation, Sizes, simulate
 
 __all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
 

@@ -22,10 +22,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from jpipe._devices import use_cpu_devices
-from jpipe._registry import get_schedule
-from jpipe._schedule import Schedule
-from jpipe._validate import analyze
+from jpipe.runtime.devices import use_cpu_devices
+from jpipe.schedule.actions import Schedule
+from jpipe.schedule.registry import get_schedule
+from jpipe.schedule.validate import analyze
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -646,7 +646,7 @@ def shard_map_reference(model: CheckModel, mesh, batch):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jpipe._pipeline import reference_value_and_grad
+    from jpipe.lower.pipeline import reference_value_and_grad
 
     def spec_of(x):
         return x is None or isinstance(x, P)
@@ -823,7 +823,7 @@ def check_schedule(
 
     import jax
 
-    from jpipe._pipeline import Pipeline, make_mesh
+    from jpipe.lower.pipeline import Pipeline, make_mesh
 
     model = _model_to_check(
         model, S, seed, scan_layers, activations, compute_dtype, config=config, tensor=tensor
@@ -902,7 +902,7 @@ def _reference_loss_and_grads(model: CheckModel, batch, tensor_devices, split: i
     import jax
     import numpy as np
 
-    from jpipe._pipeline import reference_value_and_grad
+    from jpipe.lower.pipeline import reference_value_and_grad
 
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # full float32 matmuls
         if model.reference is not None:

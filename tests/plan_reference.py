@@ -1,10 +1,10 @@
-"""The tick layouts and slots as `jpipe._ticks` first computed them, kept as an oracle.
+"""The tick layouts and slots as `jpipe.lower.spmd.ticks` first computed them, kept as an oracle.
 
 `tests/test_plan.py` checks that `jpipe.make_plan` gives exactly these
 tables, channels, slots and lifetimes. This is the direct reading of the
 rules (a dictionary per piece, the packed greedy visiting every rank every
 tick), slow at scale (about 3 s for 1F1B on 64 ranks x 1,024 microbatches)
-but plain to check by eye; `jpipe._ticks` now computes the same in one pass
+but plain to check by eye; `jpipe.lower.spmd.ticks` now computes the same in one pass
 in dependency order (see its `_packed_layout`). Only public names are used.
 """
 

@@ -15,7 +15,7 @@ from test_multiprocess import ENV, _free_address
 
 pytestmark = pytest.mark.slow  # each test starts JAX processes and waits on timeouts
 
-HEARTBEAT_SECONDS = 10  # jpipe._distributed.HEARTBEAT_TIMEOUT_SECONDS, as train.py runs
+HEARTBEAT_SECONDS = 10  # jpipe.runtime.distributed.HEARTBEAT_TIMEOUT_SECONDS, as train.py runs
 JOIN_SECONDS = 5  # the test's own join timeout (train.py's is 30 s: JPIPE_JOIN_TIMEOUT)
 
 PEER = (

@@ -56,9 +56,9 @@ def test_cells_constructors_and_reprs():
     ]
     for action, cell, text in cases:
         assert str(action) == cell and repr(action) == text
-        assert jpipe._schedule.parse_action(cell) == action
+        assert jpipe.schedule.actions.parse_action(cell) == action
         assert action.is_memory and action.key == (2, 0)
-        assert hash(action) == hash(jpipe._schedule.parse_action(cell))
+        assert hash(action) == hash(jpipe.schedule.actions.parse_action(cell))
     assert not F(0, 0).is_memory and F(0, 0).partner is None
     assert EVICT(0, 1, 2) != EVICT(0, 1, 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -225,7 +225,7 @@ def test_other_misplaced_memory_actions_name_rank_position_and_action():
 def test_the_partners_holding_is_counted():
     # Rank 0 evicts microbatch 0 to rank 1 while rank 1 holds its own microbatch 0.
     schedule = Schedule.of([["0F0", "0EVICT0@1", "0F1", "0LOAD0@1", "0B0", "0B1"], DOWN])
-    info = jpipe._validate.analyze(schedule)
+    info = jpipe.schedule.validate.analyze(schedule)
     assert info.peak_live == (2, 2)  # rank 1: its own (1,0) and rank 0's (0,0)
     assert jpipe.simulate(schedule).peak_activations == (2, 2)
     jpipe.validate(schedule, max_live=2)
@@ -236,7 +236,7 @@ def test_the_partners_holding_is_counted():
         e.value
     )
     # Without the eviction rank 1 holds one at a time.
-    assert jpipe._validate.analyze(schedule.without_memory_actions()).peak_live == (2, 1)
+    assert jpipe.schedule.validate.analyze(schedule.without_memory_actions()).peak_live == (2, 1)
 
 
 def test_the_deadlock_walk_treats_fc_as_a_forward():
@@ -355,7 +355,9 @@ def test_plain_schedules_are_unchanged():
         sizes = Sizes(activation=7, carry=3, params=100)
         sim = jpipe.simulate(schedule, sizes=sizes)
         assert sim.peak_bytes == sim.peak_bytes_without
-        assert sim.peak_bytes == jpipe._simulate.peak_bytes(schedule, sizes, schedule.num_stages)
+        assert sim.peak_bytes == jpipe.schedule.simulate.peak_bytes(
+            schedule, sizes, schedule.num_stages
+        )
 
 
 # -- the built-ins ------------------------------------------------------------------
@@ -481,7 +483,7 @@ def test_the_compiler_plans_memory_actions(name):
     # The tick plan lays every memory action out (unit ticks, each copy one
     # tick long), keeps its residual slots within the simulated peaks where
     # copies take a tick, and refuses the packed layout by name.
-    from jpipe._ticks import make_forward_plan, make_plan, program_shape
+    from jpipe.lower.spmd.ticks import make_forward_plan, make_plan, program_shape
 
     schedule = build(name, 4, 8)
     plan = make_plan(schedule)

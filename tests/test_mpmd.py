@@ -15,7 +15,7 @@ import pytest
 
 import jpipe
 from jpipe import models, testing
-from jpipe._mpmd import issue_order
+from jpipe.lower.mpmd.programs import issue_order
 from jpipe.models import gpt
 
 RTOL = 1e-5

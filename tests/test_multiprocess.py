@@ -437,7 +437,7 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
 def test_the_messages_of_a_lost_peer_are_recognized():
     # What a survivor has met when its peer died (each seen in a run of these
     # tests): then it asks the coordinator which process is lost and names it.
-    from jpipe._distributed import _says_peer_lost
+    from jpipe.runtime.distributed import _says_peer_lost
 
     for message in (
         "Gloo connectFullMesh failed with ... Connection closed by peer",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_compiler_properties import random_schedule
 
 import jpipe
-from jpipe._ticks import plan_lifetimes
+from jpipe.lower.spmd.ticks import plan_lifetimes
 
 LAYOUTS = ("unit", "packed")
 BUILTINS = [

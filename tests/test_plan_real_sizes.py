@@ -10,7 +10,7 @@ import json
 import pytest
 
 from jpipe.planner import load_sailor_profile, memory_footprint, plan, plan_file, read_plan_file
-from jpipe.planner._choices import (
+from jpipe.planner.choices import (
     ATTENTION,
     REMAT,
     SAILOR_SHAPES,
@@ -18,9 +18,9 @@ from jpipe.planner._choices import (
     choices_to_try,
     with_choice,
 )
-from jpipe.planner._cli import main
-from jpipe.planner._profiles import profile_from_json, profile_to_json
-from jpipe.planner._search import GIB, NoPlanFits
+from jpipe.planner.cli import main
+from jpipe.planner.plans import GIB, NoPlanFits
+from jpipe.planner.profiles import profile_from_json, profile_to_json
 
 LLAMA = ["--model", "LLAMA-3-8", "--global-batch", "256"]
 

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import pytest
 
 import jpipe
-from jpipe._schedule_search import lowering_runs
 from jpipe.plan import main
 from jpipe.planner import (
     SAILOR_DIR,
@@ -32,6 +31,7 @@ from jpipe.planner import (
     profile_to_json,
     read_plan_file,
 )
+from jpipe.search.engine import lowering_runs
 
 MIT = os.path.join(SAILOR_DIR, "validation", "mit")
 

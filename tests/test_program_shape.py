@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import jpipe
 from jpipe import pack_lifetimes, testing
-from jpipe._lower import switch_writes_in_place
+from jpipe.lower.spmd.program import switch_writes_in_place
 
 ROW = jpipe.Program.ROW
 

@@ -3,7 +3,7 @@
 F keeps per microbatch only the residuals that are activations (made from x,
 or by a matrix product of microbatch data); a bf16 copy of a float32 weight,
 a slice of a stacked weight, an embedding lookup or a mask is made again by
-the I and W pieces that read it (`jpipe/_stage.py`). These tests measure the
+the I and W pieces that read it (`jpipe/stage/pieces.py`). These tests measure the
 residual bytes before (`rebuilt_avals` were all stashed) and after, and check
 that the pipeline still gives the loss and gradients of the unpipelined model.
 """

@@ -3,7 +3,7 @@
 A stage whose layers run in `jax.lax.scan` (or `nn.scan`, or a scan of a
 rematerialised layer) has its whole backward in one scan equation. The I/W
 split divides that scan's body by the same rule as the stage's equations
-(`jpipe/_stage.py`), so the I piece carries per-layer cotangents to W, not
+(`jpipe/stage/pieces.py`), so the I piece carries per-layer cotangents to W, not
 a finished weight gradient. These tests compare scanned stages with the same
 layers unrolled: the carry, the matmul FLOPs of each piece (from the jaxprs,
 a scan's body counted once per iteration: XLA's ``cost_analysis()`` counts a

@@ -7,8 +7,9 @@ import math
 import pytest
 
 import jpipe
-from jpipe import search as search_cli
-from jpipe._schedule_search import (
+from jpipe.lower.spmd.ticks import make_plan
+from jpipe.search import cli as search_cli
+from jpipe.search.engine import (
     BUILTINS,
     Move,
     StageFigures,
@@ -21,7 +22,6 @@ from jpipe._schedule_search import (
     spmd_buffers,
     stage_profile_from_json,
 )
-from jpipe._ticks import make_plan
 
 # One rank's share of a model per microbatch: a forward, its two backward halves,
 # residuals of 1, carries of 0.5, a kept input of 0.05, 2 of parameters and 1 of
@@ -230,7 +230,7 @@ def test_the_walk_evaluates_each_schedule_once(monkeypatch):
     """A set of moves met again is not built and simulated again; it still counts as one
     simulation more, so that the bound on simulations and the count reported hold as they
     did when each was simulated anew."""
-    from jpipe import _schedule_search
+    from jpipe.search import engine as _schedule_search
 
     seen = []
     evaluate = _schedule_search._Evaluator.__call__

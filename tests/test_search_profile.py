@@ -21,8 +21,8 @@ import pytest
 
 import jpipe
 import jpipe.planner
-from jpipe import search as search_cli
 from jpipe.models import split_layers
+from jpipe.search import cli as search_cli
 
 FIXTURE = Path(__file__).parent / "data" / "train_profile.json"
 TRAIN_COMMAND = (

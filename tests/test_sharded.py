@@ -152,7 +152,7 @@ def test_init_makes_each_device_only_its_block():
 # `jpipe.testing.tensor_model`'s blocks use plain JAX collectives over
 # "tensor", as `jax.shard_map` users write them (no custom_vjp wrappers). The
 # pipeline traces each stage as one device sees it, under JAX's rules for
-# varying values (`jpipe._manual`), so their gradients must equal the unsplit
+# varying values (`jpipe.stage.manual`), so their gradients must equal the unsplit
 # model's. 8 fake devices: pipe 3 x tensor 2, and pipe 2 x fsdp 2 x tensor 2.
 COLLECTIVE_MESHES = {
     "pipe3-tensor2": (3, {"tensor": 2}),
@@ -208,7 +208,7 @@ def test_without_the_varying_rules_the_gradients_are_wrong(monkeypatch):
     # What this guards against: traced with the axis names merely bound (as
     # before), psum transposes to psum and the input's cotangent is never
     # summed over tensor: the row-split MLP's split weights get 2x gradients.
-    from jpipe import _lower
+    from jpipe.lower.spmd import program as _lower
 
     monkeypatch.setattr(_lower, "DeviceView", lambda *args: None)  # trace as before
     result = testing.check_schedule("1f1b", 3, 4, model="tensor:mlp", tensor=2)

@@ -688,7 +688,7 @@ def test_a_loss_stage_passing_on_a_fraction_of_a_byte_a_sequence_is_read():
     import json
     import pathlib
 
-    from jpipe.planner import _profiles
+    from jpipe.planner import profiles as _profiles
 
     path = pathlib.Path(__file__).parent / "data" / "train_profile.json"
     data = json.loads(path.read_text())

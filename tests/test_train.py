@@ -540,7 +540,7 @@ def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
         if (
             event == "call"
             and code.co_name == "_analyze"
-            and code.co_filename.endswith(os.path.join("jpipe", "_validate.py"))
+            and code.co_filename.endswith(os.path.join("jpipe", "jpipe/schedule/validate.py"))
         ):
             analysed.append(id(frame.f_locals["schedule"]))
 

@@ -23,7 +23,7 @@ of the scattered output's. The communication is that of the all-reduce they
 replace (an all-reduce is a reduce-scatter then an all-gather).
 
 The stage boundary: jpipe's lowering wants a stage's input and output the
-same on every device of ``tensor`` (`jpipe._manual`), so `at_stage_boundaries`
+same on every device of ``tensor`` (`jpipe.stage.manual`), so `at_stage_boundaries`
 gathers the last block's shard back (``lax.all_gather(..., to="invarying")``)
 and the next stage cuts its shard out of what it receives (no communication);
 the values kept between a stage's blocks are shards, what crosses stages is

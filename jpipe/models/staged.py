@@ -55,7 +55,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jpipe._pipeline import run_stages
+from jpipe.lower.pipeline import run_stages
 
 StageFn = Callable[[Any, Any, Any], Any]
 

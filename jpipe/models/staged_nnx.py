@@ -37,7 +37,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jpipe._pipeline import run_stages
+from jpipe.lower.pipeline import run_stages
 from jpipe.models.staged import (
     StagedModel,
     as_key,

@@ -33,7 +33,7 @@ as ``[V, D]``, the embedding's shape and split (``head/unembed/embedding``,
 split by rows over the axis), and the logits are ``y @ W.T`` (a contraction
 XLA reads in place, no transpose copied). The first rank's embedding and the
 last rank's head then fill one bucket of the packed parameters
-(`jpipe._pack`): stored ``[D, V]`` split by columns, each would need a bucket
+(`jpipe.stage.pack`): stored ``[D, V]`` split by columns, each would need a bucket
 of its own and every other rank a zero row of it, about 3 GB a device more
 for Llama-3-8B on tensor 2 with AdamW (a row of parameters and two of
 moments, 1.05 GB each).
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jpipe._stage import WeightedLoss
 from jpipe.models import sequence
 from jpipe.models.staged import head_token_losses
+from jpipe.stage.pieces import WeightedLoss
 
 
 def local_rows(total: int, axis: str, what: str) -> int:

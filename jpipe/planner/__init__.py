@@ -3,30 +3,30 @@
 The public face of the planner (see ``python -m jpipe.plan`` and
 docs/planner-validation.md). Its passes, one module each:
 
-- `jpipe.planner._profiles`: the profile format (per-layer forward, backward and update
+- `jpipe.planner.profiles`: the profile format (per-layer forward, backward and update
   times per device type, microbatch size and tensor-parallel degree; bytes;
   links), the importer of the published Sailor profiles, and profiles made
   from the trainer's measured stage times;
-- `jpipe.planner._choices`: a profile's activation bytes and times under the
+- `jpipe.planner.choices`: a profile's activation bytes and times under the
   model's attention and remat options (flash-style attention, rematerialization),
   derived from what it measured by a first-principles model;
-- `jpipe.planner._partition`: the contiguous split of layers over stages of given
+- `jpipe.planner.partition`: the contiguous split of layers over stages of given
   speeds that minimises the slowest stage, exactly (with a brute-force
   reference and the uniform and speed-proportional baselines);
-- `jpipe.planner._search`: a plan's step time and memory by simulating the schedule
+- `jpipe.planner.plans`: a plan's step time and memory by simulating the schedule
   that will run, the search over device orders, degrees (one for all, or one per
   device type for the per-rank lowering), microbatches and schedules, and plan
   files the trainer reads (``config.plan``);
-- `jpipe.planner._validation`: the measured Sailor plans against jpipe's prediction
+- `jpipe.planner.validation`: the measured Sailor plans against jpipe's prediction
   and the closed form.
 """
 
-from jpipe.planner._choices import (
+from jpipe.planner.choices import (
     MemoryChoice,
     ModelShape,
     with_choice,
 )
-from jpipe.planner._partition import (
+from jpipe.planner.partition import (
     Partition,
     brute_force_partition,
     partition,
@@ -34,23 +34,7 @@ from jpipe.planner._partition import (
     speed_costs,
     uniform_partition,
 )
-from jpipe.planner._profiles import (
-    JPIPE_RUNTIME,
-    SAILOR_DIR,
-    SAILOR_RUNTIME,
-    LayerTimes,
-    Link,
-    MemoryTerms,
-    Profile,
-    load_profile,
-    load_sailor_profile,
-    monotone_in_batch,
-    profile_from_json,
-    profile_from_stage_times,
-    profile_to_json,
-    save_profile,
-)
-from jpipe.planner._search import (
+from jpipe.planner.plans import (
     LAYOUTS,
     MEMORY_MARGIN,
     ClusterPlan,
@@ -71,8 +55,24 @@ from jpipe.planner._search import (
     read_plan_file,
     spmd_values,
 )
-from jpipe.planner._validation import markdown as validation_markdown
-from jpipe.planner._validation import (
+from jpipe.planner.profiles import (
+    JPIPE_RUNTIME,
+    SAILOR_DIR,
+    SAILOR_RUNTIME,
+    LayerTimes,
+    Link,
+    MemoryTerms,
+    Profile,
+    load_profile,
+    load_sailor_profile,
+    monotone_in_batch,
+    profile_from_json,
+    profile_from_stage_times,
+    profile_to_json,
+    save_profile,
+)
+from jpipe.planner.validation import markdown as validation_markdown
+from jpipe.planner.validation import (
     medians,
     memory_medians,
     picks,

@@ -34,7 +34,7 @@ processes have already joined, and each process's reads are O(1) (process
 A peer that dies before it publishes is not waited for forever: the waits
 end after `WAIT_SECONDS` naming the processes that did not answer, and
 sooner when the coordination service notices a lost peer (see
-`jpipe._distributed`).
+`jpipe.runtime.distributed`).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def check_agreement(prepared: Prepared, *, timeout_seconds: float = WAIT_SECONDS
         for key, value in client.key_value_dir_get(f"{base}/differs/")
     )
     if reports:
-        from jpipe import _distributed
+        from jpipe.runtime import distributed as _distributed
 
         _distributed.failing_together()  # process 0 exits last, so that every process says it
         shown = "; ".join(item for _, found in reports[:3] for item in found[:8])

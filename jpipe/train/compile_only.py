@@ -38,7 +38,7 @@ Printed: a table (stdout), then, as the last line of stdout, one JSON object::
   step is many programs issued from the host.
 - ``predicted_bytes``: jpipe's byte model for the lowering, from the same
   shapes: the schedule search's `device_bytes` (``"spmd"`` or
-  ``"per_rank"``, `jpipe._schedule_search`, what ``python -m jpipe.search``
+  ``"per_rank"``, `jpipe.search.engine`, what ``python -m jpipe.search``
   fits schedules with), its figures taken from this step's pieces: each
   stage's residual, carry and output bytes (`jpipe.StageKernels`), its
   parameters' bytes per device times (weights, gradient accumulator, the
@@ -79,7 +79,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpipe
-from jpipe._lowering import lowering_kind
+from jpipe.lower.interface import lowering_kind
 from jpipe.train.config import TrainConfig, device_memory_bytes
 from jpipe.train.prepare import Built, batch_shapes, build, check_row_keys, prepare
 from jpipe.train.profile import compiled_bytes
@@ -211,7 +211,7 @@ def compile_only(
             raise _NotAsked("config.compile_only_predict=False")
         predicted = _predicted(pipeline, built, keyed, log)
         predicted_by = (
-            f"jpipe._schedule_search.device_bytes (layout "
+            f"jpipe.search.engine.device_bytes (layout "
             f"{lowering_kind(c.lowering).layout}) on figures from this step's "
             "pieces"
         )
@@ -428,7 +428,7 @@ def _nbytes(avals) -> int:
 
 def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[float, ...]:
     """Each rank's device bytes as jpipe's byte model for the lowering predicts them."""
-    from jpipe._schedule_search import device_bytes
+    from jpipe.search.engine import device_bytes
 
     schedule = pipeline.schedule
     kernels = pipeline.stage_kernels(keyed)

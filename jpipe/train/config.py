@@ -23,9 +23,9 @@ from typing import Any
 import ml_collections
 
 import jpipe
-from jpipe._distributed import num_processes
-from jpipe._lowering import lowering_kind
+from jpipe.lower.interface import lowering_kind
 from jpipe.models import gpt
+from jpipe.runtime.distributed import num_processes
 from jpipe.train import data as data_lib
 
 
@@ -532,7 +532,7 @@ def device_memory_bytes(value) -> tuple[float, str]:
     Raises:
       ConfigError: naming the field, when it is none of these.
     """
-    from jpipe.planner._profiles import DEVICE_MEMORY
+    from jpipe.planner.profiles import DEVICE_MEMORY
 
     field = "compile_only_device_memory"
     kinds = ", ".join(DEVICE_MEMORY)
@@ -548,7 +548,7 @@ def device_memory_bytes(value) -> tuple[float, str]:
         raise config_error(field, value, accepted)
     if value.strip() in DEVICE_MEMORY:
         return float(DEVICE_MEMORY[value.strip()]), value.strip()
-    from jpipe.search import parse_bytes
+    from jpipe.search.cli import parse_bytes
 
     try:
         return parse_bytes(value), value.strip()
@@ -582,7 +582,7 @@ def _apply_plan(kwargs: dict) -> dict:
     path = kwargs["plan"]
     settings = _read_plan(path)
     trusted = _check_type("trust_plan", kwargs.get("trust_plan", False), bool, "True or False")
-    from jpipe._registry import names_code
+    from jpipe.schedule.registry import names_code
 
     # A plan file is data: the code it names runs only if the user says so, by trusting
     # the file or by naming the same schedule themselves (docs/trust.md).

@@ -46,8 +46,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jpipe import models
-from jpipe._pack import ParamLayout  # the packed layout is a pure function of shapes
 from jpipe.models import registry
+from jpipe.stage.pack import ParamLayout  # the packed layout is a pure function of shapes
 from jpipe.train.config import ConfigError, TrainConfig
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step

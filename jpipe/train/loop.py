@@ -41,10 +41,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jpipe
-from jpipe._chart import text_chart
-from jpipe._distributed import num_processes
 from jpipe.models.registry import load_function
 from jpipe.planner import save_profile
+from jpipe.runtime.distributed import num_processes
+from jpipe.schedule.chart import text_chart
 from jpipe.train.agreement import check_agreement
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
 from jpipe.train.config import ConfigError, TrainConfig, config_error

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 import jpipe
-from jpipe._stage import stage_pieces
 from jpipe.planner import MemoryTerms, Profile, profile_from_stage_times, spmd_values
+from jpipe.stage.pieces import stage_pieces
 from jpipe.train.metrics import mib, say
 
 

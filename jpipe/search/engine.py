@@ -89,11 +89,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from jpipe._lowering import KINDS, MPMD, LoweringKind
-from jpipe._registry import get_schedule
-from jpipe._schedule import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
-from jpipe._simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
-from jpipe._validate import ScheduleError, analyze
+from jpipe.lower.interface import KINDS, MPMD, LoweringKind
+from jpipe.schedule.actions import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
+from jpipe.schedule.registry import get_schedule
+from jpipe.schedule.simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
+from jpipe.schedule.validate import ScheduleError, analyze
 
 LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "per_rank")
 """The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
@@ -105,7 +105,7 @@ MARGIN = 0.10
 
 
 def layout_kind(layout: str) -> LoweringKind:
-    """The lowering whose memory a layout stands for (`jpipe._lowering`): ``"spmd"`` is
+    """The lowering whose memory a layout stands for (`jpipe.lower.interface`): ``"spmd"`` is
     the SPMD lowering's, ``"per_rank"`` the per-rank lowering's."""
     for kind in KINDS.values():
         if kind.layout == layout:
@@ -934,7 +934,7 @@ def _from_measured_stages(stages, blocks_per_stage, read: _Reader, common) -> La
     )  # fmt: skip
 
 
-PROFILES_DIR = os.path.join(os.path.dirname(__file__), "_data", "profiles")
+PROFILES_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_data", "profiles")
 
 
 def load_stage_profile(
@@ -1020,7 +1020,9 @@ def lowering_runs(layout: str, kind: str) -> bool:
         raise ValueError(f"{kind!r} is not a memory action ({', '.join(MEMORY_KINDS)})")
     if lowering.runs_all_memory_actions:
         return True
-    from jpipe._ticks import make_plan  # the SPMD lowering's pass; imported only when asked
+    from jpipe.lower.spmd.ticks import (
+        make_plan,  # the SPMD lowering's pass; imported only when asked
+    )
 
     name, R, M, options = _PROBES[kind]
     probe = get_schedule(name, R, M, **options)
@@ -1264,7 +1266,7 @@ def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, floa
     rows of its buffer: on GPT-2 small both buffers came out exactly the
     program's (docs/search.md).
     """
-    from jpipe._ticks import pack_lifetimes, plan_lifetimes
+    from jpipe.lower.spmd.ticks import pack_lifetimes, plan_lifetimes
 
     lifetimes = plan_lifetimes(schedule)  # `make_plan(schedule).lifetimes`, without the rest
     table = figures.sizes.table(schedule.num_stages)

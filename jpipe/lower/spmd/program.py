@@ -55,20 +55,20 @@ After the conditionals every rank takes part in the same collectives, one
 the outputs handed over on the same rank, are written to the io slots the
 table names at the start of the next tick, before anything reads.
 
-**Buffers**, none of which grows with the microbatches (see `jpipe._ticks`):
+**Buffers**, none of which grows with the microbatches (see `jpipe.lower.spmd.ticks`):
 
 - ``io``: activations and gradients waiting for their consumer, one slot per
   value, as wide as the widest activation;
 - ``res``: residuals from each F kept for its backward, and ``carry``: what
   each I keeps for its W. These are sized in bytes, not slots: each rank's
-  values are placed at row offsets by `jpipe._ticks.pack_lifetimes` at their
+  values are placed at row offsets by `jpipe.lower.spmd.ticks.pack_lifetimes` at their
   own stage's size, in one buffer of rows of `ROW` raw 32-bit words whatever
   their dtypes (`_Arena`), and every device allocates the largest rank's
   extent (in SPMD every device runs the same program), not the busiest
   rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
-**Memory actions** (`jpipe._ticks.Plan`'s `moves` and ``f_mode``): an FC
+**Memory actions** (`jpipe.lower.spmd.ticks.Plan`'s `moves` and ``f_mode``): an FC
 runs a branch of its class that writes no residuals, a recompute the F's
 own branch reading the FC's kept io slot; evictions and loads ride *lanes*,
 one `ppermute` each every tick outside any branch (`move_lanes`), written
@@ -77,10 +77,10 @@ a host buffer (`jax.memory.Space.Host`) in a `cond` per class. All copies
 run at the start of their tick, before its pieces (docs/design.md, "Memory
 actions in the SPMD program").
 
-Values in the io buffer are flat, one vector per dtype (`jpipe._stage.FlatLayout`);
+Values in the io buffer are flat, one vector per dtype (`jpipe.stage.pieces.FlatLayout`);
 in the residual and carry buffers each leaf starts on a row of its own and
 is written and read by itself.
-Parameters arrive packed in buckets (`jpipe._pack`): a rank's row of a bucket
+Parameters arrive packed in buckets (`jpipe.stage.pack`): a rank's row of a bucket
 is one of its own stages' arrays, which the stage's branch reshapes in place.
 """
 
@@ -97,11 +97,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jpipe._contract import check_stage_outputs
-from jpipe._manual import DeviceView
-from jpipe._pack import ParamLayout
-from jpipe._stage import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
-from jpipe._ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
+from jpipe.lower.spmd.ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
+from jpipe.stage.contract import check_stage_outputs
+from jpipe.stage.manual import DeviceView
+from jpipe.stage.pack import ParamLayout
+from jpipe.stage.pieces import FlatLayout, StageKernels, WeightedLoss, loss_seed, merge_widths
 
 ROW = 128
 """32-bit words per row of the value buffer: values are placed at row offsets,
@@ -213,7 +213,7 @@ def trace_kernels(
 ) -> list[StageKernels]:
     """Traces every stage's F, I and W, feeding each the previous one's output shape.
 
-    Each stage is traced as one device of `mesh` sees it (`jpipe._manual`;
+    Each stage is traced as one device of `mesh` sees it (`jpipe.stage.manual`;
     `mesh` and `layout` may also be lists, one per stage, for ranks whose
     meshes differ in shape):
     varying over `pipe_axis` and the `batch_axes` (``data``, ``fsdp``), each
@@ -592,7 +592,7 @@ def build_step(
     """Lowers a plan to a `Program`: ``run(packed_params, batch_mb) -> (loss, packed_grads)``.
 
     `batch_mb` is the batch cut into microbatches, ``[rows, M, ...]`` per leaf
-    (`jpipe._microbatch.split_microbatches`).
+    (`jpipe.lower.microbatch.split_microbatches`).
 
     Args:
       stage_fns: the user's stage functions.
@@ -608,7 +608,7 @@ def build_step(
         axis made XLA insert collectives inside the branches, where ranks that
         take different branches deadlock.)
       forward_only: build only the forward pieces, for a plan of forwards
-        (`jpipe._ticks.make_forward_plan`); the gradients come back as zeros.
+        (`jpipe.lower.spmd.ticks.make_forward_plan`); the gradients come back as zeros.
       kernels: the stages' pieces from `trace_kernels`, if already traced.
       idle: run no piece in any tick (`Plan.table(idle=True)`), to measure
         the cost of the program's control alone; the results are zeros.

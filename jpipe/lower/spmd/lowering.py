@@ -1,8 +1,8 @@
 """The SPMD lowering behind `jpipe.Pipeline`: the whole step as one jitted program.
 
-`jpipe._lower.build_step` lowers a tick plan (`jpipe._ticks`) to one
+`jpipe.lower.spmd.program.build_step` lowers a tick plan (`jpipe.lower.spmd.ticks`) to one
 program over the whole mesh; this module is what `Pipeline` asks of it
-(`jpipe._lowering.Lowering`): the step and the forward-only loss, each
+(`jpipe.lower.interface.Lowering`): the step and the forward-only loss, each
 built and jitted once per batch shape, their compilation, and the
 program itself for inspection. It is the one place that jits the SPMD step.
 """
@@ -15,17 +15,17 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import Program, build_step
-from jpipe._lowering import SPMD, Lowering
-from jpipe._microbatch import split_microbatches
-from jpipe._ticks import make_forward_plan, make_plan
+from jpipe.lower.interface import SPMD, Lowering
+from jpipe.lower.microbatch import split_microbatches
+from jpipe.lower.spmd.program import Program, build_step
+from jpipe.lower.spmd.ticks import make_forward_plan, make_plan
 
 
 class SpmdLowering(Lowering):
     """One program over the mesh, every device in lock step (``lowering="spmd"``).
 
     The tick plan lays out the schedule's memory actions too
-    (`jpipe._ticks`), so it is made from the schedule as written.
+    (`jpipe.lower.spmd.ticks`), so it is made from the schedule as written.
     """
 
     kind = SPMD

@@ -60,7 +60,7 @@ Metis, Sailor, FlashFlex) use on the same inputs:
 
 `plan` searches device orderings (types in contiguous blocks), tensor-,
 data- and pipeline-parallel degrees, microbatch sizes and schedules; for each
-shape it splits layers with the exact partitioner (`jpipe.planner._partition`, each
+shape it splits layers with the exact partitioner (`jpipe.planner.partition`, each
 stage's memory under the plan's layout a hard limit), then simulates, and keeps
 a plan only if every device's footprint under its layout fits the device's
 usable memory less a margin (``memory_margin``, default 10%). Candidates are
@@ -83,7 +83,7 @@ skipped before it. Both bounds never exceed the simulated step, so the best
 plans are the ones an exhaustive search would keep.
 
 `plan` runs that search once per attention and remat choice of the model
-(`jpipe.planner._choices`), as measured first, and keeps the first choice under
+(`jpipe.planner.choices`), as measured first, and keeps the first choice under
 which a plan fits. Where none does it raises one `NoPlanFits`: the shape that
 came closest (its binding device's need over what it may hold; for a shape no
 split fits, the split that needs the least memory), with the bytes needed and
@@ -101,10 +101,18 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from jpipe._registry import get_schedule
-from jpipe._schedule import Schedule
-from jpipe._schedule_search import StageFigures, layout_kind, runs_schedule, search_schedule
-from jpipe._simulate import (
+from jpipe.planner.choices import AUTO, MemoryChoice, choices_to_try, with_choice
+from jpipe.planner.partition import (
+    NoSplitFits,
+    Partition,
+    partition,
+    proportional_partition,
+    uniform_partition,
+)
+from jpipe.planner.profiles import Profile
+from jpipe.schedule.actions import Schedule
+from jpipe.schedule.registry import get_schedule
+from jpipe.schedule.simulate import (
     Costs,
     Simulation,
     Sizes,
@@ -114,16 +122,8 @@ from jpipe._simulate import (
     peak_bytes,
     simulate,
 )
-from jpipe._validate import analyze
-from jpipe.planner._choices import AUTO, MemoryChoice, choices_to_try, with_choice
-from jpipe.planner._partition import (
-    NoSplitFits,
-    Partition,
-    partition,
-    proportional_partition,
-    uniform_partition,
-)
-from jpipe.planner._profiles import Profile
+from jpipe.schedule.validate import analyze
+from jpipe.search.engine import StageFigures, layout_kind, runs_schedule, search_schedule
 
 PLAN_FORMAT = "jpipe-plan/1"
 LAYOUTS = ("spmd", "per_rank")
@@ -1111,7 +1111,7 @@ def plan(
       attention, remat: the model's attention implementation and remat policy the
         plans assume (`jpipe.models.attention`), each ``"auto"`` (the default) to
         let the search choose. Under each choice the profile's bytes and times are
-        derived (`jpipe.planner._choices`; it needs the profile's model shape) and
+        derived (`jpipe.planner.choices`; it needs the profile's model shape) and
         the search below runs; the first choice under which some plan fits wins
         (`SearchResult.memory_choice`). The choices are tried as measured first,
         then by their cost in time (no remat, ``dots``, ``full``; flash-style
@@ -1996,7 +1996,7 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
 
 def _check_model_options(options, where: str) -> None:
     """A plan file's ``model_options``, where present: the model's attention and remat."""
-    from jpipe.planner._choices import ATTENTION, REMAT
+    from jpipe.planner.choices import ATTENTION, REMAT
 
     if options is None:
         return
@@ -2092,7 +2092,7 @@ def _unknown(d: dict, known, where: str, field: str) -> None:
 def known_device_kind(kind: str) -> bool:
     """Whether jpipe knows `kind`: a device type of Sailor's profiles, or a name JAX gives
     (``cpu``, ``NVIDIA ...``, ``AMD ...``, ``TPU ...``, as measured profiles record it)."""
-    from jpipe.planner._profiles import DEVICE_MEMORY
+    from jpipe.planner.profiles import DEVICE_MEMORY
 
     return (
         kind in DEVICE_MEMORY
@@ -2194,14 +2194,14 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
 
     Strict: every field has its JSON type (integers are integers, not ``2.7``,
     ``true`` or ``"2"``), numbers are finite, sizes within jpipe's limits
-    (`jpipe._schedule.MAX_RANKS`, `MAX_ACTIONS`, `MAX_PLAN_DEVICES`), and a
+    (`jpipe.schedule.actions.MAX_RANKS`, `MAX_ACTIONS`, `MAX_PLAN_DEVICES`), and a
     field that is not one of a plan's is refused; each error is one line
     naming the file and the field. A device kind jpipe does not know
     (`known_device_kind`) is warned about. The ``schedule`` is returned as
     written: a ``file.py:function`` runs code, which the trainer refuses from
     a plan unless told to trust it (``config.trust_plan``, docs/trust.md).
     """
-    from jpipe._schedule import MAX_RANKS, check_size
+    from jpipe.schedule.actions import MAX_RANKS, check_size
 
     if isinstance(source, str):
         try:
@@ -2278,7 +2278,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             where,
             "mesh",
             f"takes {devices:,} devices, more than jpipe's limit of MAX_PLAN_DEVICES="
-            f"{MAX_PLAN_DEVICES:,} (jpipe.planner._search)",
+            f"{MAX_PLAN_DEVICES:,} (jpipe.planner.plans)",
         )
     stages = len(blocks)
     if stages % pipe:

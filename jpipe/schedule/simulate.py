@@ -24,7 +24,7 @@ count: jpipe's ``W`` piece reads the residuals too); an ``I`` adds its
 its list in order, so walking the list gives its live bytes after every action;
 the maximum plus the parameters of its stages is the rank's ``peak_bytes``.
 
-Memory actions (`jpipe._schedule.MEMORY_KINDS`) change both figures.
+Memory actions (`jpipe.schedule.actions.MEMORY_KINDS`) change both figures.
 
 Time. ``FC`` costs a forward and ``RECOMPUTE`` costs a forward too (or
 `Costs.recompute`), on the rank's compute like any action. A transfer runs
@@ -56,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jpipe._events import (
+from jpipe.schedule.actions import Action, Schedule
+from jpipe.schedule.events import (
     Costs,
     PerStage,
     _check_values,
@@ -65,8 +66,7 @@ from jpipe._events import (
     _per_stage,
     _run,
 )
-from jpipe._schedule import Action, Schedule
-from jpipe._validate import _rows, analyze
+from jpipe.schedule.validate import _rows, analyze
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Moving values between the per-rank lowering's ranks, within a process or across processes.
 
-The per-rank lowering (`jpipe._mpmd`) runs each rank's pieces on the rank's
+The per-rank lowering (`jpipe.lower.mpmd.programs`) runs each rank's pieces on the rank's
 own devices and hands values (activations, gradients, evicted residuals, the
 loss) from one rank to another. A `Courier` does the handing:
 
@@ -37,7 +37,7 @@ gradients anyway.
 A rank's devices must all belong to one process (its pieces are single-
 process programs); a mesh whose rank spans processes is refused by name.
 When a peer dies, the coordination service stops the survivors within its
-heartbeat timeout (`jpipe._distributed`), as for the SPMD lowering.
+heartbeat timeout (`jpipe.runtime.distributed`), as for the SPMD lowering.
 """
 
 from __future__ import annotations

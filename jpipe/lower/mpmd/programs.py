@@ -1,6 +1,6 @@
 """The per-rank lowering: one small program per piece, run on its rank's own devices.
 
-The SPMD lowering (`jpipe._lower`) makes the whole step one program that
+The SPMD lowering (`jpipe.lower.spmd.program`) makes the whole step one program that
 every device runs in lock step, choosing its work each tick through
 conditionals. This lowering runs the same validated schedule another way:
 
@@ -57,14 +57,14 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._contract import check_stage_outputs
-from jpipe._lower import axis_env
-from jpipe._lowering import MPMD, Lowering
-from jpipe._pack import ParamLayout
-from jpipe._schedule import Action, Schedule
-from jpipe._stage import StageKernels, WeightedLoss, loss_seed
-from jpipe._ticks import make_forward_plan, make_plan
-from jpipe._transfer import Courier, process_of
+from jpipe.lower.interface import MPMD, Lowering
+from jpipe.lower.mpmd.transfer import Courier, process_of
+from jpipe.lower.spmd.program import axis_env
+from jpipe.lower.spmd.ticks import make_forward_plan, make_plan
+from jpipe.schedule.actions import Action, Schedule
+from jpipe.stage.contract import check_stage_outputs
+from jpipe.stage.pack import ParamLayout
+from jpipe.stage.pieces import StageKernels, WeightedLoss, loss_seed
 
 
 def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
@@ -332,7 +332,7 @@ class RankPrograms:
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names=set(mesh.axis_names),
-            check_vma=False,  # the pieces are replayed jaxprs (see jpipe._lower)
+            check_vma=False,  # the pieces are replayed jaxprs (see jpipe.lower.spmd.program)
         )
 
     def _gathered(self, rows, s):

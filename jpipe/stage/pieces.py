@@ -81,11 +81,11 @@ unrolled backward drops as dead code (JAX's own transpose does the same).
 Values between pieces are kept as flat vectors, one per dtype (`FlatLayout`),
 so that the stages, whose pytrees differ, can share fixed-size buffers.
 
-Collectives. Given a `jpipe._manual.DeviceView` (the pipeline always gives
+Collectives. Given a `jpipe.stage.manual.DeviceView` (the pipeline always gives
 one), the forward and the backward are traced as one device of the mesh sees
 them, under JAX's rules for varying values, so that a stage's own
 ``lax.psum`` over ``tensor`` gets JAX's own gradients; what is split above is
-that program with JAX's casts removed (`jpipe._manual`).
+that program with JAX's casts removed (`jpipe.stage.manual`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ from jax.extend.core import (
     jaxprs_in_params,
 )
 
-from jpipe._manual import DeviceView, _bind, _body, make_jaxpr_varying
+from jpipe.stage.manual import DeviceView, _bind, _body, make_jaxpr_varying
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +332,7 @@ class StageKernels:
     ) -> StageKernels:
         """Traces `fn` for the shapes of `params`, `x` (or None) and `inputs`.
 
-        With `view`, as one device of its mesh sees them (`jpipe._manual`):
+        With `view`, as one device of its mesh sees them (`jpipe.stage.manual`):
         the stage's own collectives then get JAX's gradients, and one over
         the pipeline axis is refused, naming the stage as `name`.
         """
@@ -581,7 +581,7 @@ def _make_jaxpr(fn, args: tuple, vmas, view: DeviceView | None, name: str):
 
     `vmas` lists the varying axes of each of the flattened `args`' leaves.
     Returns ``(closed, out_vmas)``: the jaxpr to split (without JAX's casts,
-    `jpipe._manual.without_casts`) and each output's varying axes (None
+    `jpipe.stage.manual.without_casts`) and each output's varying axes (None
     without a view). A collective over the pipeline axis is refused here.
     """
     if view is None:

@@ -19,7 +19,7 @@ figures. Optimizer state built on the packed dict (`optax` works on it
 directly) has the same layout.
 
 Splits inside a stage: the mesh may have axes besides ``pipe`` and
-``data``. The program is manual over all of them (`jpipe._lower`), so each
+``data``. The program is manual over all of them (`jpipe.lower.spmd.program`), so each
 device holds, and each stage sees, its own block of an array:
 
 - A *model* axis (``tensor``): an array given a `PartitionSpec` over it
@@ -28,7 +28,7 @@ device holds, and each stage sees, its own block of an array:
   ``P(pipe, *spec)``. The stage function gets the device's block (a
   Megatron column-split ``[D, 3D]`` weight arrives as ``[D, 3D / T]``) and
   writes the collectives itself with plain JAX (``lax.psum(y, "tensor")``),
-  as `jpipe.models.gpt` does; `jpipe._manual` traces it so that their
+  as `jpipe.models.gpt` does; `jpipe.stage.manual` traces it so that their
   gradients are JAX's own.
 - The ``fsdp`` axis: every array is split over it too (ZeRO-3: parameters,
   gradients and optimizer state): a flat bucket along its row, a shaped one

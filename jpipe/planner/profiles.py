@@ -48,7 +48,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from jpipe.planner._choices import SAILOR_SHAPES, MemoryChoice, ModelShape
+from jpipe.planner.choices import SAILOR_SHAPES, MemoryChoice, ModelShape
 
 FORMAT = "jpipe-profile/2"
 OLD_FORMATS = ("jpipe-profile/1",)
@@ -408,11 +408,11 @@ class Profile:
         (a profile of measured stages); `None` means one per ``"block"`` layer.
       shape: the model's shape (sequence length, width, heads) and the attention
         and remat its bytes were measured under, where known (`ModelShape`); it
-        lets `jpipe.planner._choices` derive the bytes under other choices.
+        lets `jpipe.planner.choices` derive the bytes under other choices.
       recompute_bytes: ``{T: bytes per layer of one sequence}`` a layer's backward
         holds once while it re-runs its forward (remat); empty when none does.
       memory_choice: the attention and remat choice the bytes and times stand for
-        when `jpipe.planner._choices.with_choice` derived them; `None` as measured.
+        when `jpipe.planner.choices.with_choice` derived them; `None` as measured.
     """
 
     model: str

@@ -2,8 +2,8 @@
 
 `Costs` (the time each kind of action takes), `_run` (each action's start and
 end, given a dependency order) and `_live_events` (each rank's changes of live
-bytes in time order) are what both the simulator (`jpipe._simulate`, whose
-module docstring says what is modelled) and validation (`jpipe._validate`,
+bytes in time order) are what both the simulator (`jpipe.schedule.simulate`, whose
+module docstring says what is modelled) and validation (`jpipe.schedule.validate`,
 which places what a rank holds for a partner in time, with unit costs) read.
 They are here, below both, so that validation needs nothing from the simulator.
 """

@@ -4,7 +4,7 @@ The compiled program runs in lock-step ticks: in each tick every rank runs its
 pieces of work, then all ranks meet at the tick's transfers to their
 neighbours. A piece is an ``F``, an ``I`` or a ``W``; a full backward ``B``
 runs as its ``I`` part and then its ``W`` part, on the same rank, with nothing
-recomputed (the split is exact, see `jpipe._stage`). Each rank keeps its
+recomputed (the split is exact, see `jpipe.stage.pieces`). Each rank keeps its
 list order, so the live activations on every rank are what the simulator
 reports. Two layouts of the ticks:
 
@@ -58,9 +58,9 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from jpipe._schedule import Schedule
-from jpipe._simulate import Costs, _start_times
-from jpipe._validate import analyze
+from jpipe.schedule.actions import Schedule
+from jpipe.schedule.simulate import Costs, _start_times
+from jpipe.schedule.validate import analyze
 
 # Phases inside one tick, in program order.
 (

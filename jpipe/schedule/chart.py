@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from jpipe._simulate import Event, Simulation
+from jpipe.schedule.simulate import Event, Simulation
 
 _KIND_NAMES = {
     "F": "forward",

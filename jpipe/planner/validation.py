@@ -1,7 +1,7 @@
 """Validation: jpipe's predictions against plans measured on real clusters.
 
 `validate_directory` reads every Sailor ``plan_config_*.json`` under a folder,
-predicts each with `jpipe.planner._search.evaluate` (the schedule simulated) and with
+predicts each with `jpipe.planner.plans.evaluate` (the schedule simulated) and with
 the closed form on the same inputs, and returns one `Row` per plan with the
 measured seconds per iteration and peak memory. Memory is predicted under the
 ``per_rank`` layout (Sailor's runtime ran one program per rank), and also
@@ -31,8 +31,8 @@ import json
 import os
 import statistics
 
-from jpipe.planner._profiles import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
-from jpipe.planner._search import GIB, ClusterPlan, evaluate, load_sailor_plan, memory_footprint
+from jpipe.planner.plans import GIB, ClusterPlan, evaluate, load_sailor_plan, memory_footprint
+from jpipe.planner.profiles import SAILOR_DIR, Profile, load_sailor_profile, monotone_in_batch
 
 # Sailor's folder names for models, as its profiles name them.
 _MODEL_ALIASES = {"OPT-350": "OPT-350", "GPT-NEO": "GPT-Neo-2.7", "LLAMA": "LLAMA-3-8"}

@@ -14,7 +14,7 @@ Usage::
 Planning (``--model``) searches tensor-, data- and pipeline-parallel degrees,
 device orderings, microbatch sizes and schedules; each candidate's layers are
 split by the exact partitioner and its schedule simulated with the profile's
-per-stage costs, transfers, all-reduce and update (`jpipe.planner._search`).
+per-stage costs, transfers, all-reduce and update (`jpipe.planner.plans`).
 ``--schedules search`` has `jpipe.search_schedule` choose, for each shape,
 the fastest built-in (with its options, V shapes, and memory actions where
 the layout's lowering runs them) whose footprint fits the tightest device.
@@ -41,7 +41,7 @@ Profiles default to the published Sailor ones inside jpipe; ``--profiles``
 takes another Sailor data folder or a jpipe profile JSON file. Sailor times
 are made non-decreasing in microbatch size unless ``--raw-profiles``.
 ``--attention`` and ``--remat`` say how the model computes attention and what
-each block keeps for its backward (`jpipe.planner._choices` derives the
+each block keeps for its backward (`jpipe.planner.choices` derives the
 profile's bytes and times under them); ``auto``, the default, tries the
 profile as measured first, then the choices that hold less, and the plan
 says which it uses. Bad input exits with status 2 and one line ``error:
@@ -61,22 +61,14 @@ import json
 import os
 import sys
 
-from jpipe._chart import draw_gantt, text_chart
-from jpipe.planner._choices import ATTENTION, AUTO, REMAT, choices_to_try, with_choice
-from jpipe.planner._partition import (
+from jpipe.planner.choices import ATTENTION, AUTO, REMAT, choices_to_try, with_choice
+from jpipe.planner.partition import (
     partition,
     proportional_partition,
     speed_costs,
     uniform_partition,
 )
-from jpipe.planner._profiles import (
-    SAILOR_DIR,
-    check_plausible,
-    load_profile,
-    load_sailor_profile,
-    monotone_in_batch,
-)
-from jpipe.planner._search import (
+from jpipe.planner.plans import (
     LAYOUTS,
     MEMORY_MARGIN,
     NoPlanFits,
@@ -88,7 +80,14 @@ from jpipe.planner._search import (
     plan,
     plan_file,
 )
-from jpipe.planner._validation import (
+from jpipe.planner.profiles import (
+    SAILOR_DIR,
+    check_plausible,
+    load_profile,
+    load_sailor_profile,
+    monotone_in_batch,
+)
+from jpipe.planner.validation import (
     markdown,
     medians,
     memory_medians,
@@ -96,6 +95,7 @@ from jpipe.planner._validation import (
     repair_layers,
     validate_directory,
 )
+from jpipe.schedule.chart import draw_gantt, text_chart
 
 
 class _Usage(ValueError):

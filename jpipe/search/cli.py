@@ -26,7 +26,7 @@ stage separated by ``/``, as in ``F=1/1/1/2``; ``working`` is the largest
 piece's working memory, ``grad_output`` the gradients an SPMD step returns
 beside its accumulator; bytes may carry a unit, ``1.5GiB``).
 
-See `jpipe._schedule_search` for what is searched and how memory is
+See `jpipe.search.engine` for what is searched and how memory is
 counted: per device, the parameters (``params``: weights, gradients,
 optimizer state), the live residuals, carries and kept inputs, and the
 working memory of the largest piece; under ``--layout spmd`` (the SPMD
@@ -46,7 +46,7 @@ candidates. ``--csv`` saves the winner in PyTorch's CSV form (``train.py
 prints one JSON object instead. Bytes print in the unit that suits them
 (B, KiB, MiB, GiB, TiB); candidates whose simulated steps tie are listed
 with the fewest memory actions first, and the winner is the first that
-fits (`jpipe._schedule_search.rank_candidates`). Bad input exits with status 2 and one line
+fits (`jpipe.search.engine.rank_candidates`). Bad input exits with status 2 and one line
 ``error: ...``; no schedule that fits exits with status 1.
 """
 
@@ -58,9 +58,9 @@ import re
 import sys
 import warnings
 
-from jpipe._chart import draw_gantt, text_chart
-from jpipe._console import run_main
-from jpipe._schedule_search import (
+from jpipe.schedule.chart import draw_gantt, text_chart
+from jpipe.schedule.simulate import Costs, Sizes
+from jpipe.search.engine import (
     LAYOUTS,
     MARGIN,
     StageFigures,
@@ -70,7 +70,6 @@ from jpipe._schedule_search import (
     load_stage_profile,
     search_schedule,
 )
-from jpipe._simulate import Costs, Sizes
 
 __all__ = ["main", "parse_bytes"]
 
@@ -353,7 +352,3 @@ def main(argv: list[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0 if w is not None else 1
-
-
-if __name__ == "__main__":
-    sys.exit(run_main(main))

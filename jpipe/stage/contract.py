@@ -1,14 +1,14 @@
 """The stage contract: what a stage may return, checked once for both lowerings.
 
-Both lowerings (the SPMD program, `jpipe._lower.build_step`, and the per-rank
-programs, `jpipe._mpmd.RankPrograms`) run the same traced pieces
+Both lowerings (the SPMD program, `jpipe.lower.spmd.program.build_step`, and the per-rank
+programs, `jpipe.lower.mpmd.programs.RankPrograms`) run the same traced pieces
 (`jpipe.StageKernels`) and rely on the same two rules about them:
 
 - **The last stage returns its microbatch's loss**: one float scalar, or a
   `jpipe.WeightedLoss(total, weight)` of two float scalars. The pipeline's
   loss is the mean of those scalars over microbatches (or the summed totals
   over the summed weights), and each microbatch's backward starts from its
-  scalar's seed (`jpipe._stage.loss_seed`). A loss per row, a tuple of
+  scalar's seed (`jpipe.stage.pieces.loss_seed`). A loss per row, a tuple of
   losses or an integer count has no such seed.
 - **Values between stages are floating point**, every leaf of them, since
   the backward carries a cotangent of each leaf to the stage before. An
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jpipe._stage import StageKernels, WeightedLoss
+from jpipe.stage.pieces import StageKernels, WeightedLoss
 
 LOSS_RULE = (
     "must return its microbatch's loss as one float scalar, or a "

@@ -2,7 +2,7 @@
 
 A `Pipeline` ties a model (an ordered list of stage functions), a schedule
 and a mesh together. It checks that they fit before anything is compiled,
-packs parameters so each rank holds only its own stages (`jpipe._pack`), and
+packs parameters so each rank holds only its own stages (`jpipe.stage.pack`), and
 builds the jitted step ``(packed_params, batch) -> (loss, packed_grads)``
 whose loss is the mean over microbatches and whose gradients are those of
 `jax.value_and_grad` of the unpipelined model.
@@ -24,17 +24,17 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpipe._lower import CONTROLS, Program, trace_kernels
-from jpipe._lowering import KINDS, Lowering, LoweringKind, lowering_kind
-from jpipe._microbatch import microbatches
-from jpipe._pack import ParamLayout
-from jpipe._schedule import Schedule
-from jpipe._stage import WeightedLoss
-from jpipe._ticks import check_layout as check_tick_layout
-from jpipe._validate import analyze
+from jpipe.lower.interface import KINDS, Lowering, LoweringKind, lowering_kind
+from jpipe.lower.microbatch import microbatches
+from jpipe.lower.spmd.program import CONTROLS, Program, trace_kernels
+from jpipe.lower.spmd.ticks import check_layout as check_tick_layout
+from jpipe.schedule.actions import Schedule
+from jpipe.schedule.validate import analyze
+from jpipe.stage.pack import ParamLayout
+from jpipe.stage.pieces import WeightedLoss
 
 LOWERINGS = tuple(KINDS)
-"""The lowerings of a schedule (`Pipeline`'s `lowering`; `jpipe._lowering`)."""
+"""The lowerings of a schedule (`Pipeline`'s `lowering`; `jpipe.lower.interface`)."""
 
 
 def make_mesh(
@@ -282,7 +282,7 @@ class Pipeline:
         The loss is a float scalar (each of the two, for a weighted one) and
         every leaf a stage passes to the next is floating point; both
         lowerings refuse a stage that breaks this before compiling, with the
-        same `ValueError` naming the stage (`jpipe._contract`).
+        same `ValueError` naming the stage (`jpipe.stage.contract`).
       schedule: a `jpipe.Schedule` with one stage per function.
       mesh: a mesh with a ``pipe`` axis of the schedule's rank count, and
         any others (`jpipe.make_mesh`); or, under ``lowering="mpmd"``, one
@@ -296,12 +296,12 @@ class Pipeline:
         axes other than ``pipe``, ``data`` and ``fsdp`` themselves, with
         plain JAX as under `jax.shard_map` (the stages are traced under its
         rules for varying values, so the gradients are JAX's own; see
-        `jpipe._manual` for what a stage receives and must return). A
+        `jpipe.stage.manual` for what a stage receives and must return). A
         collective over ``pipe`` is refused.
       pipe_axis, data_axis: the mesh axis names.
       fsdp_axis: a mesh axis (if the mesh has it) that shards the batch's
         rows, like ``data``, and also every parameter, gradient and
-        optimizer state (ZeRO-3; see `jpipe._pack`).
+        optimizer state (ZeRO-3; see `jpipe.stage.pack`).
       tick_layout: how pieces are laid out in lock-step ticks: ``"unit"`` (one
         piece per rank per tick, following the unit-cost timeline),
         ``"packed"`` (up to one F, one I and one W per rank per tick: fewer
@@ -314,17 +314,17 @@ class Pipeline:
         switch per piece kind, 3 a tick, for an XLA that updates buffers in
         place through a switch) or ``"auto"`` (the default: the switch where
         the devices' XLA keeps buffers in place through one, measured once
-        per platform by `jpipe._lower.switch_writes_in_place`). Same results.
+        per platform by `jpipe.lower.spmd.program.switch_writes_in_place`). Same results.
       all_idle: for diagnostics only: a program that runs no piece in any
         tick, so that timing it measures the cost of the pipeline's control
         and transfers alone. Its loss and gradients are zeros.
       lowering: ``"spmd"`` (the default: the whole step one program that
-        every device runs in lock step, `jpipe._lower`; it can sit inside a
+        every device runs in lock step, `jpipe.lower.spmd.program`; it can sit inside a
         user's own `jax.jit`, be differentiated through, and suits TPUs) or
         ``"mpmd"`` (per rank: each piece its own program on its rank's
         devices, issued from the host in the schedule's order, with no
         conditionals and each rank holding only its own values,
-        `jpipe._mpmd`; for GPUs and mixed devices). Same loss and gradients.
+        `jpipe.lower.mpmd.programs`; for GPUs and mixed devices). Same loss and gradients.
         The per-rank lowering has no `step_fn` and no `lower`: it is not one
         traceable function.
     """
@@ -390,7 +390,7 @@ class Pipeline:
         # The stages' traced pieces, once per batch shape (the key of `_key`).
         self._kernels_cache: dict[tuple, list] = {}
         self.compile_seconds: float | None = None
-        # The step itself is the lowering's (`jpipe._lowering`).
+        # The step itself is the lowering's (`jpipe.lower.interface`).
         self._lowering: Lowering = kind.runtime_class()(self, tick_layout)
 
     @property
@@ -439,7 +439,7 @@ class Pipeline:
     def pack(self, params_list, specs=None) -> dict:
         """Places each stage's parameters on its rank: ``{bucket: Array [R, ...]}``.
 
-        See `jpipe._pack` for the buckets; `unpack` gives the per-stage pytrees back.
+        See `jpipe.stage.pack` for the buckets; `unpack` gives the per-stage pytrees back.
 
         Args:
           params_list: one parameter pytree per stage.

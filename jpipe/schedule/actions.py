@@ -102,7 +102,7 @@ def check_size(num_ranks: int, num_microbatches: int, num_chunks: int = 1, what:
     if num_ranks > MAX_RANKS:
         raise ValueError(
             f"{where}{num_ranks} ranks is more than jpipe's limit of MAX_RANKS={MAX_RANKS} "
-            "(jpipe._schedule.MAX_RANKS); a pipeline axis that long is surely a typo"
+            "(jpipe.schedule.actions.MAX_RANKS); a pipeline axis that long is surely a typo"
         )
     actions = 2 * num_ranks * max(num_chunks, 1) * num_microbatches
     if actions > MAX_ACTIONS:
@@ -110,7 +110,7 @@ def check_size(num_ranks: int, num_microbatches: int, num_chunks: int = 1, what:
             f"{where}{num_ranks} ranks x "
             + (f"{num_chunks} stages per rank x " if num_chunks > 1 else "")
             + f"{num_microbatches} microbatches make at least {actions:,} actions, more than "
-            f"jpipe's limit of MAX_ACTIONS={MAX_ACTIONS:,} (jpipe._schedule.MAX_ACTIONS; "
+            f"jpipe's limit of MAX_ACTIONS={MAX_ACTIONS:,} (jpipe.schedule.actions.MAX_ACTIONS; "
             "building and checking that many takes minutes); use fewer microbatches "
             "(larger ones) or fewer ranks"
         )
@@ -431,7 +431,7 @@ class Schedule:
         if commas >= MAX_ACTIONS:
             raise ValueError(
                 f"{where}: at least {commas + 1:,} cells, past jpipe's limit of MAX_ACTIONS="
-                f"{MAX_ACTIONS:,} (jpipe._schedule.MAX_ACTIONS)"
+                f"{MAX_ACTIONS:,} (jpipe.schedule.actions.MAX_ACTIONS)"
             )
         # Any line end (\n, \r\n or a lone \r) ends a row; a leading BOM is not a cell.
         lines = io.StringIO(text.removeprefix("\ufeff"), newline=None)
@@ -451,13 +451,13 @@ class Schedule:
             if lineno > MAX_RANKS and any(c.strip() for c in row):
                 raise ValueError(
                     f"{where} row {lineno}: more than jpipe's limit of MAX_RANKS={MAX_RANKS} "
-                    "ranks (jpipe._schedule.MAX_RANKS; one row a rank)"
+                    "ranks (jpipe.schedule.actions.MAX_RANKS; one row a rank)"
                 )
             num_actions += len(row)
             if num_actions > MAX_ACTIONS:
                 raise ValueError(
                     f"{where} row {lineno}: more than jpipe's limit of MAX_ACTIONS="
-                    f"{MAX_ACTIONS:,} cells (jpipe._schedule.MAX_ACTIONS)"
+                    f"{MAX_ACTIONS:,} cells (jpipe.schedule.actions.MAX_ACTIONS)"
                 )
             cells, dropped = [], []
             for col, cell in enumerate(row, start=1):
@@ -544,7 +544,7 @@ def _check_index(a: Action) -> None:
         if value is not None and value >= limit:
             raise ValueError(
                 f"{a}: {what} {value:,} is past what a schedule within jpipe's limits has "
-                f"(MAX_RANKS={MAX_RANKS}, MAX_ACTIONS={MAX_ACTIONS:,}; jpipe._schedule)"
+                f"(MAX_RANKS={MAX_RANKS}, MAX_ACTIONS={MAX_ACTIONS:,}; jpipe.schedule.actions)"
             )
 
 

@@ -17,7 +17,7 @@ what is wrong:
    for. The walk visits each action once, so it never hangs;
 7. optionally, a budget of live activations per rank.
 
-Memory actions (`jpipe._schedule.MEMORY_KINDS`) are checked in step 5, on
+Memory actions (`jpipe.schedule.actions.MEMORY_KINDS`) are checked in step 5, on
 the owner rank in its list order, each `(stage, microbatch)`'s residuals
 being in one place at a time: on the device (after ``F``, ``RECOMPUTE``,
 ``LOAD`` or ``RELOAD_END``), only the input (after ``FC``), evicted to a
@@ -47,8 +47,8 @@ import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 
-from jpipe._events import Costs, _live_events, _run
-from jpipe._schedule import MEMORY_KINDS, Action, Schedule
+from jpipe.schedule.actions import MEMORY_KINDS, Action, Schedule
+from jpipe.schedule.events import Costs, _live_events, _run
 
 REPLICAS_NOT_YET = (
     "Replicated stages, one stage on several ranks with its gradients summed over them "

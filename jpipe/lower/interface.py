@@ -4,12 +4,12 @@ A *lowering* turns a validated schedule, the stages' traced pieces
 (`jpipe.StageKernels`) and the packed parameters into the computation of a
 training step. jpipe has two:
 
-- ``"spmd"`` (`jpipe._spmd`): the whole step is one program that every
+- ``"spmd"`` (`jpipe.lower.spmd.lowering`): the whole step is one program that every
   device runs in lock step, choosing its piece each tick through
-  conditionals (`jpipe._lower.build_step`). It can sit inside a user's own
+  conditionals (`jpipe.lower.spmd.program.build_step`). It can sit inside a user's own
   `jax.jit` and be differentiated through; every device allocates the
   busiest rank's buffers, since one program has one buffer of each kind.
-- ``"mpmd"``, the per-rank lowering (`jpipe._mpmd`): each piece is a small
+- ``"mpmd"``, the per-rank lowering (`jpipe.lower.mpmd.programs`): each piece is a small
   program of its own on its rank's devices, issued from the host in the
   schedule's order; each rank holds only its own values, and ranks may have
   meshes of their own shapes (mixed devices).
@@ -24,9 +24,9 @@ the compile-only report's) whether every device holds the busiest rank's
 bytes. A third lowering is one more `LoweringKind` in `KINDS` and one more
 `Lowering` subclass; `Pipeline` and the trainer do not change. What is
 not yet shared: the byte models themselves (the search's SPMD model sizes
-the SPMD program's tick buffers, `jpipe._schedule_search.spmd_buffers`),
+the SPMD program's tick buffers, `jpipe.search.engine.spmd_buffers`),
 and which memory actions a lowering that does not run them all takes is
-asked of the SPMD tick plan (`jpipe._schedule_search.lowering_runs`).
+asked of the SPMD tick plan (`jpipe.search.engine.lowering_runs`).
 
 This module imports no JAX, so the pure-Python layers (the search and the
 planner) read it freely.
@@ -61,7 +61,7 @@ class LoweringKind:
       runs_all_memory_actions: runs every kind of memory action (offload,
         reload, ...) a valid schedule holds; otherwise the search asks the
         SPMD tick plan which kinds it lays out
-        (`jpipe._schedule_search.lowering_runs`).
+        (`jpipe.search.engine.lowering_runs`).
       runtime: ``"module:Class"`` of its `Lowering`, imported when a
         `Pipeline` is built (so this module needs no JAX).
     """
@@ -89,7 +89,7 @@ SPMD = LoweringKind(
     meshes_per_rank=False,
     every_device_holds_busiest=True,
     runs_all_memory_actions=False,
-    runtime="jpipe._spmd:SpmdLowering",
+    runtime="jpipe.lower.spmd.lowering:SpmdLowering",
 )
 MPMD = LoweringKind(
     name="mpmd",
@@ -99,7 +99,7 @@ MPMD = LoweringKind(
     meshes_per_rank=True,
     every_device_holds_busiest=False,
     runs_all_memory_actions=True,
-    runtime="jpipe._mpmd:MpmdLowering",
+    runtime="jpipe.lower.mpmd.programs:MpmdLowering",
 )
 KINDS: dict[str, LoweringKind] = {k.name: k for k in (SPMD, MPMD)}
 """Every lowering, by the name `Pipeline` takes."""
@@ -158,7 +158,7 @@ class Lowering(abc.ABC):
     @property
     @abc.abstractmethod
     def forward_plan(self):
-        """The tick plan of the forwards alone (`jpipe._ticks.make_forward_plan`)."""
+        """The tick plan of the forwards alone (`jpipe.lower.spmd.ticks.make_forward_plan`)."""
 
     def step_fn(self, batch):
         """The unjitted step; only a lowering that makes the step one program has it."""

@@ -1,7 +1,7 @@
 """Starting N processes of one program on this machine, as on N hosts.
 
 `launch` runs the same command N times, each with the environment a
-multi-host job gives its processes (read by `jpipe._distributed.initialize`):
+multi-host job gives its processes (read by `jpipe.runtime.distributed.initialize`):
 ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES``
 and ``JAX_PROCESS_ID``; optionally N x K fake CPU devices
 (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``) and one XLA thread per
@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jpipe._distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jpipe.runtime.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 CHATTY_LINES = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
 """Lines of the children's output that the launcher drops (see the module docstring)."""

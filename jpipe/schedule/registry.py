@@ -19,7 +19,7 @@ at a time, ``--option lag=3`` (`parse_options`).
 
 A ``file.py:function`` SPEC runs that file's code (`names_code`): the
 trainer refuses one that comes from a plan file unless told the plan is
-trusted (docs/trust.md). Sizes past `jpipe._schedule.MAX_RANKS` ranks or
+trusted (docs/trust.md). Sizes past `jpipe.schedule.actions.MAX_RANKS` ranks or
 `MAX_ACTIONS` actions are refused before the function runs (`check_size`).
 """
 
@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jpipe._schedule import MAX_ACTIONS, MAX_RANKS, Schedule, check_size
+from jpipe.schedule.actions import MAX_ACTIONS, MAX_RANKS, Schedule, check_size
 
 ScheduleFn = Callable[..., Any]
 
@@ -277,7 +277,7 @@ def _check_built(schedule: Schedule, name: str) -> None:
         raise ValueError(
             f"schedule {name!r} returned {schedule.num_ranks} ranks and {actions:,} actions, "
             f"past jpipe's limits MAX_RANKS={MAX_RANKS}, MAX_ACTIONS={MAX_ACTIONS:,} "
-            "(jpipe._schedule)"
+            "(jpipe.schedule.actions)"
         )
 
 

@@ -230,7 +230,7 @@ def _has_casts(jaxpr) -> bool:
     return False
 
 
-# Call-like primitives whose body the I/W split (`jpipe._stage`) and
+# Call-like primitives whose body the I/W split (`jpipe.stage.pieces`) and
 # `without_casts` must see: a stage that is itself jitted, or rematerialised,
 # puts its whole backward in one equation.
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
