@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jpipe
 from bench import measure
+from jpipe.stage.pieces import stage_pieces
 
 # Calls of a piece per timed run (see `stage_programs`).
 REPEAT = 4
@@ -55,7 +56,7 @@ def stage_programs(
     for fn, params in zip(stage_fns, params_list):
         kernels.append(jpipe.StageKernels.trace(fn, params, x, microbatch))
         x = kernels[-1].y
-    pieces = jpipe.stage_pieces(kernels, params_list, microbatch, [device] * len(kernels))
+    pieces = stage_pieces(kernels, params_list, microbatch, [device] * len(kernels))
     programs = []
     for s, piece in enumerate(pieces):
         for kind in ("F", "I", "W", "B"):

@@ -128,10 +128,10 @@ def main(argv=None) -> int:
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError:
             pass
-        from jpipe.runtime.distributed import initialize
+        from jpipe.runtime.distributed import initialize_distributed
         from jpipe.testing import check_schedule, ensure_cpu_devices
 
-        initialize()  # joins the other processes when jpipe.launch (or a cluster) started several
+        initialize_distributed()  # joins the other processes when jpipe.launch (or a cluster) started several
 
         ensure_cpu_devices(schedule.num_ranks * args.data * args.fsdp * args.tensor)
         result = check_schedule(

@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from jpipe.runtime.console import run_main
-from jpipe.runtime.launch import launch
+from jpipe.runtime.launch import launch_local
 
 
 def main(argv=None) -> int:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if not command:
         parser.error("give the program after --, e.g. -- train.py --workdir=runs/x")
     try:
-        return launch(
+        return launch_local(
             command,
             args.num_processes,
             cpu_devices=args.cpu_devices,

@@ -894,7 +894,7 @@ def test_cli_plan_and_save(capsys, tmp_path):
 
 
 def test_public_names():
-    assert jpipe.Sizes is not None and jpipe.plan_cluster is not None
+    assert jpipe.Sizes is not None and jpipe.planner.plan is not None
 
 
 def test_replicas_crossing_the_same_nodes_share_the_link():

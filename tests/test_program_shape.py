@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jpipe
-from jpipe import pack_lifetimes, testing
+from jpipe import testing
 from jpipe.lower.spmd.program import switch_writes_in_place
+from jpipe.lower.spmd.ticks import pack_lifetimes
 
 ROW = jpipe.Program.ROW
 

@@ -102,7 +102,7 @@ def test_plan_file_trains_through_train_py(tmp_path):
     assert "devices: 2 cpu devices" in done.stdout  # faked from the plan's mesh
     assert "1f1b: 2 ranks" in done.stdout
     assert "3 blocks as (2, 1)" in done.stdout
-    assert jpipe.read_plan_file(str(plan)).layers_per_stage == (2, 1)
+    assert jpipe.planner.read_plan_file(str(plan)).layers_per_stage == (2, 1)
 
 
 @pytest.mark.slow

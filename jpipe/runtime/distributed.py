@@ -1,7 +1,7 @@
 """Several processes: starting `jax.distributed` and failing fast.
 
 One jpipe program runs as one process per host (or per accelerator), all
-running the same code on one global mesh. `initialize` joins them:
+running the same code on one global mesh. `initialize_distributed` joins them:
 
 * Explicit arguments (the flags ``--coordinator_address``, ``--num_processes``,
   ``--process_id``, ``--local_device_ids``, named as JAX names them) win;
@@ -44,12 +44,12 @@ running the same code on one global mesh. `initialize` joins them:
   process itself (its host) still ends the others by JAX's abort.
 * A Python exception in one process does not reach the others: its atexit
   `jax.distributed.shutdown()` waits for them at a barrier they never reach.
-  `initialize` therefore installs an exception hook that prints the traceback
+  `initialize_distributed` therefore installs an exception hook that prints the traceback
   under the process's index, flushes, and leaves with ``os._exit(1)``; the
   peers then stop within the heartbeat timeout.
 
 Every process must start JAX's backend (any `jax.devices()` call) after
-`initialize`, or the others wait for it.
+`initialize_distributed`, or the others wait for it.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def detected_cluster() -> str | None:
     return None
 
 
-def initialize(
+def initialize_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
@@ -669,7 +669,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def num_processes() -> int:
-    """The processes of this run, known after `initialize` without starting a backend."""
+    """The processes of this run, known after `initialize_distributed` without starting a backend."""
     import jax
     from jax._src import distributed
 
@@ -853,7 +853,7 @@ def install_exit_on_error() -> None:
     sys.excepthook = _excepthook
 
 
-def exit_now(code) -> None:
+def exit_distributed(code) -> None:
     """`sys.exit(code)` that, in a multi-process run, fails fast on an error.
 
     A zero or None status exits normally (JAX's shutdown barrier is where the

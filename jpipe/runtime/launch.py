@@ -1,7 +1,7 @@
 """Starting N processes of one program on this machine, as on N hosts.
 
 `launch` runs the same command N times, each with the environment a
-multi-host job gives its processes (read by `jpipe.runtime.distributed.initialize`):
+multi-host job gives its processes (read by `jpipe.runtime.distributed.initialize_distributed`):
 ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES``
 and ``JAX_PROCESS_ID``; optionally N x K fake CPU devices
 (``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``) and one XLA thread per
@@ -119,7 +119,7 @@ def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
     stream.close()
 
 
-def launch(
+def launch_local(
     command: Sequence[str],
     num_processes: int,
     *,

@@ -7,7 +7,7 @@ A ``plan`` field naming a plan file (``python -m jpipe.plan ... --save FILE``)
 sets the mesh, the layers per stage, the schedule, its chunks, the
 microbatches, the batch and the lowering (``mpmd`` for a plan checked per
 rank, ``--memory-layout per_rank``) from that file first
-(`jpipe.read_plan_file`).
+(`jpipe.planner.read_plan_file`).
 Checks that need the schedule, the devices or the corpus happen in
 `jpipe.train.prepare`.
 """
@@ -24,6 +24,7 @@ import ml_collections
 
 import jpipe
 from jpipe.lower.interface import lowering_kind
+from jpipe.lower.spmd.ticks import LAYOUTS as TICK_LAYOUTS
 from jpipe.models import gpt
 from jpipe.runtime.distributed import num_processes
 from jpipe.train import data as data_lib
@@ -423,9 +424,9 @@ class TrainConfig:
             raise config_error("schedule", self.schedule, f"is empty; {_schedule_choices()}")
         _check_int("num_microbatches", self.num_microbatches, 1)
         _check_int("chunks", self.chunks, 0)
-        if self.tick_layout not in jpipe.TICK_LAYOUTS:
+        if self.tick_layout not in TICK_LAYOUTS:
             raise config_error(
-                "tick_layout", self.tick_layout, f"must be one of {', '.join(jpipe.TICK_LAYOUTS)}"
+                "tick_layout", self.tick_layout, f"must be one of {', '.join(TICK_LAYOUTS)}"
             )
         if self.lowering not in jpipe.LOWERINGS:
             raise config_error(
@@ -572,7 +573,7 @@ def _model_kind(name) -> tuple[str, type | None]:
 def _read_plan(path):
     _check_type("plan", path, str, "the path of a plan file (python -m jpipe.plan ... --save FILE)")
     try:
-        return jpipe.read_plan_file(path)
+        return jpipe.planner.read_plan_file(path)
     except ValueError as e:
         raise config_error("plan", path, str(e)) from None
 
@@ -669,7 +670,7 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     mesh = get("mesh") if get else None
     try:
         if get("plan", ""):  # the plan file's mesh is the one the run will use
-            settings = jpipe.read_plan_file(get("plan"))
+            settings = jpipe.planner.read_plan_file(get("plan"))
             mesh = {"pipe": settings.pipe, "data": settings.data, "tensor": settings.tensor}
             if settings.tensor_per_rank:
                 mesh["tensor_per_rank"] = ",".join(map(str, settings.tensor_per_rank))
