@@ -4,8 +4,18 @@
 multi-host job gives its processes (read by `jpipe.runtime.distributed.initialize_distributed`):
 ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES``
 and ``JAX_PROCESS_ID``; optionally N x K fake CPU devices
-(``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``) and one XLA thread per
+(``JAX_PLATFORMS=cpu``, ``JAX_NUM_CPU_DEVICES=K``) and one busy thread per
 process, which is the closest a single machine gets to separate accelerators.
+
+One thread (``one_thread``) means each child is pinned to one core of those
+the launcher may use (child i to the i-th, round robin), before it starts:
+XLA:CPU sizes its thread pools by the cores a process may run on, so a
+pinned process computes on one thread. XLA's flags alone do not do it:
+``--xla_cpu_multi_thread_eigen=false`` still left two busy Eigen threads and
+a second busy Python thread per process (jaxlib 0.10.2, measured from
+``/proc/self/task``). Where the system cannot pin (no
+`os.sched_setaffinity`, as on macOS), the launcher says so and runs the
+children with the flag only.
 
 Supervision, so that a failure is seen and nothing is left behind:
 
@@ -47,7 +57,29 @@ from jpipe.runtime.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PR
 CHATTY_LINES = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
 """Lines of the children's output that the launcher drops (see the module docstring)."""
 
-ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def cores_for(num_processes: int) -> list[int] | None:
+    """The core each of `num_processes` children is pinned to, round robin over the cores
+    this process may use; None where the system cannot pin a process."""
+    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return [allowed[i % len(allowed)] for i in range(num_processes)]
+
+
+def _start_pinned(core: int | None, start):
+    """Runs `start()` (which forks a child) with this thread pinned to `core`, so the
+    child starts pinned to it; this thread's own cores are restored after."""
+    if core is None:
+        return start()
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})  # 0: this thread only, on Linux; a child inherits it
+    try:
+        return start()
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,7 +169,8 @@ def launch_local(
       command: the program and its arguments (see `command_line`).
       num_processes: N, the processes to start.
       cpu_devices: fake this many CPU devices in each process (and use the CPU).
-      one_thread: one XLA thread per process.
+      one_thread: one busy thread per process: each pinned to one core (see the
+        module docstring).
       grace_seconds: after SIGTERM or SIGINT, how long a child has before SIGKILL.
       timeout_seconds: stop every child when the job has run this long (None:
         no limit) and return 124.
@@ -166,11 +199,14 @@ def launch_local(
             stderr.write(f"jpipe.launch: {text}\n")
             stderr.flush()
 
+    cores = cores_for(num_processes) if one_thread else None
+    if one_thread and cores is None:
+        say("--one_thread cannot pin processes to cores here; XLA's flag only")
     children: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     try:
         for i in range(num_processes):
-            child = subprocess.Popen(
+            start = lambda i=i: subprocess.Popen(  # noqa: E731
                 argv,
                 env=child_env(
                     i,
@@ -185,6 +221,7 @@ def launch_local(
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+            child = _start_pinned(None if cores is None else cores[i], start)
             children.append(child)
             for stream, out in ((child.stdout, stdout), (child.stderr, stderr)):
                 t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", lock), daemon=True)
