@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the config's)")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
+    from bench import docs
+
+    docs.add_flag(parser, "docs/compiler-measurements.md")
     args = parser.parse_args(argv)
     import jax
 
@@ -100,6 +103,9 @@ def main(argv=None) -> int:
         print(f"compiling the init programs for {axes} ...", file=sys.stderr, flush=True)
         rows.append(row(cfg, axes))
     print(json.dumps(rows) if args.json else markdown(rows))
+    if args.write_docs:
+        command = docs.command_line("bench.init_memory", argv)
+        docs.write("docs/compiler-measurements.md", "init-memory", markdown(rows), command)
     return 0
 
 

@@ -66,6 +66,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import docs  # noqa: E402
 from bench.memory import live_need, piece_working_bytes  # noqa: E402
 from jpipe import models  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
@@ -258,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a tiny GPT (each compile still 10-20 s)"
     )
+    docs.add_flag(parser, DOCS_PAGE)
     args = parser.parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     log(f"jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices")
@@ -266,7 +268,14 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
     else:
         print(markdown(rows), end="")
+    if args.write_docs:
+        docs.write(
+            DOCS_PAGE, "mesh-memory", markdown(rows), docs.command_line("bench.mesh_memory", argv)
+        )
     return 0
+
+
+DOCS_PAGE = "docs/compiler-measurements.md"
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ import sys
 import tempfile
 import time
 
+from bench import docs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("1f1b", "zb_h1")
 RANKS = 2
@@ -70,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench-multiprocess", help="output folder")
     p.add_argument("--role", choices=("measure",), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    docs.add_flag(p, DOCS_PAGE)
     return p
+
+
+DOCS_PAGE = "docs/benchmarks.md"
 
 
 # -- the children ----------------------------------------------------------------
@@ -455,6 +461,10 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "multiprocess.md"), "w") as f:
         f.write(md + "\n")
     print(md)
+    if args.write_docs:
+        name = f"multiprocess-m{args.microbatches}"
+        docs.write(DOCS_PAGE, name, md, docs.command_line("bench.multiprocess", argv))
+        print(f"wrote block {name!r} of {DOCS_PAGE}")
     return 0
 
 

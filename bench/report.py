@@ -58,6 +58,17 @@ def _header(meta: dict) -> list[str]:
     ]
 
 
+def for_docs(markdown: str) -> str:
+    """A suite's Markdown as a docs block: no title or command line (the block's
+    stamp gives the command), its sections one level under the page's."""
+    out = []
+    for line in markdown.splitlines():
+        if line.startswith("# ") or line.startswith("Command: "):
+            continue
+        out.append("##" + line if line.startswith("## ") else line)
+    return "\n".join(out).strip("\n")
+
+
 def _profile_lines(profile: dict) -> list[str]:
     if not profile:
         return []

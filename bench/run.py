@@ -105,6 +105,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="leave out the peer rows")
     p.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
     p.add_argument("--json", action="store_true", help="memory suite: print one JSON list")
+    p.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="also replace the suite's table in its docs page: table -> docs/benchmarks.md "
+        "(block bench-table), compiler and memory -> docs/compiler-measurements.md "
+        "(blocks compiler-suite, memory-suite)",
+    )
     return p
 
 

@@ -131,7 +131,17 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", action="store_true", help="one JSON object a row")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="also replace the table in docs/scale.md (block scale-seqSEQ-mM, or scale-splits "
+        "with --variants)",
+    )
     args = parser.parse_args(argv)
+    table = [
+        "| variant | arguments | temp | total a device | compile |",
+        "|---|---:|---:|---:|---:|",
+    ]
     print(f"Llama-3-8B, sequence {args.seq}, 1F1B, M {args.microbatches}, pipe 4 x tensor 2")
     print(f"{'variant':<30} {'arguments':>10} {'temp':>9} {'total':>9} {'compile':>8}")
     for variant in args.variants.split(","):
@@ -144,6 +154,18 @@ def main(argv=None) -> int:
             f"{total / GB:>6.1f} GB {r['compile_seconds']:>6.0f} s",
             flush=True,
         )
+        table.append(
+            f"| `{variant}` | {r['argument_bytes'] / GB:.2f} GB | {r['temp_bytes'] / GB:.2f} GB "
+            f"| {total / GB:.2f} GB | {r['compile_seconds']:.0f} s |"
+        )
+    if args.write_docs:
+        from bench import docs
+
+        name = f"scale-seq{args.seq}-m{args.microbatches}"
+        if args.variants != ",".join(VARIANTS):
+            name = "scale-splits"
+        docs.write("docs/scale.md", name, "\n".join(table), docs.command_line("bench.scale", argv))
+        print(f"wrote block {name!r} of docs/scale.md")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -95,8 +96,45 @@ def exactness(scan_layers: bool, name: str, ranks: int = 3) -> float:
     return testing.compare((loss, pipe.unpack(grads)), reference)[1]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+    import contextlib
+    import io
+
+    from bench import docs
+
+    parser = argparse.ArgumentParser(prog="python -m bench.scan_split")
+    docs.add_flag(parser, DOCS_PAGE)
+    args = parser.parse_args(argv)
     jpipe.use_cpu_devices(8)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(out)):
+        report()
+    if args.write_docs:
+        docs.write(
+            DOCS_PAGE, "scan-split", out.getvalue(), docs.command_line("bench.scan_split", argv)
+        )
+        print(f"wrote block 'scan-split' of {DOCS_PAGE}")
+
+
+DOCS_PAGE = "docs/compiler-measurements.md"
+
+
+class _Tee:
+    """Writes to the real stdout and keeps a copy."""
+
+    def __init__(self, copy):
+        self.copy, self.out = copy, sys.stdout
+
+    def write(self, text):
+        self.copy.write(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+
+def report() -> None:
     print(f"GPT {CONFIG}, stages {SPLIT}, microbatch {MICROBATCH} sequences\n")
     print("| blocks | stage | carry elements | I dots | W dots | I FLOPs | W FLOPs |")
     print("|---|---|---|---|---|---|---|")

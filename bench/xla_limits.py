@@ -19,11 +19,14 @@
    bytes without a conditional around it. This runs one under `shard_map` and
    prints whether the backend implements it (XLA:CPU does not).
 
-Prints one JSON object per line, the first naming the jax and jaxlib versions.
+Prints one JSON object per line, the first naming the jax and jaxlib versions;
+``--write-docs`` also writes the table into docs/compiler-measurements.md
+(block ``xla-limits-jaxlib-X.Y``, one per jaxlib).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import jpipe
@@ -135,13 +138,41 @@ def ragged_transfer() -> dict:
     }
 
 
-def main() -> None:
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} B"
+
+
+def markdown(rows: list[dict], ragged: dict) -> str:
+    lines = ["| conditional | temp | buffer copies |", "|---|---|---|"]
+    lines += [
+        f"| `{r['conditional']}` | {_bytes(r['temp_bytes'])} | {r['buffer_copies']} |" for r in rows
+    ]
+    lines += ["", f"`ragged_all_to_all` on {ragged['backend']}: {ragged['ragged_all_to_all']}."]
+    return "\n".join(lines)
+
+
+DOCS_PAGE = "docs/compiler-measurements.md"
+
+
+def main(argv=None) -> None:
     import jaxlib
 
+    from bench import docs
+
+    parser = argparse.ArgumentParser(prog="python -m bench.xla_limits")
+    docs.add_flag(parser, DOCS_PAGE)
+    args = parser.parse_args(argv)
     print(json.dumps({"jax": jax.__version__, "jaxlib": jaxlib.__version__}))
-    for row in conditional_copies():
+    rows = conditional_copies()
+    for row in rows:
         print(json.dumps(row))
-    print(json.dumps(ragged_transfer()))
+    ragged = ragged_transfer()
+    print(json.dumps(ragged))
+    if args.write_docs:
+        name = "xla-limits-jaxlib-" + ".".join(jaxlib.__version__.split(".")[:2])
+        table = markdown(rows, ragged)
+        docs.write(DOCS_PAGE, name, table, docs.command_line("bench.xla_limits", argv))
+        print(f"wrote block {name!r} of {DOCS_PAGE}")
 
 
 if __name__ == "__main__":
