@@ -31,6 +31,8 @@ layer each, so every row runs the same model.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 
 from bench import measure, rows
@@ -85,7 +87,9 @@ def presplit_temp(row: rows.Row, num_microbatches: int) -> int | None:
     """Temp bytes of a jpipe step whose batch arrives already cut into microbatches.
 
     Uses the SPMD lowering's `_build` (`jpipe.lower.spmd.lowering`), which returns the step
-    on ``[M, rows, ...]`` inputs; None if that hook is gone.
+    on ``[M, rows, ...]`` inputs; None if that hook is gone or the step does
+    not compile that way, saying why on stderr (a diagnostic column: the suite
+    goes on without it).
     """
     pipe = row.pipeline
     packed, batch = row.args
@@ -101,7 +105,11 @@ def presplit_temp(row: rows.Row, num_microbatches: int) -> int | None:
         shardings = jax.tree.map(lambda a: a.sharding, batch)
         lowered = jax.jit(step, in_shardings=(pipe.param_sharding, shardings)).lower(packed, cut)
         return int(lowered.compile().memory_analysis().temp_size_in_bytes)
-    except Exception:  # a diagnostic: never fail the suite for it
+    except Exception as e:  # a diagnostic column: say why it is empty, go on
+        print(
+            f"bench compiler: pre-split temp of {row.name} left out: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         return None
 
 
