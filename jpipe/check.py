@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         from jpipe.runtime.distributed import initialize_distributed
         from jpipe.testing import check_schedule, ensure_cpu_devices
 
-        initialize_distributed()  # joins the other processes when jpipe.launch (or a cluster) started several
+        # joins the other processes when jpipe.launch (or a cluster) started several
+        initialize_distributed()
 
         ensure_cpu_devices(schedule.num_ranks * args.data * args.fsdp * args.tensor)
         result = check_schedule(

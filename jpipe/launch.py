@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cpu_devices", type=int, default=None, help="fake K CPU devices in each process"
     )
-    parser.add_argument("--one_thread", action="store_true", help="one busy thread per process: each pinned to one core")
+    parser.add_argument(
+        "--one_thread", action="store_true", help="one busy thread per process, each on one core"
+    )
     parser.add_argument(
         "--grace", type=float, default=3.0, help="seconds a stopped process has before SIGKILL"
     )

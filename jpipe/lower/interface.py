@@ -19,14 +19,14 @@ parameters, checks batches, traces the pieces, enforces the stage contract
 through the kernels) and hands the step to its `Lowering`. Code that must
 know what a lowering can do or how it holds memory asks its `LoweringKind`,
 a plain frozen record, and never compares names: the trainer asks whether
-the step is one program, the memory models (the search's, the planner's,
-the compile-only report's) whether every device holds the busiest rank's
-bytes. A third lowering is one more `LoweringKind` in `KINDS` and one more
-`Lowering` subclass; `Pipeline` and the trainer do not change. What is
-not yet shared: the byte models themselves (the search's SPMD model sizes
-the SPMD program's tick buffers, `jpipe.search.engine.spmd_buffers`),
-and which memory actions a lowering that does not run them all takes is
-asked of the SPMD tick plan (`jpipe.search.engine.lowering_runs`).
+the step is one program; the search, the planner and the compile-only
+report ask its byte model (`LoweringKind.byte_model`, the contract in
+`jpipe.lower.bytes`) what a device holds of what the simulator says each
+rank needs. A third lowering is one more `LoweringKind` in `KINDS`, one
+more `Lowering` subclass and one more byte model; `Pipeline` and the
+trainer do not change. What is not yet shared: which memory actions a
+lowering that does not run them all takes is asked of the SPMD tick plan
+(`jpipe.search.engine.lowering_runs`).
 
 This module imports no JAX, so the pure-Python layers (the search and the
 planner) read it freely.
@@ -56,14 +56,17 @@ class LoweringKind:
         (`jpipe.make_rank_meshes`).
       every_device_holds_busiest: every device allocates what the busiest rank
         needs (one program, one buffer of each kind), rather than its own
-        rank's need. The rule of each lowering's memory that the search's,
-        the planner's and the compile-only report's byte models read.
+        rank's need: the rule its byte model (`byte_model`) applies, which
+        reports read to say how a device's terms were counted.
       runs_all_memory_actions: runs every kind of memory action (offload,
         reload, ...) a valid schedule holds; otherwise the search asks the
         SPMD tick plan which kinds it lays out
         (`jpipe.search.engine.lowering_runs`).
       runtime: ``"module:Class"`` of its `Lowering`, imported when a
         `Pipeline` is built (so this module needs no JAX).
+      bytes_model: ``"module:Class"`` of its `jpipe.lower.bytes.ByteModel`
+        (pure Python), what each device allocates of what its rank needs
+        (`byte_model`).
     """
 
     name: str
@@ -74,11 +77,23 @@ class LoweringKind:
     every_device_holds_busiest: bool
     runs_all_memory_actions: bool
     runtime: str
+    bytes_model: str
 
     def runtime_class(self) -> type[Lowering]:
         """The `Lowering` subclass that runs this kind."""
         module, cls = self.runtime.split(":")
         return getattr(importlib.import_module(module), cls)
+
+    def byte_model(self):
+        """Its `jpipe.lower.bytes.ByteModel`: bytes per device under this lowering."""
+        model = _BYTE_MODELS.get(self.bytes_model)
+        if model is None:
+            module, cls = self.bytes_model.split(":")
+            model = _BYTE_MODELS[self.bytes_model] = getattr(importlib.import_module(module), cls)()
+        return model
+
+
+_BYTE_MODELS: dict = {}  # "module:Class" -> the one instance (they hold no state)
 
 
 SPMD = LoweringKind(
@@ -90,6 +105,7 @@ SPMD = LoweringKind(
     every_device_holds_busiest=True,
     runs_all_memory_actions=False,
     runtime="jpipe.lower.spmd.lowering:SpmdLowering",
+    bytes_model="jpipe.lower.spmd.bytes:SpmdBytes",
 )
 MPMD = LoweringKind(
     name="mpmd",
@@ -100,6 +116,7 @@ MPMD = LoweringKind(
     every_device_holds_busiest=False,
     runs_all_memory_actions=True,
     runtime="jpipe.lower.mpmd.programs:MpmdLowering",
+    bytes_model="jpipe.lower.mpmd.bytes:PerRankBytes",
 )
 KINDS: dict[str, LoweringKind] = {k.name: k for k in (SPMD, MPMD)}
 """Every lowering, by the name `Pipeline` takes."""

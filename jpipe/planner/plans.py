@@ -42,7 +42,10 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    T, times B; for schedules that split the backward an ``I``'s carry is taken
    as large as the residuals, which overstates it rather than understates it)
    and the working memory of the running piece (``working_factor x`` one
-   microbatch of the rank's largest stage). Two layouts (`LAYOUTS`):
+   microbatch of the rank's largest stage). What a device holds of its rank's
+   need is its lowering's byte model (`jpipe.lower.bytes`; the search reads the
+   same one), handed the overhead and the tensor degree per rank as inputs.
+   Two layouts (`LAYOUTS`):
    ``"per_rank"``, each device holding its own rank's need (what a runtime of
    one program per rank allocates, and what Sailor's runtime ran), and
    ``"spmd"``, what jpipe's one SPMD program allocates on *every* device: the
@@ -101,6 +104,8 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from jpipe.lower.bytes import RankBytes
+from jpipe.lower.interface import SPMD
 from jpipe.planner.choices import AUTO, MemoryChoice, choices_to_try, with_choice
 from jpipe.planner.partition import (
     NoSplitFits,
@@ -117,9 +122,8 @@ from jpipe.schedule.simulate import (
     Simulation,
     Sizes,
     _live_events,
-    _peak_bytes_in_time,
     _timed,
-    peak_bytes,
+    live_peaks,
     simulate,
 )
 from jpipe.schedule.validate import analyze
@@ -394,16 +398,17 @@ def _values(
     ``1f1b_recompute``, or one `jpipe.search_schedule` chose) the simulator counts them in
     time, with unit costs and free transfers (as the validator places them), what a rank
     holds for a partner included; without, in list order."""
-    sizes = _values_sizes(schedule, act, inputs)
-    if schedule.has_memory_actions:  # `simulate(schedule, Costs(), sizes).peak_bytes`, alone
-        return _peak_bytes_in_time(schedule, sizes, _timed(schedule, Costs())[:3])
-    return peak_bytes(schedule, sizes, schedule.num_stages)
+    return live_peaks(schedule, _values_sizes(schedule, act, inputs))
 
 
 def spmd_values(schedule: Schedule, act: Sequence[float]) -> float:
-    """The live residuals and carries every device of an SPMD program holds: the largest
-    rank's peak, with `act` each stage's residual bytes per microbatch."""
-    return max(_values(schedule, act))
+    """The live residuals and carries every device of an SPMD program holds, as its byte
+    model counts them where no tick buffers are sized (the largest rank's peak), with
+    `act` each stage's residual bytes per microbatch."""
+    values = _values(schedule, act)
+    zeros = (0.0,) * len(values)
+    need = RankBytes(params=zeros, values=values, working=zeros)
+    return SPMD.byte_model().device_bytes(need)[0].values
 
 
 def memory_footprint(
@@ -411,13 +416,46 @@ def memory_footprint(
 ) -> MemoryFootprint:
     """Every device's memory under `plan`, in both layouts (module docstring, item 5).
 
-    Needs no times: a rank's peak of live values depends only on its own
+    What each device's rank needs comes from here (the profile's runtime terms at the
+    device's tensor degree, the fixed overhead of its kind, the simulated peak of live
+    values); what a device holds of it under a layout is the layout's lowering's byte
+    model (`jpipe.lower.interface.LoweringKind.byte_model`), which the schedule search
+    reads too. Needs no times: a rank's peak of live values depends only on its own
     actions' order, so this works where a profile has bytes but no times. For a
     ``per_rank`` plan whose ranks differ in tensor degree the ``spmd`` figures are
     what one program would hold if it could run it (it cannot: `ClusterPlan.check`).
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
+    need = _device_needs(plan, profile, schedule)
+    devices = [(r, d) for r in range(plan.pipe) for d in range(plan.data)]
+    terms = profile.memory_terms
+
+    def device(r, d, held):
+        g = plan.ranks[r][d]
+        memory = profile.memory.get(g.kind)
+        usable = None if memory is None else memory * terms.usable_fraction
+        parts = {"overhead": held.overhead, "parameters": held.params, "values": held.values,
+                 "working": held.working}  # fmt: skip
+        return DeviceMemory(r, d, g.kind, memory, usable, held.total, parts)
+
+    layouts = {}
+    for layout in LAYOUTS:
+        held = dict(zip(devices, layout_kind(layout).byte_model().device_bytes(need)))
+        layouts[layout] = tuple(
+            tuple(device(r, d, held[r, d]) for d in range(plan.data)) for r in range(plan.pipe)
+        )
+    return MemoryFootprint(layouts)
+
+
+def _device_needs(plan: ClusterPlan, profile: Profile, schedule: Schedule) -> RankBytes:
+    """What each device of `plan` needs, rank by rank and replica by replica (one entry
+    each, rank-major): its fixed overhead at its kind and tensor degree, the runtime's
+    bytes per parameter times the parameters one GPU of the rank holds at its degree,
+    the rank's peak of live values in its replica (`_values`), and the working memory of
+    its largest stage (``working_factor`` of its residuals, plus what a remat re-run
+    holds). The replicas of one program may hold different devices, so each is its own
+    entry; each rank holds its own stages' parameters (one mesh per rank)."""
     terms = profile.memory_terms
     S = schedule.num_stages
     owner = list(schedule.stage_to_rank)
@@ -437,41 +475,16 @@ def memory_footprint(
         for r in range(plan.pipe):
             stages = [s for s in range(S) if owner[s] == r]
             tp = plan.ranks[r][d].tensor_parallel
-            own[r][d] = {
-                "overhead": terms.overhead_for(plan.ranks[r][d].kind, tp),
-                "parameters": terms.bytes_per_param
+            own[r][d] = (
+                terms.overhead_for(plan.ranks[r][d].kind, tp),
+                terms.bytes_per_param
                 * sum(_stage_params(profile, plan.stage_layers[s], tp) for s in stages),
-                "values": values[r],
-                "working": max(
-                    (terms.working_factor * act[s] + rec[s] for s in stages), default=0.0
-                ),
-            }
-    # Every device of one program holds the largest rank's parameters, values and working
-    # memory; its fixed overhead (context, libraries, kernels) is its own.
-    largest = {
-        k: max(own[r][d][k] for r in range(plan.pipe) for d in range(plan.data)) for k in own[0][0]
-    }
-    spmd = [
-        [{**largest, "overhead": own[r][d]["overhead"]} for d in range(plan.data)]
-        for r in range(plan.pipe)
-    ]
-
-    def device(r, d, parts):
-        g = plan.ranks[r][d]
-        memory = profile.memory.get(g.kind)
-        usable = None if memory is None else memory * terms.usable_fraction
-        return DeviceMemory(r, d, g.kind, memory, usable, sum(parts.values()), dict(parts))
-
-    return MemoryFootprint(
-        {
-            "per_rank": tuple(
-                tuple(device(r, d, own[r][d]) for d in range(plan.data)) for r in range(plan.pipe)
-            ),
-            "spmd": tuple(
-                tuple(device(r, d, spmd[r][d]) for d in range(plan.data)) for r in range(plan.pipe)
-            ),
-        }
-    )
+                values[r],
+                max((terms.working_factor * act[s] + rec[s] for s in stages), default=0.0),
+            )
+    rows = [own[r][d] for r in range(plan.pipe) for d in range(plan.data)]
+    overhead, params, values, working = (tuple(col) for col in zip(*rows))
+    return RankBytes(params=params, values=values, working=working, overhead=overhead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -967,10 +980,8 @@ def _fitting_split(
     # what each stage may hold besides the fixed overhead of the device that holds it
     terms = profile.memory_terms
     room_of = lambda g: usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel)  # noqa: E731
-    if layout_kind(shape.memory_layout).every_device_holds_busiest:
-        capacity = [min(room_of(g) for row in ranks for g in row)] * S
-    else:
-        capacity = [min(room_of(g) for g in ranks[owner[s]]) for s in range(S)]
+    model = layout_kind(shape.memory_layout).byte_model()
+    capacity = model.stage_room([[room_of(g) for g in row] for row in ranks], owner)
     share = [x[0] for x in _sharing(ranks, owner)]
     live = _live_units(schedule) if live is None else live
     split = lambda budgets=None: _split_layers(  # noqa: E731

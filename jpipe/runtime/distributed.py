@@ -669,7 +669,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def num_processes() -> int:
-    """The processes of this run, known after `initialize_distributed` without starting a backend."""
+    """The processes of this run, known after `initialize_distributed`, no backend started."""
     import jax
     from jax._src import distributed
 

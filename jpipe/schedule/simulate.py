@@ -107,9 +107,32 @@ class Sizes:
 def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float, ...]:
     """Each rank's peak bytes: its stages' parameters plus its most live activations and carries."""
     size = sizes.table(num_stages)
+    return tuple(
+        peak + sum(size["params"][s] for s in schedule.stages_of(r))
+        for r, peak in enumerate(_list_peaks(schedule, size))
+    )
+
+
+def live_peaks(schedule: Schedule, sizes: Sizes, costs: Costs | None = None) -> tuple[float, ...]:
+    """Each rank's most live values at once, without its parameters: residuals, carries,
+    kept inputs and what it holds for a partner (module docstring), the figure a
+    lowering's byte model takes as each rank's values (`jpipe.lower.bytes.RankBytes`).
+
+    Counted in time, run with `costs` (unit costs if None), where `schedule` has memory
+    actions; along each rank's list otherwise, where no costs change it.
+    """
+    if schedule.has_memory_actions:
+        timed = _timed(schedule, costs or Costs())[:3]
+        return tuple(_peaks(_events_in_time(schedule, sizes, timed)))
+    return tuple(_list_peaks(schedule, sizes.table(schedule.num_stages)))
+
+
+def _list_peaks(schedule: Schedule, size: dict) -> list[float]:
+    """Each rank's most live activations and carries, walking its list (no memory actions);
+    `size` is `Sizes.table`."""
     act, carry = size["activation"], size["carry"]
     peaks = []
-    for r, row in enumerate(_rows(schedule)):
+    for row in _rows(schedule):
         live = peak = 0.0
         for a in row:
             s, kind = a.stage, a.kind
@@ -123,8 +146,8 @@ def peak_bytes(schedule: Schedule, sizes: Sizes, num_stages: int) -> tuple[float
                 live -= carry[s] + act[s]
             if live > peak:
                 peak = live
-        peaks.append(peak + sum(size["params"][s] for s in schedule.stages_of(r)))
-    return tuple(peaks)
+        peaks.append(peak)
+    return peaks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +244,16 @@ def simulate(
     memory actions; without `sizes`, both are `None`.
     """
     costs = costs or Costs()
+    return _simulation(schedule, costs, _timed(schedule, costs), sizes)
+
+
+def _simulation(schedule: Schedule, costs: Costs, timed, sizes: Sizes | None = None) -> Simulation:
+    """`simulate(schedule, costs, sizes)` from its run in time (`timed`, `_timed`'s result
+    with these costs), for a caller that ran it already (the search's walk)."""
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
     rows = info.rows
-    starts, ends, issue, busy, makespan = _timed(schedule, costs)
+    starts, ends, issue, busy, makespan = timed
     total = len(rows) * makespan
     bubble = 1.0 - sum(busy) / total if total > 0 else 0.0
     peaks = plain = None
@@ -269,18 +298,24 @@ def _timed(schedule: Schedule, costs: Costs):
 def _peak_bytes_in_time(schedule: Schedule, sizes: Sizes, timed) -> tuple[float, ...]:
     """`simulate(...).peak_bytes` of a schedule with memory actions, from its run in time
     (`timed`: the starts, ends and issue times of `_timed`), alone."""
+    size = sizes.table(schedule.num_stages)
+    return tuple(
+        p + sum(size["params"][s] for s in schedule.stages_of(r))
+        for r, p in enumerate(_peaks(_events_in_time(schedule, sizes, timed)))
+    )
+
+
+def _events_in_time(schedule: Schedule, sizes: Sizes, timed):
+    """`_live_events` of a schedule run in time (`timed`: `_timed`'s starts, ends and issue
+    times) with `sizes`' bytes."""
     info = analyze(schedule)
     S, M, rows = info.num_stages, info.num_microbatches, info.rows
     starts, ends, issue = timed
     size = sizes.table(S)
-    events = _live_events(
+    return _live_events(
         rows, starts, ends, issue, S, M, len(rows),
         size["activation"], size["input"], size["carry"],
     )  # fmt: skip
-    return tuple(
-        p + sum(size["params"][s] for s in schedule.stages_of(r))
-        for r, p in enumerate(_peaks(events))
-    )
 
 
 def _start_times(schedule: Schedule, costs: Costs) -> list[list[float]]:

@@ -52,17 +52,20 @@ for a partner included; a copy's destination takes its buffer when the copy
 is issued), and the working memory of its largest piece (``working``, the
 largest over its stages: a piece runs on top of what is live, and the
 head's is the largest of GPT-2's). Per device, under the layout (`LAYOUTS`),
-as that layout's lowering allocates them:
+as that layout's lowering allocates them, which its byte model says
+(`jpipe.lower.interface.LoweringKind.byte_model`; the one the simulator's
+figures and the planner read too):
 
-- ``"spmd"``: one program on every device (`Pipeline(lowering="spmd")`):
-  every device allocates the largest rank's parameters, the gradients the
-  step returns beside its accumulator, the residual and carry buffers as the
-  program sizes them from its tick plan (`spmd_buffers`), and the largest
-  piece's working memory; the terms may come from different ranks
-  (docs/design.md);
-- ``"per_rank"``: one program per rank (`Pipeline(lowering="mpmd")`): each
-  device holds its own rank's values, working memory and gradients, and
-  (today) every rank's packed weights and optimizer state.
+- ``"spmd"``: one program on every device (`Pipeline(lowering="spmd")`,
+  `jpipe.lower.spmd.bytes`): every device allocates the largest rank's
+  parameters, the gradients the step returns beside its accumulator, the
+  residual and carry buffers as the program sizes them from its tick plan
+  (`spmd_buffers`), and the largest piece's working memory; the terms may
+  come from different ranks (docs/design.md);
+- ``"per_rank"``: one program per rank (`Pipeline(lowering="mpmd")`,
+  `jpipe.lower.mpmd.bytes`): each device holds its own rank's values,
+  working memory and gradients, and (today, on one mesh) every rank's
+  packed weights and optimizer state.
 
 A candidate fits when every device is within the budget less a margin
 (`MARGIN`) for what the model does not count (docs/search.md measures it).
@@ -89,10 +92,19 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from jpipe.lower.bytes import HeldBytes, RankBytes
 from jpipe.lower.interface import KINDS, MPMD, LoweringKind
 from jpipe.schedule.actions import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
 from jpipe.schedule.registry import get_schedule
-from jpipe.schedule.simulate import Costs, Simulation, Sizes, _live_events, _timed, simulate
+from jpipe.schedule.simulate import (
+    Costs,
+    Simulation,
+    Sizes,
+    _live_events,
+    _simulation,
+    _timed,
+    simulate,
+)
 from jpipe.schedule.validate import ScheduleError, analyze
 
 LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "per_rank")
@@ -1048,10 +1060,15 @@ class DeviceBytes:
 
     Attributes:
       layout: ``"spmd"`` or ``"per_rank"``.
-      params: per rank, its stages' ``params`` bytes.
+      params: per rank, the parameter bytes its device holds under `layout`.
       values: per rank, the most residuals, carries and kept inputs it holds at once.
       working: per rank, its largest piece's working memory.
       device: per rank, what the device of that rank allocates under `layout`.
+      grad_output: the gradients every device holds beside its accumulator.
+      buffers: ``(residual, carry)`` bytes of the buffers the layout's program sizes,
+        held in place of the values (the SPMD program's); None where it has none.
+      held: per rank, its device's terms as the layout's byte model counts them
+        (`jpipe.lower.bytes.HeldBytes`); not in `to_json`.
     """
 
     layout: str
@@ -1061,6 +1078,7 @@ class DeviceBytes:
     device: tuple[float, ...]
     grad_output: float = 0.0
     buffers: tuple[float, float] | None = None
+    held: tuple[HeldBytes, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def most(self) -> float:
@@ -1073,33 +1091,15 @@ class DeviceBytes:
 
     def parts(self, rank: int) -> dict[str, float]:
         """What the device of `rank` holds, term by term (under SPMD, each the largest rank's)."""
-        if layout_kind(self.layout).every_device_holds_busiest:
-            out = {"params": max(self.params)}
-            if self.grad_output:
-                out["gradient output"] = self.grad_output
-            if self.buffers is not None:
-                out["residual buffer"], out["carry buffer"] = self.buffers
-            else:
-                out["values"] = max(self.values)
-            return out | {"working": max(self.working)}
-        return {"params": self.params[rank], "values": self.values[rank],
-                "working": self.working[rank]}  # fmt: skip
+        return self.held[rank].parts()
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "held"}
 
 
-def _allowances(schedule: Schedule, figures: StageFigures, busiest: bool, budget: float):
-    """Per rank: the parameter bytes its device holds, its working memory, and how many
-    bytes of live values its device may hold within `budget`.
-
-    With `busiest` (the SPMD lowering) every device holds the largest rank's
-    ``params``. Otherwise (per rank) each rank holds its own gradients, but today the per-rank
-    lowering keeps the packed parameters, and the optimizer state built on
-    them, whole on every rank (docs/design.md, "not yet the rank's own"): a
-    rank holds the largest rank's ``params`` less its gradients
-    (``grad_output``), plus its own gradients.
-    """
+def _rank_figures(schedule: Schedule, figures: StageFigures):
+    """Per rank, what it needs besides its live values: ``(params, grads, working)``, its
+    stages' ``params`` and ``grad_output`` bytes and its largest piece's working memory."""
     S, R = schedule.num_stages, schedule.num_ranks
     params_of = figures.sizes.table(S)["params"]
     grads_of = figures.grad_output_table(S)
@@ -1110,17 +1110,32 @@ def _allowances(schedule: Schedule, figures: StageFigures, busiest: bool, budget
             stages_of[r].append(s)
     own = [sum(params_of[s] for s in stages) for stages in stages_of]
     grads = [sum(grads_of[s] for s in stages) for stages in stages_of]
-    if busiest:
-        params = [max(own)] * R
-    else:
-        shared = max(p - g for p, g in zip(own, grads))
-        params = [shared + g for g in grads]
     working = [max((working_of[s] for s in stages), default=0.0) for stages in stages_of]
-    if busiest:
-        room = [budget - max(params) - max(grads) - max(working)] * R
-    else:
-        room = [budget - p - w for p, w in zip(params, working)]
-    return params, working, room
+    return own, grads, working
+
+
+def _need(ranks, values: Sequence[float], buffers=None) -> RankBytes:
+    """What each rank needs (`_rank_figures`, and its live `values`), for a byte model.
+
+    The search's pipelines run on one mesh, so under the per-rank lowering every rank
+    holds the packed parameters and the optimizer state on them whole
+    (`RankBytes.packed_everywhere`; docs/design.md, "not yet the rank's own").
+    """
+    own, grads, working = ranks
+    return RankBytes(
+        params=own, values=values, working=working, grads=grads, tick_buffers=buffers,
+        packed_everywhere=True,
+    )  # fmt: skip
+
+
+def _allowances(schedule: Schedule, figures: StageFigures, layout: str, budget: float, ranks=None):
+    """Per rank: the parameter bytes its device holds under `layout`, its working memory,
+    and how many bytes of live values its device may hold within `budget` (what the
+    layout's byte model leaves of it beside every other term). `ranks`: `_rank_figures`,
+    if at hand."""
+    ranks = ranks or _rank_figures(schedule, figures)
+    held = layout_kind(layout).byte_model().device_bytes(_need(ranks, (0.0,) * len(ranks[0])))
+    return [h.params for h in held], ranks[2], [h.room(budget) for h in held]
 
 
 # Transfers whose destination takes its buffer: at the copy's issue, when the rank reaches it.
@@ -1218,66 +1233,39 @@ def _fit(curves, room: Sequence[float]) -> tuple[_Fit, list]:
 def device_bytes(
     sim: Simulation, figures: StageFigures, layout: str, *, values: Sequence[float] | None = None
 ) -> DeviceBytes:
-    """Each rank's bytes and each device's under `layout` (module docstring).
+    """Each rank's bytes and each device's under `layout`, as the layout's lowering's byte
+    model counts them (`jpipe.lower.interface.LoweringKind.byte_model`; module docstring).
 
     `figures` must be for the simulated schedule's stages
     (`StageFigures.for_schedule`). `values`, when known, is each rank's peak
     of live values (the search passes what it computed already).
     """
-    busiest = layout_kind(layout).every_device_holds_busiest
-    params, working, _ = _allowances(sim.schedule, figures, busiest, 0.0)
-    return _device_bytes(sim, figures, layout, values, params, working)
+    return _device_bytes(sim, figures, layout, values, _rank_figures(sim.schedule, figures))
 
 
-def _device_bytes(sim, figures, layout, values, params, working) -> DeviceBytes:
-    """`device_bytes`, with the parameters and working memory of `_allowances` at hand."""
+def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
+    """`device_bytes`, with `_rank_figures` at hand."""
     schedule = sim.schedule
     if values is None:
         values = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
     values = tuple(max(0.0, v) for v in values)
-    if layout_kind(layout).every_device_holds_busiest:
-        S = schedule.num_stages
-        grads = max(
-            sum(figures.grad_output_table(S)[s] for s in schedule.stages_of(r))
-            for r in range(schedule.num_ranks)
-        )
-        buffers = spmd_buffers(schedule, figures)
-        held = sum(buffers)
-        device = (max(params) + grads + held + max(working),) * schedule.num_ranks
-        return DeviceBytes(layout, tuple(params), values, tuple(working), device, grads, buffers)
-    device = tuple(p + v + w for p, v, w in zip(params, values, working))
-    return DeviceBytes(layout, tuple(params), values, tuple(working), device)
+    model = layout_kind(layout).byte_model()
+    size = figures.sizes.table(schedule.num_stages)
+    buffers = model.buffers(schedule, size["activation"], size["carry"])
+    held = model.device_bytes(_need(ranks, values, buffers))
+    return DeviceBytes(
+        layout, tuple(h.params for h in held), values, tuple(ranks[2]),
+        tuple(h.total for h in held), max(h.grad_output for h in held), buffers, held,
+    )  # fmt: skip
 
 
 def spmd_buffers(schedule: Schedule, figures: StageFigures) -> tuple[float, float]:
-    """The SPMD program's residual and carry buffers, in bytes, as it sizes them.
+    """The SPMD program's residual and carry buffers, in bytes, as it sizes them from its
+    tick plan (`jpipe.lower.spmd.bytes.tick_buffers`), for `figures`' stages."""
+    from jpipe.lower.spmd.bytes import tick_buffers  # its tick plan: imported when asked
 
-    `jpipe.make_plan` lays the schedule out in lock-step ticks, and on each
-    rank every residual (and I-to-W carry) is placed for its lifetime in
-    ticks by first fit (`jpipe.pack_lifetimes`); every device allocates the
-    largest rank's extent of each buffer (docs/design.md). A value can live
-    longer in ticks than in the simulated time, and a full backward runs as
-    its I then its W, so this can be above the simulator's peak. Memory
-    actions split a residual's lifetime at each copy: an evicted one lives in
-    its partner's buffer until it is loaded back, an offloaded one in the
-    host buffer, which is not device memory (on XLA:CPU, which has no host
-    memory space, the compiled temp counts it too: docs/design.md). Each
-    value is one size here, where the program rounds each leaf up to whole
-    rows of its buffer: on GPT-2 small both buffers came out exactly the
-    program's (docs/search.md).
-    """
-    from jpipe.lower.spmd.ticks import pack_lifetimes, plan_lifetimes
-
-    lifetimes = plan_lifetimes(schedule)  # `make_plan(schedule).lifetimes`, without the rest
     table = figures.sizes.table(schedule.num_stages)
-    extents = []
-    for arena, sizes in (("res", table["activation"]), ("carry", table["carry"])):
-        most = 0.0
-        for ivs in lifetimes.get(arena, ()):
-            extent, _ = pack_lifetimes(ivs, lambda key, sizes=sizes: sizes[key[0]])
-            most = max(most, extent)
-        extents.append(float(most))
-    return extents[0], extents[1]
+    return tick_buffers(schedule, table["activation"], table["carry"])
 
 
 # -- candidates ----------------------------------------------------------------------------
@@ -1541,12 +1529,15 @@ def _allowed_moves(layout: str, wanted=None) -> set[str]:
 
 class _Timeline(NamedTuple):
     """A schedule run in time with the figures' costs: what the walk reads of its
-    `Simulation` (the schedule it ends with is simulated in full)."""
+    `Simulation`, and the run itself (`timed`, `_timed`'s result), from which the
+    schedule the walk ends with gets its `Simulation` without running again (None for
+    a base, whose `Simulation` the built-ins made)."""
 
     schedule: Schedule
-    starts: list
-    ends: list
+    starts: Sequence
+    ends: Sequence
     makespan: float
+    timed: tuple | None = None
 
 
 class _Evaluator:
@@ -1554,55 +1545,61 @@ class _Evaluator:
 
     def __init__(self, figures: StageFigures, budget: float, layout: str, limit=math.inf):
         self.figures, self.budget, self.layout = figures, budget, layout
-        self.busiest = layout_kind(layout).every_device_holds_busiest
+        # whether the layout's devices hold other than each rank's own bytes (SPMD)
+        self.own = layout_kind(layout).byte_model() is layout_kind(OWN).byte_model()
         self.count, self.limit = 0, limit
-        self._allowed: dict = {}  # placement of the stages -> `_allowances` (all that it reads)
+        self._allowed: dict = {}  # placement of the stages -> what `_allowances` reads, and it
 
     @property
     def exhausted(self) -> bool:
         return self.count >= self.limit
 
-    def __call__(self, schedule: Schedule):
+    def __call__(self, schedule: Schedule, simulation: Simulation | None = None):
         """`(timeline, fit, DeviceBytes)`, or None if `schedule` does not validate.
+
+        `simulation`, if given, is `schedule`'s with the figures' costs (the base's,
+        simulated as a built-in), read instead of running it again.
 
         The bytes are each rank's own (``"per_rank"``), which is what picks a
         roomy partner and costs no tick plan; `bytes_of` gives the layout's.
-        Under ``"spmd"`` a schedule whose simulated values fit is checked
-        against the buffers its tick plan makes (they can hold more than the
-        simulated peak); where those do not fit, every rank's room shrinks by
-        the difference, so the walk goes on from the fullest rank.
+        Under another layout (``"spmd"``) a schedule whose simulated values fit
+        is checked against the bytes the layout's model counts (the SPMD
+        program's tick buffers can hold more than the simulated peak); where
+        those do not fit, every rank's room shrinks by the difference, so the
+        walk goes on from the fullest rank.
         """
         try:
             analyze(schedule)
         except ScheduleError:
             return None
         self.count += 1
-        starts, ends, _, _, makespan = _timed(schedule, self.figures.costs)
-        sim = _Timeline(schedule, starts, ends, makespan)
+        if simulation is None:
+            timed = _timed(schedule, self.figures.costs)
+            sim = _Timeline(schedule, timed[0], timed[1], timed[4], timed)
+        else:
+            sim = _Timeline(schedule, simulation.starts, simulation.ends, simulation.makespan)
         placement = schedule.stage_to_rank
         if placement not in self._allowed:  # memory moves leave it as the base's
-            self._allowed[placement] = {
-                busiest: _allowances(schedule, self.figures, busiest, self.budget)
-                for busiest in {self.busiest, False}
-            }
-        allowed = self._allowed[placement]
-        room = allowed[self.busiest][2]
-        curves = _curves(sim, self.figures)  # once: the SPMD check below reads them again
+            ranks = _rank_figures(schedule, self.figures)
+            self._allowed[placement] = (
+                ranks,
+                _allowances(schedule, self.figures, self.layout, self.budget, ranks)[2],
+            )
+        ranks, room = self._allowed[placement]
+        curves = _curves(sim, self.figures)  # once: the layout's check below reads them again
         fit, peaks = _fit(curves, room)
-        if self.busiest and fit.fits:
-            params, working, _ = allowed[True]
-            spmd = _device_bytes(sim, self.figures, self.layout, peaks, params, working)  # ticks
-            over = spmd.most - self.budget
+        if not self.own and fit.fits:
+            held = _device_bytes(sim, self.figures, self.layout, peaks, ranks)  # its ticks
+            over = held.most - self.budget
             if over > 0:
-                extra = max(over, sum(spmd.buffers) - max(peaks))
+                extra = max(over, max(h.values for h in held.held) - max(peaks))
                 fit, peaks = _fit(curves, [r - extra for r in room])
-        params, working, _ = allowed[False]
-        return sim, fit, _device_bytes(sim, self.figures, OWN, peaks, params, working)
+        return sim, fit, _device_bytes(sim, self.figures, OWN, peaks, ranks)
 
     def bytes_of(self, found) -> DeviceBytes:
         """The layout's `DeviceBytes` of an evaluated schedule (the SPMD one plans its ticks)."""
         sim, _, own = found
-        if not self.busiest:
+        if self.own:
             return own
         return device_bytes(sim, self.figures, self.layout, values=own.values)
 
@@ -1627,20 +1624,26 @@ def local_search(
     max_simulations: float = math.inf,
     log: Callable[[str], None] | None = None,
     memory_actions: Sequence[str] | None = None,
+    base_simulation: Simulation | None = None,
 ) -> LocalSearch:
     """Memory actions for `base` until it fits `budget` at the least added time (module
     docstring); `LocalSearch.schedule` is None if it found no way to fit.
 
     `figures` are `base`'s (`StageFigures.for_schedule`); `base` has no memory
     actions and no overlapped cells; `budget` is what a device may hold.
+    `base_simulation`, if given, is `base`'s with `figures.costs`, read instead of
+    running it again.
     """
     evaluate = _Evaluator(figures, budget, layout, max_simulations)
     allowed = _allowed_moves(layout, memory_actions)
-    found = _local_search(base, evaluate, allowed, deadline, log)
+    found = _local_search(base, evaluate, allowed, deadline, log, base_simulation)
     if found is None:
         return LocalSearch(None, (), None, None, evaluate.count)
     schedule, moves, current = found
-    if not isinstance(current[0], Simulation):  # the walk keeps less (`_Timeline`, `_Seen`)
+    timeline = current[0]
+    if getattr(timeline, "timed", None) is not None:  # run once, in the walk
+        current = (_simulation(schedule, figures.costs, timeline.timed), *current[1:])
+    elif not isinstance(timeline, Simulation):  # the walk keeps less of one met again
         current = (simulate(schedule, figures.costs), *current[1:])
     return LocalSearch(schedule, moves, current[0], evaluate.bytes_of(current), evaluate.count)
 
@@ -1657,7 +1660,7 @@ class _Seen(NamedTuple):
     makespan: float
 
 
-def _local_search(base, evaluate, allowed, deadline, log):
+def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
     if not allowed:
         return None
     R = base.num_ranks
@@ -1683,8 +1686,11 @@ def _local_search(base, evaluate, allowed, deadline, log):
             if got is not None:
                 evaluate.count += 1
             return got
-        schedule = build(key)
-        got = None if schedule is None else evaluate(schedule)
+        if not key and base_simulation is not None:  # the base, as the built-ins ran it
+            got = evaluate(base, base_simulation)
+        else:
+            schedule = build(key)
+            got = None if schedule is None else evaluate(schedule)
         seen[key] = None if got is None else (_Seen(got[0].makespan), *got[1:])
         return got
 
@@ -1796,6 +1802,8 @@ def _local_search(base, evaluate, allowed, deadline, log):
                     moves, current, improved = trial, got, True
                     break
     ordered = tuple(sorted(moves.values(), key=_MOVE_ORDER))
+    if ordered and isinstance(current[0], _Timeline):  # built in the walk: validated once
+        return current[0].schedule, ordered, current
     return build(ordered), ordered, current
 
 
@@ -2051,11 +2059,6 @@ class _SearchTerms:
       memory_moves: the kinds of memory action allowed (`MOVE_KINDS`' keys), sorted.
     """
 
-    @property
-    def busiest(self) -> bool:
-        """Whether every device holds the busiest rank's bytes (the SPMD layout)."""
-        return layout_kind(self.layout).every_device_holds_busiest
-
     num_ranks: int
     layout: str
     usable: float
@@ -2185,7 +2188,7 @@ def _local_candidates(
         best = min((c.time for c in candidates if c.fits), default=math.inf)
         if cand.fits or cand.time >= best:
             continue  # memory actions never make a step shorter
-        _, _, room = _allowances(cand.schedule, fig, terms.busiest, usable)
+        _, _, room = _allowances(cand.schedule, fig, terms.layout, usable)
         if min(room) < 0:  # no live value at all would fit beside them
             skipped.append(
                 f"{cand.label}: no local search (a device's parameters, gradients and "
@@ -2203,6 +2206,7 @@ def _local_candidates(
         found = local_search(
             cand.schedule, fig, usable, terms.layout, deadline=deadline, log=log,
             memory_actions=terms.memory_moves, max_simulations=left,
+            base_simulation=cand.simulation,
         )  # fmt: skip
         simulated += found.simulated
         if found.schedule is None:
