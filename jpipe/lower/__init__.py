@@ -8,11 +8,13 @@
   reference;
 - `jpipe.lower.microbatch`: the microbatch cut both lowerings and the
   reference share;
+- `jpipe.lower.bytes`: the contract of a lowering's byte model (what each
+  rank holds in, bytes per device out), which the search and the planner call;
 - `jpipe.lower.spmd`: one SPMD program for every rank (ticks, slots, the
   table, the program and its one jit);
 - `jpipe.lower.mpmd`: one program per rank and piece (the op order, the
   per-rank programs, transfers between ranks and processes).
 
-A third lowering is a `LoweringKind` in `jpipe.lower.interface.KINDS` and a
-`Lowering` subclass in a folder of its own here.
+A third lowering is a `LoweringKind` in `jpipe.lower.interface.KINDS`, a
+`Lowering` subclass and a byte model in a folder of its own here.
 """
