@@ -571,7 +571,9 @@ class RankPrograms:
         text on the same rank (the middle stages of a rank holding several,
         as in interleaved 1F1B or ZB-V) share one compiled executable: the
         text holds every shape, sharding and donation, so the programs are
-        the same program.
+        the same program. Their arguments may still be other pytrees (each
+        stage's buckets have its own names): `_Retreed` passes the leaves,
+        which the text says are alike in order.
 
         One after another: compiling them in threads side by side measured no
         faster on XLA:CPU (Llama-3-70B widths, 8 blocks on pipe 8 x tensor 8:
@@ -587,7 +589,10 @@ class RankPrograms:
             same = (self.stage_to_rank[s], lowered.as_text())
             if same not in by_text:
                 by_text[same] = lowered.compile()
-            compiled[s, k] = by_text[same]
+            shared = by_text[same]
+            if (shared.in_tree, shared.out_tree) != (lowered.in_tree, lowered.out_tree):
+                shared = _Retreed(shared, lowered.in_tree, lowered.out_tree)
+            compiled[s, k] = shared
         self.compiles = len(by_text)
         return compiled
 
@@ -1033,6 +1038,26 @@ def _refuse_evictions_across_shapes(schedule, meshes) -> None:
                 f"shape ({dict(meshes[a.partner].shape)} against {dict(meshes[r].shape)}); "
                 "residuals are each device's own block, so evict to a rank of the same shape"
             )
+
+
+class _Retreed:
+    """A compiled program called with other pytrees of the same leaves: another stage's
+    piece whose lowered text is the same (`RankPrograms._compile_pieces`).
+
+    The leaves go in and come out in the order the shared program has them;
+    only the trees around them (the buckets' names) are this piece's own.
+    """
+
+    def __init__(self, compiled, in_tree, out_tree):
+        self.compiled, self.in_tree, self.out_tree = compiled, in_tree, out_tree
+
+    def __call__(self, *args):
+        leaves = self.in_tree.flatten_up_to((args, {}))
+        out = self.compiled(*jax.tree.unflatten(self.compiled.in_tree, leaves)[0])
+        return jax.tree.unflatten(self.out_tree, jax.tree.leaves(out))
+
+    def __getattr__(self, name):  # memory_analysis, cost_analysis, as_text: the program's own
+        return getattr(self.compiled, name)
 
 
 def _keep(values: dict, key, value) -> None:
