@@ -85,12 +85,18 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # The longest files first. pytest-xdist (`--dist loadfile`, pyproject.toml)
-# hands whole files to its workers in collection order, so a long file that
-# sorts late keeps one worker busy alone at the end: test_train.py began near
-# the end and ran about 10 of the suite's last 13 minutes by itself (stop 43's
-# rehearsal). Measured per file in one run of the whole suite (`pytest
-# --durations=0`, 2 workers, a loaded machine), the heaviest in order; the
-# rest keep their order after them.
+# hands whole files to its workers in collection order (with
+# --no-loadscope-reorder: by default it queues them by their number of tests
+# instead, which ignored this order), so a long file that sorts late keeps
+# one worker busy alone at the end: test_train.py began near the end and ran
+# about 10 of the suite's last 13 minutes by itself (stop 42), and with the
+# files queued by test count test_readme.py (4 tests, one a 300-step
+# train.py), test_lost_peers.py and test_interrupt.py were among the last
+# nine queued: the likely cause of the about 5 minutes one worker still ran
+# alone in stop 43's rehearsal (the queue order read from xdist 3.8's code;
+# that run logged no per-worker times). Measured per file in one run of the
+# whole suite (`pytest --durations=0`, 2 workers, a loaded machine), the
+# heaviest in order; the rest keep their order after them.
 LONGEST_FIRST = (
     "test_train.py",
     "test_sharded.py",

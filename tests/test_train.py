@@ -420,14 +420,20 @@ def test_optimizer_keeps_padding_zero_and_clips_globally():
     expected = np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in per_stage))
     np.testing.assert_allclose(float(optax.tree.norm(grads)), expected, rtol=1e-6)
 
-    # Padding rows get zero gradients and stay zero through clipping and AdamW.
+    # Padding rows get zero gradients and stay zero through clipping and AdamW
+    # (jitted: one program instead of each of AdamW's operations compiled alone).
     optimizer = train_optimizer.make_optimizer(prepared.config.optimizer, 10, rows)
     opt_state = optimizer.init(params)
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     for _ in range(3):
         for name, ranks in padding.items():
             assert not np.asarray(grads[name])[ranks].any(), name
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
     for name, ranks in padding.items():
         assert not np.asarray(params[name])[ranks].any(), name
 
@@ -455,34 +461,38 @@ def test_use_cpu_devices_leaves_a_started_jax_alone():
     assert len(jax.devices()) == 8
 
 
-@pytest.mark.slow
-def test_train_py_runs(tmp_path):
-    """The entry point, in its own process: fakes 2 CPU devices and trains 2 steps."""
-    common = [sys.executable, str(ROOT / "train.py"), f"--workdir={tmp_path / 'run'}"]
-    tiny = [
-        "--config.mesh.pipe=2",
-        "--config.mesh.data=1",
-        "--config.steps=2",
-        "--config.num_microbatches=2",
-        "--config.batch_size=4",
-        "--config.eval_batches=1",
-        "--config.data.max_bytes=32768",
-        "--config.model.seq_len=16",
-        "--config.model.num_layers=2",
-        "--config.model.d_model=32",
-        "--config.model.d_ff=64",
-    ]
+# The entry point as a process, for its flags and its errors; a real run of it
+# (2 fake CPU devices, trained to the end, what it prints) is the unbroken run
+# of test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes below.
+TRAIN_PY_TINY = [
+    "--config.mesh.pipe=2",
+    "--config.mesh.data=1",
+    "--config.steps=40",
+    "--config.num_microbatches=2",
+    "--config.batch_size=4",
+    "--config.log_every=1",
+    "--config.eval_every=100",
+    "--config.eval_batches=1",
+    "--config.checkpoint_every=100",  # so the only checkpoint before the end is Ctrl-C's
+    "--config.data.max_bytes=32768",
+    "--config.model.seq_len=16",
+    "--config.model.num_layers=2",
+    "--config.model.d_model=32",
+    "--config.model.d_ff=64",
+]
+
+
+def _train_py_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
-    done = subprocess.run(
-        common + tiny, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "devices: 2 cpu devices" in done.stdout
-    assert "1f1b: 2 ranks" in done.stdout
-    assert "held-out loss" in done.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 2]
+    return env
 
+
+@pytest.mark.slow
+def test_train_py_refuses_a_bad_config_in_one_line(tmp_path):
+    """The entry point, in its own process: a bad value or a misspelt field, exit status 1."""
+    common = [sys.executable, str(ROOT / "train.py"), f"--workdir={tmp_path / 'run'}"]
+    env = _train_py_env()
     bad = subprocess.run(
         common + ["--config.schedule=nope"],
         capture_output=True,
@@ -540,13 +550,15 @@ def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
         if (
             event == "call"
             and code.co_name == "_analyze"
-            and code.co_filename.endswith(os.path.join("jpipe", "jpipe/schedule/validate.py"))
+            and code.co_filename.endswith(os.path.join("jpipe", "schedule", "validate.py"))
         ):
             analysed.append(id(frame.f_locals["schedule"]))
 
     sys.setprofile(watch)
     try:
-        trainer.train(tiny_config(steps=1), str(tmp_path / "run"), progress=False)
+        # The reference run's config: its programs are read back from the
+        # compilation cache (a run of another length compiles its own step).
+        trainer.train(tiny_config(), str(tmp_path / "run"), progress=False)
     finally:
         sys.setprofile(None)
     assert analysed, "the watch saw no analysis: has the validator's function been renamed?"
@@ -554,22 +566,26 @@ def test_the_schedule_is_analysed_once_when_a_run_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_optimizer_state_split_over_data_trains_the_same(tmp_path):
+def test_optimizer_state_split_over_data_trains_the_same(reference, tmp_path):
     # ZeRO-1: with optimizer.shard_over_data the Adam moments are split over
     # the data axis (pipe 4 x data 2 here), each device holds half of them,
-    # and training gives the same losses, bit for bit.
-    split = tiny_config(steps=3, eval_every=0, **{"optimizer.shard_over_data": True})
-    whole = trainer.train(tiny_config(steps=3, eval_every=0), str(tmp_path / "a"), progress=False)
+    # and training gives the same losses, bit for bit: the reference run's,
+    # whose config differs only there (so the two steps compiled below are
+    # the two runs', read back from the compilation cache).
+    result, _ = reference
+    split = tiny_config(**{"optimizer.shard_over_data": True})
     halves = trainer.train(split, str(tmp_path / "b"), progress=False)
-    assert halves.losses == whole.losses and len(whole.losses) == 3
+    assert halves.losses == result.losses and len(result.losses) == 6
+    assert halves.eval_losses == result.eval_losses
 
     prepared = trainer.prepare(split)
     model = gpt.make_stages(prepared.config.model, prepared.layers_per_stage)
     pipeline = jpipe.Pipeline(model.stages, prepared.schedule, prepared.mesh)
     params = pipeline.pack(model.init(0))
     rows = train_optimizer.packed_decay_rows(pipeline)
-    optimizer = train_optimizer.make_optimizer(prepared.config.optimizer, 3, rows)
-    lr = train_optimizer.learning_rate_schedule(prepared.config.optimizer, 3)
+    steps = prepared.config.steps
+    optimizer = train_optimizer.make_optimizer(prepared.config.optimizer, steps, rows)
+    lr = train_optimizer.learning_rate_schedule(prepared.config.optimizer, steps)
     state = train_step_lib.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     batch = device_batch(prepared.train_data, 0, pipeline.batch_sharding)
     held = {}
@@ -605,27 +621,10 @@ def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
     import signal
     import time
 
-    tiny = [
-        "--config.mesh.pipe=2",
-        "--config.mesh.data=1",
-        "--config.steps=40",
-        "--config.num_microbatches=2",
-        "--config.batch_size=4",
-        "--config.log_every=1",
-        "--config.eval_every=100",
-        "--config.eval_batches=1",
-        "--config.checkpoint_every=100",  # so the only checkpoint before the end is Ctrl-C's
-        "--config.data.max_bytes=32768",
-        "--config.model.seq_len=16",
-        "--config.model.num_layers=2",
-        "--config.model.d_model=32",
-        "--config.model.d_ff=64",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py fakes its own
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
+    env = _train_py_env()
 
     def command(workdir):
-        return [sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *tiny]
+        return [sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *TRAIN_PY_TINY]
 
     def losses(workdir):
         return {r["step"]: r["loss"] for r in read_metrics(workdir) if "loss" in r}
@@ -662,5 +661,10 @@ def test_ctrl_c_saves_the_step_and_prints_the_command_that_resumes(tmp_path):
     unbroken = tmp_path / "unbroken"
     whole = subprocess.run(command(unbroken), capture_output=True, text=True, env=env, timeout=180)
     assert whole.returncode == 0, whole.stderr[-3000:]
+    # The entry point, in its own process: fakes 2 CPU devices and trains to the end.
+    assert "devices: 2 cpu devices" in whole.stdout
+    assert "1f1b: 2 ranks" in whole.stdout
+    assert "held-out loss" in whole.stdout
+    assert [r["step"] for r in read_metrics(unbroken)] == list(range(41))
     assert losses(broken) == losses(unbroken)  # bit for bit, as resuming promises
     assert sorted(losses(broken)) == list(range(1, 41))
