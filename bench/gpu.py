@@ -378,7 +378,7 @@ def _pipeline_row(args, model, params, sched, mesh, lowering, batch_host, record
         record["host_ops"] = ops[-1] if ops else None
         record["issue_seconds"] = float(statistics.median(issue)) if issue else None
     else:
-        record["ticks"] = pipeline.plan.num_ticks
+        record["ticks"] = pipeline.tick_plan.num_ticks
         loss, times, _ = _time_steps(lambda: compiled(packed, batch), args.warmup, args.reps)
     record.update(status="ok", loss=loss, **_timing(times))
 

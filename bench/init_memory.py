@@ -60,7 +60,7 @@ def row(cfg, axes: dict) -> dict:
         total = max(total, memory.output_size_in_bytes + memory.temp_size_in_bytes)
     own = [0] * R
     for s, b in enumerate(stage_bytes):
-        own[pipe.plan.stage_to_rank[s]] += b
+        own[pipe.tick_plan.stage_to_rank[s]] += b
     return {
         "mesh": axes,
         "output_bytes": int(out),

@@ -12,7 +12,7 @@ falls on all alike), the median of `--steps`, as a ratio to its base
 schedule's, beside two simulated ratios: ``jpipe.simulate``'s makespan with
 unit costs (F = I = W = 1, B = 2 a stage; a V stage is half a stage, so
 F = I = W = 1/2 there; a recompute costs F; copies free) and, for the SPMD
-lowering, the lock-step time of its compiled plan (`Plan.predicted_time`,
+lowering, the lock-step time of its compiled plan (`TickPlan.predicted_time`,
 the same costs: every tick costs its slowest rank).
 
 On XLA:CPU host and device memory are the same RAM: an offload's copies are
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         packed = pipe.pack(model.init(0))
         jax.block_until_ready(pipe.value_and_grad(packed, batch))  # compiles
         costs = unit_costs(chunks)
-        lockstep = pipe.plan.predicted_time(costs) if args.lowering == "spmd" else None
+        lockstep = pipe.tick_plan.predicted_time(costs) if args.lowering == "spmd" else None
         runs[spec] = (pipe, packed, batch, jpipe.simulate(schedule, costs).makespan, lockstep)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.steps):

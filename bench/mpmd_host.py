@@ -58,7 +58,7 @@ def measure(R: int, M: int, name: str, fused: bool, steps: int) -> dict:
             pipe.stage_kernels(batch),
             "pipe",
             "data",
-            pipe.plan.stage_to_rank,
+            pipe.tick_plan.stage_to_rank,
             fused_backward=True,
         )
     jax.block_until_ready(programs.run(packed, batch))  # compiles and warms up

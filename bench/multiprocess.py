@@ -241,7 +241,10 @@ def _measure(args) -> dict:
         packed = pipe.pack(params)
         batch = jax.device_put(workload.batch(args.microbatches), pipe.batch_sharding)
         programs.append(measure.compile_program(f"jpipe {name}", pipe, (packed, batch)))
-        info[f"jpipe {name}"] = {"ticks": pipe.plan.num_ticks, "channels": len(pipe.plan.channels)}
+        info[f"jpipe {name}"] = {
+            "ticks": pipe.tick_plan.num_ticks,
+            "channels": len(pipe.tick_plan.channels),
+        }
         mpmd = jpipe.Pipeline(stage_fns, sched, mesh, lowering="mpmd")
         packed = mpmd.pack(params)
         start = time.perf_counter()
@@ -382,7 +385,7 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     for name in SCHEDULES:
         row = multi["rows"][f"jpipe {name}"]
         sched = jpipe.get_schedule(name, RANKS, args.microbatches)
-        plan = jpipe.make_plan(sched)
+        plan = jpipe.make_tick_plan(sched)
         ideal = jpipe.simulate(sched, c).makespan
         lockstep = plan.predicted_time(c) + plan.num_ticks * len(plan.channels) * transfer
         work = total["F"] + (total["B"] if name == "1f1b" else total["I"] + total["W"])

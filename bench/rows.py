@@ -102,8 +102,8 @@ def jpipe_row(
         "schedule": schedule,
         "stages": sched.num_stages,
         "chunks": V,
-        "ticks": pipe.plan.num_ticks,
-        "tick_layout": pipe.plan.layout,
+        "ticks": pipe.tick_plan.num_ticks,
+        "tick_layout": pipe.tick_plan.layout,
     }
     name = f"jpipe {schedule}" + (f" (V={V})" if V > 1 else "")
     if tick_layout != "auto":

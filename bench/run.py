@@ -201,7 +201,7 @@ def predictions(row: rows.Row, costs: dict) -> dict:
         "bubble_fraction": sim.bubble_fraction,
         "predicted_lockstep_seconds": None,
     }
-    predicted = getattr(row.pipeline.plan, "predicted_time", None)
+    predicted = getattr(row.pipeline.tick_plan, "predicted_time", None)
     if predicted is not None:
         out["predicted_lockstep_seconds"] = float(predicted(c))
     return out

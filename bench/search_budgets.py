@@ -1,6 +1,6 @@
 """Budgets against winners: `jpipe.search_schedule` on GPT-2 small, each winner compiled.
 
-``python -m bench.search_budgets [--ranks 4] [--budgets 12,10,9,8,7,6] [--layouts spmd,per_rank]
+``python -m bench.search_budgets [--ranks 4] [--budgets 12,10,9,8,7,6] [--layouts spmd,mpmd]
 [--microbatches 16] [--json PATH] [--no-compile] [--check SPEC[@V],...]``
 
 For each layout and budget (GiB per device), the search runs on the shipped
@@ -14,7 +14,7 @@ fake CPU devices, from shape structs; nothing runs):
 - under ``spmd`` the step's one program (`jpipe.Pipeline.step_fn`, as
   ``lowering="spmd"`` runs it): a device holds its ``memory_analysis()``
   arguments, outputs and temp, less what aliases;
-- under ``per_rank`` every piece of ``lowering="mpmd"``
+- under ``mpmd`` every piece of ``lowering="mpmd"``
   (`jpipe.RankPrograms.compile`), each rank's peak as
   `RankPrograms.account` counts it (its gradient accumulators, the values it
   holds as the op list runs, and the working memory of the piece running
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--budgets", default="12,10,9,8,7,6", help="GiB per device")
-    parser.add_argument("--layouts", default="spmd,per_rank")
+    parser.add_argument("--layouts", default="spmd,mpmd")
     parser.add_argument("--json", help="also write the rows to this path")
     parser.add_argument("--no-compile", action="store_true", help="search only")
     parser.add_argument(

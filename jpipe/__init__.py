@@ -68,9 +68,9 @@ _EXPORTS = {
     "split_microbatches": "jpipe.lower.microbatch",
     "StageKernels": "jpipe.stage.pieces",
     "WeightedLoss": "jpipe.stage.pieces",
-    # What a compiled step is made of (returned by Pipeline.plan, .program, .rank_programs)
-    "Plan": "jpipe.lower.spmd.ticks",
-    "make_plan": "jpipe.lower.spmd.ticks",
+    # What a compiled step is made of (returned by Pipeline.tick_plan, .program, .rank_programs)
+    "TickPlan": "jpipe.lower.spmd.ticks",
+    "make_tick_plan": "jpipe.lower.spmd.ticks",
     "Program": "jpipe.lower.spmd.program",
     "RankPrograms": "jpipe.lower.mpmd.programs",
     # Devices and processes
@@ -111,8 +111,8 @@ if TYPE_CHECKING:  # the same names, for static tools; one import per name
     from jpipe.lower.pipeline import reference_value_and_grad as reference_value_and_grad
     from jpipe.lower.pipeline import run_stages as run_stages
     from jpipe.lower.spmd.program import Program as Program
-    from jpipe.lower.spmd.ticks import Plan as Plan
-    from jpipe.lower.spmd.ticks import make_plan as make_plan
+    from jpipe.lower.spmd.ticks import TickPlan as TickPlan
+    from jpipe.lower.spmd.ticks import make_tick_plan as make_tick_plan
     from jpipe.runtime.devices import describe_devices as describe_devices
     from jpipe.runtime.devices import use_cpu_devices as use_cpu_devices
     from jpipe.runtime.distributed import exit_distributed as exit_distributed

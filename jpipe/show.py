@@ -26,9 +26,9 @@ number: microbatches of the rank's layers); with ``--bytes``
 bytes, and beside them the same without the schedule's memory actions
 (`jpipe.Schedule.without_memory_actions`; ``--bytes input=...`` sizes what an
 ``FC`` keeps). Last comes the shape of the program the compiler would build
-(`jpipe.make_plan`): its lock-step ticks, and its transfers between ranks,
+(`jpipe.make_tick_plan`): its lock-step ticks, and its transfers between ranks,
 how many are read in the very next tick (so nothing can hide them) and how
-many collectives carry nothing (`jpipe.Plan.transfers`), and for a schedule
+many collectives carry nothing (`jpipe.TickPlan.transfers`), and for a schedule
 with memory actions its copies of residuals (evictions and loads between
 ranks, offloads and reloads; ``moves`` in the JSON). ``--json`` prints
 only one JSON object with those figures instead. ``--svg``/``--png`` draw a
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             args.spec, args.ranks, args.microbatches, args.chunks, **parse_options(args.option)
         )
         sim = simulate(schedule, costs, sizes)  # validates first
-        # The shape of the program `jpipe.make_plan` would lay out, without its table.
+        # The shape of the program `jpipe.make_tick_plan` would lay out, without its table.
         program = program_shape(schedule, sim=sim)
         written = []
         if args.csv:

@@ -1,6 +1,6 @@
 """The tick layouts and slots as `jpipe.lower.spmd.ticks` first computed them, kept as an oracle.
 
-`tests/test_plan.py` checks that `jpipe.make_plan` gives exactly these
+`tests/test_plan.py` checks that `jpipe.make_tick_plan` gives exactly these
 tables, channels, slots and lifetimes. This is the direct reading of the
 rules (a dictionary per piece, the packed greedy visiting every rank every
 tick), slow at scale (about 3 s for 1F1B on 64 ranks x 1,024 microbatches)
@@ -144,7 +144,7 @@ def slots(ticks, owner, R):
 
 
 def transfers(ticks, owner, channels, R):
-    """``(sent, exposed, collectives, idle)``, as `jpipe.Plan.transfers`."""
+    """``(sent, exposed, collectives, idle)``, as `jpipe.TickPlan.transfers`."""
     S = len(owner)
     when = {p: t for t, row in enumerate(ticks) for pieces in row for p in pieces}
     sent = exposed = 0

@@ -61,7 +61,7 @@ OTHER_LAYOUT_CASES = [
 @pytest.mark.parametrize("name,ranks,microbatches,chunks", OTHER_LAYOUT_CASES)
 def test_builtin_in_the_layout_auto_does_not_take(name, ranks, microbatches, chunks):
     # The cases above run the layout "auto" picks; this runs the other one.
-    auto = jpipe.make_plan(jpipe.get_schedule(name, ranks, microbatches, chunks)).layout
+    auto = jpipe.make_tick_plan(jpipe.get_schedule(name, ranks, microbatches, chunks)).layout
     other = {"unit": "packed", "packed": "unit"}[auto]
     result = testing.check_schedule(name, ranks, microbatches, chunks, tick_layout=other)
     assert result.tick_layout == other
@@ -226,7 +226,7 @@ def test_buffer_slots_match_the_simulated_peak():
         schedule = jpipe.get_schedule(name, 4, 8, chunks)
         pipe = Pipeline(testing.small_model(schedule.num_stages)[0], schedule, make_mesh(4, 1))
         peak = max(jpipe.simulate(schedule).peak_activations)
-        assert pipe.plan.num_res == peak, name
+        assert pipe.tick_plan.num_res == peak, name
 
 
 @pytest.mark.slow
@@ -243,7 +243,7 @@ def test_forward_only_loss(name, chunks, data):
     assert abs(float(pipe.loss(packed, batch)) - float(ref)) <= RTOL * abs(float(ref))
     assert float(pipe.loss(packed, batch)) == pytest.approx(float(loss), rel=RTOL)
     # Only forwards: as many ticks as the slowest rank's forwards need, no residual slots.
-    forward_plan = pipe.forward_plan
+    forward_plan = pipe.forward_tick_plan
     assert forward_plan.num_res == 0
     assert all(piece[0] == "F" for _, _, piece in forward_plan.pieces())
     assert all(len(pieces) <= 1 for row in forward_plan.ticks for pieces in row)
@@ -388,9 +388,9 @@ def test_an_all_idle_program_runs_nothing():
     schedule = jpipe.get_schedule("1f1b", 4, 4)
     pipe = Pipeline(stages, schedule, make_mesh(4), all_idle=True)
     packed = pipe.pack(params)
-    idle = pipe.plan.table(idle=True)
-    stage_columns = [jpipe.Plan.COLUMNS.index(c) for c in ("f_stage", "i_stage", "w_stage")]
-    assert not idle[:, :, stage_columns].any() and pipe.plan.table()[:, :, stage_columns].any()
+    idle = pipe.tick_plan.table(idle=True)
+    stage_columns = [jpipe.TickPlan.COLUMNS.index(c) for c in ("f_stage", "i_stage", "w_stage")]
+    assert not idle[:, :, stage_columns].any() and pipe.tick_plan.table()[:, :, stage_columns].any()
     loss, grads = pipe.value_and_grad(packed, jax.device_put(make_batch(8), pipe.batch_sharding))
     assert float(loss) == 0.0
     assert all(not np.asarray(g).any() for g in grads.values())

@@ -483,20 +483,22 @@ def test_the_compiler_plans_memory_actions(name):
     # The tick plan lays every memory action out (unit ticks, each copy one
     # tick long), keeps its residual slots within the simulated peaks where
     # copies take a tick, and refuses the packed layout by name.
-    from jpipe.lower.spmd.ticks import make_forward_plan, make_plan, program_shape
+    from jpipe.lower.spmd.ticks import make_forward_tick_plan, make_tick_plan, program_shape
 
     schedule = build(name, 4, 8)
-    plan = make_plan(schedule)
+    plan = make_tick_plan(schedule)
     assert plan.layout == "unit"
     began = {"EVICT", "LOAD", "OFFLOAD_START", "RELOAD_START"}
     assert len(plan.moves) == sum(a.kind in began for _, _, a in schedule.all_actions())
     timed = jpipe.simulate(schedule, Costs(evict=1, offload=1))
     assert plan.num_res <= max(timed.peak_activations)
     assert program_shape(schedule)["moves"] == len(plan.moves)
-    assert make_forward_plan(schedule) == make_forward_plan(schedule.without_memory_actions())
+    assert make_forward_tick_plan(schedule) == make_forward_tick_plan(
+        schedule.without_memory_actions()
+    )
     kinds = ", ".join(sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory}))
     with pytest.raises(ValueError, match=re.escape(f"memory actions ({kinds})")):
-        make_plan(schedule, "packed")
+        make_tick_plan(schedule, "packed")
 
 
 # -- show and the charts -------------------------------------------------------------

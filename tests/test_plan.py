@@ -42,11 +42,11 @@ def replay(plan) -> int:
     R = plan.num_ranks
     owner = plan.stage_to_rank
     tab = plan.table()
-    col = {name: i for i, name in enumerate(jpipe.Plan.COLUMNS)}
+    col = {name: i for i, name in enumerate(jpipe.TickPlan.COLUMNS)}
     spare = {"io": plan.num_io, "res": plan.num_res, "carry": plan.num_carry, "host": -1}
     state = [{arena: {} for arena in spare} for _ in range(R)]
     ran = 0
-    modes = {v: k for k, v in jpipe.Plan.F_MODES.items()}
+    modes = {v: k for k, v in jpipe.TickPlan.F_MODES.items()}
 
     def write(r, arena, slot, value):
         if slot != spare[arena]:
@@ -113,7 +113,7 @@ def replay(plan) -> int:
                     for k, v in outputs[sender].items()
                     if (kind is None or k == kind) and owner[v[1]] == r
                 ]
-                slot = tab[t, r, len(jpipe.Plan.COLUMNS) + c]
+                slot = tab[t, r, len(jpipe.TickPlan.COLUMNS) + c]
                 if slot != spare["io"]:
                     assert len(sent) == 1, (t, r, kind, d, sent)
                     write(r, "io", slot, sent[0])
@@ -121,7 +121,7 @@ def replay(plan) -> int:
 
 
 def check_plan(schedule, layout):
-    plan = jpipe.make_plan(schedule, layout)
+    plan = jpipe.make_tick_plan(schedule, layout)
     assert plan.layout == layout
     # the search's shortcut to the lifetimes (no table, no slots) finds the same, in order
     assert plan_lifetimes(schedule, layout) == plan.lifetimes
@@ -202,7 +202,7 @@ def test_memory_action_plans_replay(name, options):
         assert sorted((copies[a.kind], a.stage, a.microbatch) for a in began) == sorted(
             (mv.kind, mv.stage, mv.microbatch) for mv in plan.moves
         )
-        assert jpipe.make_plan(schedule).layout == "unit"  # auto
+        assert jpipe.make_tick_plan(schedule).layout == "unit"  # auto
 
 
 @settings(max_examples=150, deadline=None)
@@ -220,16 +220,16 @@ def test_random_memory_plans_replay(seed, ranks, stages, microbatches):
 def test_memory_actions_are_laid_out_unit_only():
     schedule = jpipe.get_schedule("1f1b_bpipe", 4, 8)
     with pytest.raises(ValueError, match="memory actions .EVICT, LOAD., which the compiler lays"):
-        jpipe.make_plan(schedule, "packed")
-    forward = jpipe.make_plan(schedule, forward_only=True)  # FC as F, nothing kept
-    assert forward.moves == () and forward == jpipe.make_plan(
+        jpipe.make_tick_plan(schedule, "packed")
+    forward = jpipe.make_tick_plan(schedule, forward_only=True)  # FC as F, nothing kept
+    assert forward.moves == () and forward == jpipe.make_tick_plan(
         schedule.without_memory_actions(), forward_only=True
     )
 
 
 def test_forward_plan_replays_and_keeps_nothing():
     schedule = jpipe.get_schedule("zbv", 4, 8, 2)
-    plan = jpipe.make_plan(schedule, forward_only=True)
+    plan = jpipe.make_tick_plan(schedule, forward_only=True)
     assert replay(plan) == sum(a.kind == "F" for _, _, a in schedule.all_actions())
     assert plan.num_res == 0
     assert all(len(pieces) <= 1 for row in plan.ticks for pieces in row)
@@ -245,26 +245,29 @@ def test_auto_takes_packed_only_where_it_is_no_slower():
         ("1f1b", 1, "unit"),
     ]:
         schedule = jpipe.get_schedule(name, 4, 16, chunks)
-        unit, packed = jpipe.make_plan(schedule, "unit"), jpipe.make_plan(schedule, "packed")
-        auto = jpipe.make_plan(schedule)
+        unit, packed = (
+            jpipe.make_tick_plan(schedule, "unit"),
+            jpipe.make_tick_plan(schedule, "packed"),
+        )
+        auto = jpipe.make_tick_plan(schedule)
         assert auto.layout == want, name
         assert auto.predicted_time() == min(unit.predicted_time(), packed.predicted_time())
         if want == "packed":
             assert packed.num_ticks < unit.num_ticks
-    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 16), "packed").predicted_time() > 57
+    assert jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 4, 16), "packed").predicted_time() > 57
 
 
 def test_unknown_layout_is_refused():
     with pytest.raises(
         ValueError, match="unknown tick layout 'fast': use one of auto, unit, packed"
     ):
-        jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 2), "fast")
+        jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 2, 2), "fast")
 
 
 def test_replay_catches_values_that_share_a_slot():
     # The replay is the check above: squeezing 1F1B's residuals into one slot
     # must make some backward read another microbatch's residuals.
-    plan = jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
+    plan = jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
     assert plan.num_res > 1
     squeezed = dict(plan.slot)
     squeezed.update({key: 0 for key in plan.slot if key[0] == "res"})
@@ -275,8 +278,8 @@ def test_replay_catches_values_that_share_a_slot():
 
 def test_the_table_is_as_narrow_as_it_can_be():
     # It is the one part of the program that grows with M.
-    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 128)).table().dtype == np.int8
-    assert jpipe.make_plan(jpipe.get_schedule("1f1b", 2, 129)).table().dtype == np.int16
+    assert jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 2, 128)).table().dtype == np.int8
+    assert jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 2, 129)).table().dtype == np.int16
 
 
 # -- the plan equals the first implementation's ---------------------------------------
@@ -300,15 +303,15 @@ def _reference_cases():
 
 
 def test_plans_equal_the_first_implementations():
-    """`make_plan` now lays ticks out in one pass; the tables and slots are unchanged."""
+    """`make_tick_plan` now lays ticks out in one pass; the tables and slots are unchanged."""
     checked = 0
     for schedule in _reference_cases():
         for layout in ("auto", "unit", "packed", "forward"):
             if layout == "forward":
-                plan = jpipe.make_plan(schedule, forward_only=True)
+                plan = jpipe.make_tick_plan(schedule, forward_only=True)
                 want = plan_reference.plan(schedule, forward_only=True)
             else:
-                plan = jpipe.make_plan(schedule, layout)
+                plan = jpipe.make_tick_plan(schedule, layout)
                 want = plan_reference.plan(schedule, layout)
             got = (
                 plan.layout,
@@ -328,7 +331,7 @@ def test_plans_equal_the_first_implementations():
     assert checked > 500
 
 
-def test_show_prints_the_figures_of_make_plan(capsys):
+def test_show_prints_the_figures_of_make_tick_plan(capsys):
     from jpipe.show import main
 
     for name, chunks, cost in [
@@ -340,7 +343,7 @@ def test_show_prints_the_figures_of_make_plan(capsys):
         argv = [name, "-r", "4", "-m", "12", "--json", "--cost", cost]
         assert main([*argv, *(["--chunks", str(chunks)] if chunks else [])]) == 0
         shown = json.loads(capsys.readouterr().out)["program"]
-        plan = jpipe.make_plan(jpipe.get_schedule(name, 4, 12, chunks))
+        plan = jpipe.make_tick_plan(jpipe.get_schedule(name, 4, 12, chunks))
         assert shown == {
             "tick_layout": plan.layout,
             "ticks": plan.num_ticks,

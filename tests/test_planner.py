@@ -221,7 +221,7 @@ def test_memory_is_the_runtime_terms_and_live_residuals_in_both_layouts():
     # B = 2 sequences: residuals 10 and 20 bytes a microbatch
     p = ClusterPlan(((DeviceGroup("fast"),), (DeviceGroup("slow", node=1),)), ((0,), (1,)), 2, 16)
     ev = evaluate(p, prof)
-    per_rank = ev.memory.layouts["per_rank"]
+    per_rank = ev.memory.layouts["mpmd"]
     # 1F1B keeps min(S - r, M) microbatches on rank r: 2 x 10 on rank 0, 1 x 20 on rank 1
     assert per_rank[0][0].parts == {
         "overhead": 1000,
@@ -289,11 +289,11 @@ def test_sailor_bytes_are_read_by_tensor_degree_and_scaled_by_microbatch(tmp_pat
     # planner's 3.0 GB overhead at T > 1 on a device other than GH200, 1F1B's live
     # microbatches and no working memory (Sailor's model)
     g = lambda node: DeviceGroup("A100-40", 2, 2, node)  # noqa: E731
-    p = ClusterPlan(((g(0),), (g(1),)), ((0, 1), (2,)), 4, 16, memory_layout="per_rank")
+    p = ClusterPlan(((g(0),), (g(1),)), ((0, 1), (2,)), 4, 16, memory_layout="mpmd")
     ev = evaluate(p, prof)
     act0 = 4 * 4 * ((100 // 2 + 7) + (200 // 2 + 7))
     act1 = 4 * 4 * (300 // 2 + 7)
-    first, second = (row[0] for row in ev.memory.layouts["per_rank"])
+    first, second = (row[0] for row in ev.memory.layouts["mpmd"])
     assert first.parts["overhead"] == pytest.approx(3.0e9, abs=1)
     assert first.parts["parameters"] == 24 * (503 + 1003)
     assert (first.parts["values"], first.parts["working"]) == (2 * act0, 0)
@@ -328,18 +328,18 @@ def test_spmd_layout_binds_on_the_smallest_device():
         memory={"big": 1000.0, "small": 400.0},
     )
     devices = [("big", 1), ("small", 1)]
-    per_rank = plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
+    per_rank = plan(prof, devices, 4, gpus_per_node=1, memory_layout="mpmd", memory_margin=0)
     best = per_rank.best[0].evaluation
-    assert best.plan.memory_layout == "per_rank" and best.plan.pipe == 2
+    assert best.plan.memory_layout == "mpmd" and best.plan.pipe == 2
     # per rank: the small device holds 4 x 50, the big one 4 x 200
-    assert sorted(m.footprint_bytes for m in best.memory.devices("per_rank")) == [200, 800]
+    assert sorted(m.footprint_bytes for m in best.memory.devices("mpmd")) == [200, 800]
     # as one program the small device would hold the big stage: the split refuses it
     with pytest.raises(ValueError, match="no plan fits.*no split of 2 layers into 2 stages"):
         plan(prof, devices, 4, gpus_per_node=1, memory_margin=0)
     # the margin counts: 800 of 1000 fits with 20% kept free, not with 25%
-    plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0.2)
+    plan(prof, devices, 4, gpus_per_node=1, memory_layout="mpmd", memory_margin=0.2)
     with pytest.raises(ValueError, match="no plan fits"):
-        plan(prof, devices, 4, gpus_per_node=1, memory_layout="per_rank", memory_margin=0.25)
+        plan(prof, devices, 4, gpus_per_node=1, memory_layout="mpmd", memory_margin=0.25)
     assert "(big) binds, 7.45e-07 GiB" in per_rank.best[0].reasons[3]
 
 
@@ -354,8 +354,8 @@ def test_spmd_footprint_is_the_sum_of_the_largest_terms():
         memory={"a": 500.0, "b": 500.0},
     )
     devices = [("a", 1), ("b", 1)]
-    ok = plan(prof, devices, 2, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
-    assert max(m.footprint_bytes for m in ok.best[0].evaluation.memory.devices("per_rank")) == 400
+    ok = plan(prof, devices, 2, gpus_per_node=1, memory_layout="mpmd", memory_margin=0)
+    assert max(m.footprint_bytes for m in ok.best[0].evaluation.memory.devices("mpmd")) == 400
     assert ok.best[0].evaluation.memory.max_bytes("spmd") == 700
     with pytest.raises(ValueError, match=r"no plan fits: out of memory.* 6.52e-07 GiB .* not fit"):
         plan(prof, devices, 2, gpus_per_node=1, memory_margin=0)
@@ -372,7 +372,7 @@ def test_the_split_finds_the_fastest_one_that_fits_as_one_program():
         activation_bytes={1: (0.0, 0.0, 200.0)},
         memory={"a": 500.0},
     )
-    own = plan(prof, [("a", 2)], 2, gpus_per_node=1, memory_layout="per_rank", memory_margin=0)
+    own = plan(prof, [("a", 2)], 2, gpus_per_node=1, memory_layout="mpmd", memory_margin=0)
     assert own.best[0].evaluation.plan.stage_layers == ((0, 1), (2,))
     assert own.best[0].evaluation.memory.max_bytes("spmd") == 600
     spmd = plan(prof, [("a", 2)], 2, gpus_per_node=1, memory_margin=0)
@@ -418,7 +418,7 @@ def test_evaluate_with_a_tensor_degree_per_stage_matches_hand_computation():
     bytes and all-reduce at its own T, and the transfer between the two shapes."""
     prof = _two_degrees()
     one, pair = (DeviceGroup("a", 1, 1, 0),), (DeviceGroup("a", 2, 2, 1),)
-    p = ClusterPlan((one, pair), ((0,), (1,)), 1, 4, memory_layout="per_rank")
+    p = ClusterPlan((one, pair), ((0,), (1,)), 1, 4, memory_layout="mpmd")
     assert p.tensor_per_rank == (1, 2) and not p.uniform_tensor and p.tensor_parallel == 2
     ev = evaluate(p, prof)
     # The 0.5-byte output takes 0.5 s; the pair's two devices each take their copy from
@@ -434,7 +434,7 @@ def test_evaluate_with_a_tensor_degree_per_stage_matches_hand_computation():
     assert ev.update_seconds == (0.25, 0.125)
     assert ev.step_seconds == pytest.approx(19.75)
     # 4 bytes a parameter; 1F1B keeps 2 microbatches on rank 0, 1 on rank 1
-    parts = [m.parts for m in ev.memory.devices("per_rank")]
+    parts = [m.parts for m in ev.memory.devices("mpmd")]
     assert parts == [
         {"overhead": 0, "parameters": 400.0, "values": 20.0, "working": 0.0},
         {"overhead": 0, "parameters": 240.0, "values": 6.0, "working": 0.0},
@@ -449,7 +449,7 @@ def test_evaluate_with_a_tensor_degree_per_stage_matches_hand_computation():
         (DeviceGroup("a", 1, 1, 0), DeviceGroup("a", 1, 1, 1)),
         (DeviceGroup("a", 2, 2, 2), DeviceGroup("a", 2, 2, 3)),
     )
-    dp = evaluate(ClusterPlan(ranks, ((0,), (1,)), 1, 8, memory_layout="per_rank"), prof)
+    dp = evaluate(ClusterPlan(ranks, ((0,), (1,)), 1, 8, memory_layout="mpmd"), prof)
     assert dp.allreduce_seconds == pytest.approx((100.0, 2 * 60.0))
     assert dp.step_seconds == pytest.approx(max(19.5 + 100 + 0.25, 17.0 + 120 + 0.125))
 
@@ -457,9 +457,9 @@ def test_evaluate_with_a_tensor_degree_per_stage_matches_hand_computation():
 def test_one_spmd_program_refuses_per_stage_degrees():
     prof = _two_degrees()
     ranks = ((DeviceGroup("a", 1, 1, 0),), (DeviceGroup("a", 2, 2, 1),))
-    with pytest.raises(ValueError, match=r"tensor degrees \[1, 2\].*one mesh.*per_rank"):
+    with pytest.raises(ValueError, match=r"tensor degrees \[1, 2\].*one mesh.*mpmd"):
         evaluate(ClusterPlan(ranks, ((0,), (1,)), 1, 4), prof)
-    with pytest.raises(ValueError, match="--tensor-per-stage.*--memory-layout per_rank"):
+    with pytest.raises(ValueError, match="--tensor-per-stage.*--memory-layout mpmd"):
         plan(prof, [("a", 3)], 4, tensor_per_stage=True)
 
 
@@ -484,7 +484,7 @@ def test_the_search_gives_each_device_type_the_degree_that_serves_it():
     one slow rank. A degree per type: "a" as two ranks at T = 1, "b" at T = 2."""
     prof = _memory_bound_type()
     devices = [("a", 2), ("b", 2)]
-    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    kw = dict(gpus_per_node=2, memory_layout="mpmd", memory_margin=0, tensor_parallel=(1, 2))
     uniform = plan(prof, devices, 8, **kw).best[0].evaluation
     assert uniform.plan.tensor_per_rank == (2, 2)
     result = plan(prof, devices, 8, tensor_per_stage=True, **kw)
@@ -495,7 +495,7 @@ def test_the_search_gives_each_device_type_the_degree_that_serves_it():
         ("b", 2),
     ]
     assert best.plan.stage_layers == ((0,), (1,), (2,))
-    assert best.memory.fits("per_rank")
+    assert best.memory.fits("mpmd")
     # its figure is evaluate's on the same plan, and well under the one-degree plan's
     hand = ClusterPlan(
         (
@@ -506,7 +506,7 @@ def test_the_search_gives_each_device_type_the_degree_that_serves_it():
         ((0,), (1,), (2,)),
         1,
         8,
-        memory_layout="per_rank",
+        memory_layout="mpmd",
     )
     assert best.step_seconds == pytest.approx(evaluate(hand, prof).step_seconds)
     assert best.step_seconds < 0.6 * uniform.step_seconds
@@ -519,7 +519,7 @@ def test_no_eviction_between_ranks_of_different_degrees():
     """The per-rank lowering evicts residuals only to a rank of its own mesh shape: BPipe's
     rank 0 -> rank 3 is skipped where their degrees differ, and no plan file is written."""
     prof = _memory_bound_type(layers=4)
-    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    kw = dict(gpus_per_node=2, memory_layout="mpmd", memory_margin=0, tensor_parallel=(1, 2))
     devices = [("a", 3), ("b", 2)]
     # "a" cannot run at 2 (3 devices), "b" at 1 (memory): every shape evicts across degrees
     with pytest.raises(ValueError, match="no plan fits: rank 0's .* same mesh shape"):
@@ -529,7 +529,7 @@ def test_no_eviction_between_ranks_of_different_degrees():
     kinds = [("a", 1), ("a", 1), ("a", 1), ("b", 2)]
     ranks = tuple((DeviceGroup(k, t, 2, node),) for node, (k, t) in enumerate(kinds))
     layers = ((0,), (1,), (2,), (3,))
-    ev = evaluate(ClusterPlan(ranks, layers, 1, 8, "1f1b_bpipe", memory_layout="per_rank"), prof)
+    ev = evaluate(ClusterPlan(ranks, layers, 1, 8, "1f1b_bpipe", memory_layout="mpmd"), prof)
     with pytest.raises(ValueError, match=r"cannot run this plan: rank 0's .*EVICT.* to rank 3"):
         plan_file(ev, prof)
 
@@ -541,9 +541,9 @@ def test_per_stage_degrees_on_a_mixed_cluster():
     devices = [("A100-40", 4), ("V100-16", 8)]
     kw = dict(schedules=("1f1b", "zb_h1"), top=1)
     spmd = plan(neo, devices, 128, **kw).best[0].evaluation
-    own = plan(neo, devices, 128, memory_layout="per_rank", **kw).best[0].evaluation
+    own = plan(neo, devices, 128, memory_layout="mpmd", **kw).best[0].evaluation
     start = time.perf_counter()
-    mixed = plan(neo, devices, 128, memory_layout="per_rank", tensor_per_stage=True, **kw)
+    mixed = plan(neo, devices, 128, memory_layout="mpmd", tensor_per_stage=True, **kw)
     elapsed = time.perf_counter() - start
     assert elapsed < 10, f"planning took {elapsed:.1f} s"
     best = mixed.best[0].evaluation
@@ -552,13 +552,13 @@ def test_per_stage_degrees_on_a_mixed_cluster():
     assert best.step_seconds == pytest.approx(14.54, abs=0.01)
     assert own.step_seconds == pytest.approx(15.80, abs=0.01)
     assert spmd.step_seconds == pytest.approx(37.72, abs=0.01)
-    for m in best.memory.devices("per_rank"):
+    for m in best.memory.devices("mpmd"):
         assert m.footprint_bytes <= 0.9 * m.usable_bytes
 
 
 def test_plan_file_with_a_tensor_degree_per_rank(tmp_path):
     prof = _memory_bound_type()
-    kw = dict(gpus_per_node=2, memory_layout="per_rank", memory_margin=0, tensor_parallel=(1, 2))
+    kw = dict(gpus_per_node=2, memory_layout="mpmd", memory_margin=0, tensor_parallel=(1, 2))
     ev = plan(prof, [("a", 2), ("b", 2)], 8, tensor_per_stage=True, **kw).best[0].evaluation
     written = plan_file(ev, prof)
     assert written["mesh"] == {"pipe": 3, "data": 1, "tensor": 2, "tensor_per_rank": [1, 1, 2]}
@@ -575,7 +575,7 @@ def test_plan_file_with_a_tensor_degree_per_rank(tmp_path):
     row = (DeviceGroup("a", 1, 1, 0), DeviceGroup("a", 2, 2, 1))
     two = dataclasses.replace(
         ev,
-        plan=ClusterPlan((row, row), ((0,), (1, 2)), 1, 8, memory_layout="per_rank"),
+        plan=ClusterPlan((row, row), ((0,), (1, 2)), 1, 8, memory_layout="mpmd"),
     )
     with pytest.raises(
         ValueError, match=r"pipeline rank 0's replicas have tensor degrees \[1, 2\]"
@@ -592,7 +592,7 @@ def test_read_plan_file_refuses_tensor_per_rank_it_cannot_run():
         "num_microbatches": 4,
         "global_batch": 8,
         "microbatch_size": 2,
-        "memory_layout": "per_rank",
+        "memory_layout": "mpmd",
     }
     assert read_plan_file(good).tensor_per_rank == (1, 2)
     mesh = good["mesh"]
@@ -618,9 +618,9 @@ def test_read_plan_file_refuses_tensor_per_rank_it_cannot_run():
 def test_cli_tensor_per_stage(capsys, tmp_path):
     argv = ["--model", "GPT-Neo-2.7", "--devices", "A100-40:4,V100-16:8", "--global-batch", "128"]
     assert main([*argv, "--tensor-per-stage"]) == 2
-    assert "--tensor-per-stage) need the per_rank layout" in capsys.readouterr().err
+    assert "--tensor-per-stage) need the mpmd layout" in capsys.readouterr().err
     saved = tmp_path / "plan.json"
-    extra = ["--memory-layout", "per_rank", "--tensor-per-stage", "--save", str(saved), "--json"]
+    extra = ["--memory-layout", "mpmd", "--tensor-per-stage", "--save", str(saved), "--json"]
     assert main([*argv, *extra]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plans"][0]["mesh"]["tensor_per_rank"] == [2, 2, 1, 1]
@@ -647,7 +647,7 @@ def test_golden_mit_prediction(opt350):
     ev = evaluate(p, opt350)
     assert ev.step_seconds == pytest.approx(82.0899, rel=1e-4)  # measured 66.07: +24.3%
     assert ev.closed_form_seconds == pytest.approx(82.5350, rel=1e-4)
-    assert ev.max_peak_bytes == pytest.approx(6.6119e9, rel=1e-4)  # per_rank, as Sailor ran
+    assert ev.max_peak_bytes == pytest.approx(6.6119e9, rel=1e-4)  # mpmd, as Sailor ran
 
 
 def test_copied_sailor_links_are_read_from_their_own_pair(opt350):
@@ -741,13 +741,13 @@ def test_memory_actions_are_counted_in_the_footprint():
     layers = ((0, 1), (2, 3), (4, 5), (6, 7))
     peaks = {}
     for spec in ("1f1b", "1f1b_recompute:k=1", "1f1b_bpipe"):
-        p = ClusterPlan(ranks, layers, 1, 16, spec, memory_layout="per_rank")
+        p = ClusterPlan(ranks, layers, 1, 16, spec, memory_layout="mpmd")
         ev = evaluate(p, prof)
         schedule = jpipe.get_schedule(spec, 4, 16)
         act, inputs = [2e9] * 4, [0.0] + [1e7] * 3
         sizes = jpipe.Sizes(activation=act, carry=0.0, input=inputs)
         expected = jpipe.simulate(schedule, jpipe.Costs(), sizes).peak_bytes
-        values = [m.parts["values"] for m in ev.memory.devices("per_rank")]
+        values = [m.parts["values"] for m in ev.memory.devices("mpmd")]
         assert values == pytest.approx(list(expected))
         peaks[spec] = values
     assert peaks["1f1b_recompute:k=1"][0] < peaks["1f1b"][0] / 2
@@ -756,7 +756,7 @@ def test_memory_actions_are_counted_in_the_footprint():
     assert peaks["1f1b_bpipe"][3] > peaks["1f1b"][3]
 
 
-@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+@pytest.mark.parametrize("layout", ["spmd", "mpmd"])
 def test_the_planner_takes_memory_actions_both_lowerings_run(layout):
     """Both lowerings run every memory action, so both memory layouts plan with them."""
     assert all(lowering_runs(layout, kind) for kind in jpipe.MEMORY_KINDS)
@@ -766,7 +766,7 @@ def test_the_planner_takes_memory_actions_both_lowerings_run(layout):
     assert ev.memory.fits(layout, jpipe.planner.MEMORY_MARGIN)
 
 
-@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+@pytest.mark.parametrize("layout", ["spmd", "mpmd"])
 def test_schedules_search_lets_jpipe_search_pick_one_that_fits(layout, tmp_path):
     prof = _tight()
     kwargs = dict(top=1, tensor_parallel=(1,), memory_layout=layout)
@@ -827,7 +827,7 @@ def test_read_plan_file_errors(tmp_path):
     assert read_plan_file(good).layers_per_stage == (3, 3)
     assert read_plan_file(good).lowering == "spmd"
     # Planned with each device holding its own rank's memory: the per-rank lowering's.
-    assert read_plan_file({**good, "memory_layout": "per_rank"}).lowering == "mpmd"
+    assert read_plan_file({**good, "memory_layout": "mpmd"}).lowering == "mpmd"
     with pytest.raises(ValueError, match="memory_layout 'x' is not one the trainer runs"):
         read_plan_file({**good, "memory_layout": "x"})
     with pytest.raises(ValueError, match="has no field 'schedule'"):

@@ -259,7 +259,7 @@ def test_show_reports_the_programs_transfers(capsys):
 
     assert show.main(["1f1b", "--ranks", "4", "--microbatches", "8", "--json"]) == 0
     program = json.loads(capsys.readouterr().out)["program"]
-    plan = jpipe.make_plan(jpipe.get_schedule("1f1b", 4, 8))
+    plan = jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 4, 8))
     assert program["sent"] == 2 * 3 * 8  # every boundary, forward and back, each microbatch
     assert program["collectives"] == plan.num_ticks * len(plan.channels)
     assert 0 < program["exposed"] <= program["sent"]

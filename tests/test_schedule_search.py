@@ -7,7 +7,7 @@ import math
 import pytest
 
 import jpipe
-from jpipe.lower.spmd.ticks import make_plan
+from jpipe.lower.spmd.ticks import make_tick_plan
 from jpipe.search import cli as search_cli
 from jpipe.search.engine import (
     BUILTINS,
@@ -50,15 +50,15 @@ def test_figures_refuse_lists_of_the_wrong_length_and_scale_for_chunks():
 
 @pytest.mark.parametrize("kind", jpipe.MEMORY_KINDS)
 def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
-    """The switch is the lowering's refusal: a kind counts exactly when make_plan takes it."""
-    assert lowering_runs("per_rank", kind)
+    """The switch is the lowering's refusal: a kind counts exactly when make_tick_plan takes it."""
+    assert lowering_runs("mpmd", kind)
     for name, options in (("1f1b_recompute", {"k": 1}), ("1f1b_bpipe", {}),
                           ("zb_h1_offload", {})):  # fmt: skip
         schedule = jpipe.get_schedule(name, 4, 8, **options)
         if kind not in {a.kind for _, _, a in schedule.all_actions()}:
             continue
         try:
-            make_plan(schedule)
+            make_tick_plan(schedule)
             accepted = True
         except NotImplementedError:
             accepted = False
@@ -70,7 +70,7 @@ def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
 def test_no_spmd_candidate_has_an_action_the_spmd_lowering_refuses():
     result = jpipe.search_schedule(UNIFORM, 4, 8, 6.0, layout="spmd")
     for c in result.candidates:
-        make_plan(c.schedule)  # raises for a memory action the SPMD lowering does not run
+        make_tick_plan(c.schedule)  # raises for a memory action the SPMD lowering does not run
     refused = [line for line in result.skipped if "does not run its memory actions" in line]
     assert bool(refused) == (not result.memory_moves)
 
@@ -85,7 +85,7 @@ def test_device_bytes_are_params_values_and_working(name, options):
     fig = dataclasses.replace(UNIFORM, grad_output=0.5).for_schedule(schedule)
     S = schedule.num_stages
     sim = jpipe.simulate(schedule, fig.costs, fig.sizes)
-    per_rank = device_bytes(sim, fig, "per_rank")
+    per_rank = device_bytes(sim, fig, "mpmd")
     spmd = device_bytes(sim, fig, "spmd")
     own = [sum(fig.sizes.table(S)["params"][s] for s in schedule.stages_of(r)) for r in range(4)]
     grads = [sum(fig.grad_output_table(S)[s] for s in schedule.stages_of(r)) for r in range(4)]
@@ -111,7 +111,7 @@ def test_device_bytes_are_params_values_and_working(name, options):
     assert spmd.device == pytest.approx((expected,) * 4)
     if not schedule.has_memory_actions:  # the residual buffer: at least the most live at once
         residuals = dataclasses.replace(fig, sizes=dataclasses.replace(fig.sizes, carry=0))
-        peak = max(device_bytes(jpipe.simulate(schedule, fig.costs), residuals, "per_rank").values)
+        peak = max(device_bytes(jpipe.simulate(schedule, fig.costs), residuals, "mpmd").values)
         assert buffers[0] >= peak - 1e-9
 
 
@@ -166,8 +166,8 @@ def _fitting(result):
     # (the budgets where the search walks take seconds each are in the slow tier)
     [pytest.param("spmd", 5.0, marks=pytest.mark.slow),
      pytest.param("spmd", 7.0, marks=pytest.mark.slow), ("spmd", 100.0),
-     pytest.param("per_rank", 4.5, marks=pytest.mark.slow),
-     pytest.param("per_rank", 6.0, marks=pytest.mark.slow), ("per_rank", 100.0)],
+     pytest.param("mpmd", 4.5, marks=pytest.mark.slow),
+     pytest.param("mpmd", 6.0, marks=pytest.mark.slow), ("mpmd", 100.0)],
 )  # fmt: skip
 def test_the_winner_is_the_fastest_that_fits(layout, budget):
     result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout=layout)
@@ -194,10 +194,10 @@ def test_the_winner_is_the_fastest_that_fits(layout, budget):
 
 def test_the_local_search_fits_1f1b_where_it_did_not():
     """Per rank, with only 1F1B to start from: memory actions make it fit, at some cost."""
-    plain = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="per_rank", schedules=["1f1b"])
+    plain = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="mpmd", schedules=["1f1b"])
     base = plain.winner
     budget = base.memory.most - 1.5  # one and a half microbatches less on rank 0
-    result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="per_rank",
+    result = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="mpmd",
                                    schedules=["1f1b"], margin=0)  # fmt: skip
     w = result.winner
     assert w is not None and not w.builtin and w.moves
@@ -206,21 +206,21 @@ def test_the_local_search_fits_1f1b_where_it_did_not():
     assert w.schedule.without_memory_actions() == base.schedule
     # and the simulator, run afresh, agrees with the bytes the search reports
     fig = UNIFORM.for_schedule(w.schedule)
-    again = device_bytes(jpipe.simulate(w.schedule, fig.costs), fig, "per_rank")
+    again = device_bytes(jpipe.simulate(w.schedule, fig.costs), fig, "mpmd")
     assert again.device == pytest.approx(w.memory.device)
 
 
 @pytest.mark.parametrize("budget_drop", [1.0, 2.0])
 def test_the_local_search_is_no_slower_than_the_builtin_recompute(budget_drop):
     """Greedy memory actions on 1F1B against 1f1b_recompute, the hand-made variant."""
-    base = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="per_rank",
+    base = jpipe.search_schedule(UNIFORM, 4, 16, 100.0, layout="mpmd",
                                  schedules=["1f1b"]).winner  # fmt: skip
     budget = base.memory.most - budget_drop
     made = jpipe.search_schedule(
-        UNIFORM, 4, 16, budget, layout="per_rank", margin=0,
+        UNIFORM, 4, 16, budget, layout="mpmd", margin=0,
         schedules=[f"1f1b_recompute:k={k}" for k in range(1, 4)],
     ).winner  # fmt: skip
-    found = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="per_rank", margin=0,
+    found = jpipe.search_schedule(UNIFORM, 4, 16, budget, layout="mpmd", margin=0,
                                   schedules=["1f1b"]).winner  # fmt: skip
     assert made is not None and found is not None
     assert found.time <= made.time
@@ -242,8 +242,8 @@ def test_the_walk_evaluates_each_schedule_once(monkeypatch):
     monkeypatch.setattr(_schedule_search._Evaluator, "__call__", counting)
     base = jpipe.get_schedule("1f1b", 4, 16)
     fig = UNIFORM.for_schedule(base)
-    plain = device_bytes(jpipe.simulate(base, fig.costs), fig, "per_rank")
-    found = local_search(base, fig, plain.most - 2.0, "per_rank")
+    plain = device_bytes(jpipe.simulate(base, fig.costs), fig, "mpmd")
+    found = local_search(base, fig, plain.most - 2.0, "mpmd")
     assert found.schedule is not None and found.memory.most <= plain.most - 2.0
     assert len(set(seen)) == len(seen)  # each once
     assert found.simulated > len(seen)  # the walk met some again, each counted
@@ -255,7 +255,7 @@ def test_the_local_search_gives_up_when_nothing_can_fit():
     base = jpipe.get_schedule("1f1b", 4, 8)
     fig = UNIFORM.for_schedule(base)
     # params and working memory alone exceed the budget: no memory action helps
-    found = local_search(base, fig, 2.5, "per_rank")
+    found = local_search(base, fig, 2.5, "mpmd")
     assert found.schedule is None and found.simulated >= 1
 
 
@@ -316,7 +316,7 @@ def test_a_stage_profile_with_a_bad_field_is_refused_by_name():
 @pytest.mark.slow
 def test_gpt2_small_on_a_budget_1f1b_does_not_fit():
     profile = jpipe.load_stage_profile("gpt2_small")
-    for layout in ("spmd", "per_rank"):
+    for layout in ("spmd", "mpmd"):
         every = jpipe.search_schedule(profile, 4, 16, 1e15, layout=layout, local=False)
         ref = next(c for c in every.candidates if c.spec == "1f1b")
         least = min(c.memory.most for c in every.candidates)
@@ -360,7 +360,7 @@ FLAGS = [
 @pytest.mark.slow
 def test_cli_prints_the_winner_and_saves_it(tmp_path, capsys):
     csv, png = tmp_path / "w.csv", tmp_path / "w.png"
-    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "per_rank",
+    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "mpmd",
                                     "--csv", str(csv), "--png", str(png)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
@@ -368,9 +368,9 @@ def test_cli_prints_the_winner_and_saves_it(tmp_path, capsys):
     assert png.stat().st_size > 0
     saved = jpipe.Schedule.from_csv(csv)
     jpipe.validate(saved)
-    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "per_rank", "--json"])
+    code = search_cli.main(FLAGS + ["--budget", "6GiB", "--layout", "mpmd", "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert code == 0 and d["winner"]["fits"] and d["layout"] == "per_rank"
+    assert code == 0 and d["winner"]["fits"] and d["layout"] == "mpmd"
     assert d["lowering"] == "mpmd" and max(d["winner"]["device_bytes"]) <= 0.9 * 6 * 2**30
     assert jpipe.Schedule.from_csv_text(saved.to_csv()).ranks == saved.ranks
 
@@ -415,7 +415,7 @@ def test_cli_on_the_shipped_profile(capsys):
 
 
 def test_per_rank_local_search_counts_each_ranks_own_room():
-    """Under "per_rank" a rank whose own bytes leave room is searched, though the
+    """Under "mpmd" a rank whose own bytes leave room is searched, though the
     busiest rank's bytes on every device (the SPMD room) would leave none."""
     figures = StageFigures(
         jpipe.Costs(F=1, I=1, W=1, evict=0.3, offload=0.5),
@@ -425,7 +425,7 @@ def test_per_rank_local_search_counts_each_ranks_own_room():
         num_stages=2,
     )
     found = jpipe.search_schedule(
-        figures, 2, 4, budget=20, layout="per_rank", schedules=["gpipe"], margin=0
+        figures, 2, 4, budget=20, layout="mpmd", schedules=["gpipe"], margin=0
     )
     assert not found.candidates[0].fits  # plain GPipe holds too much: the walk must run
     assert not any("no local search" in line for line in found.skipped), found.skipped

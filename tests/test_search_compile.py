@@ -39,7 +39,7 @@ def profile():
     return jpipe.load_stage_profile(json.loads(json.dumps(d)))
 
 
-@pytest.mark.parametrize("layout", ["spmd", "per_rank"])
+@pytest.mark.parametrize("layout", ["spmd", "mpmd"])
 def test_the_winner_compiles_within_a_budget_1f1b_does_not_fit(profile, layout):
     every = jpipe.search_schedule(profile, 4, 8, 1e15, layout=layout, local=False)
     ref = next(c for c in every.candidates if c.spec == "1f1b")

@@ -58,10 +58,16 @@ def test_plan_sets_the_trainer_config(tmp_path):
     assert TrainConfig.from_config(config).mesh.tensor == 2  # the plan's degree is applied
     assert TrainConfig.from_config(config).lowering == "spmd"
     # A plan checked with each device holding its own rank's memory runs per rank.
-    per_rank = {**tensor, "memory_layout": "per_rank"}
-    (tmp_path / "per_rank.json").write_text(json.dumps(per_rank))
-    config.plan = str(tmp_path / "per_rank.json")
+    per_rank = {**tensor, "memory_layout": "mpmd"}
+    (tmp_path / "mpmd.json").write_text(json.dumps(per_rank))
+    config.plan = str(tmp_path / "mpmd.json")
     assert TrainConfig.from_config(config).lowering == "mpmd"
+    # A plan file of an earlier version, whose layout was called "per_rank", is
+    # refused with the name it has now.
+    (tmp_path / "old.json").write_text(json.dumps({**tensor, "memory_layout": "per_rank"}))
+    config.plan = str(tmp_path / "old.json")
+    with pytest.raises(ConfigError, match="'per_rank'.*called 'mpmd' now"):
+        TrainConfig.from_config(config)
     config.plan = str(_plan_file(tmp_path))
     config.model.num_layers = 4
     with pytest.raises(ConfigError, match="splits 3 transformer blocks .*num_layers=4"):

@@ -110,7 +110,7 @@ SPMD = LoweringKind(
 MPMD = LoweringKind(
     name="mpmd",
     title="per-rank",
-    layout="per_rank",
+    layout="mpmd",
     one_program=False,
     meshes_per_rank=True,
     every_device_holds_busiest=False,
@@ -144,7 +144,7 @@ class Lowering(abc.ABC):
 
     def __init__(self, pipeline: Any, tick_layout: str):
         self.pipeline = pipeline
-        self.tick_layout = tick_layout  # how the tick plan lays pieces out (`jpipe.make_plan`)
+        self.tick_layout = tick_layout  # how the tick plan lays pieces out (`jpipe.make_tick_plan`)
 
     @abc.abstractmethod
     def value_and_grad(self, packed, batch):
@@ -168,14 +168,14 @@ class Lowering(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def plan(self):
-        """The lock-step tick plan (`jpipe.Plan`): under SPMD the one its program runs,
+    def tick_plan(self):
+        """The lock-step tick plan (`jpipe.TickPlan`): under SPMD the one its program runs,
         memory actions included; per rank, of the schedule's compute, for figures."""
 
     @property
     @abc.abstractmethod
-    def forward_plan(self):
-        """The tick plan of the forwards alone (`jpipe.lower.spmd.ticks.make_forward_plan`)."""
+    def forward_tick_plan(self):
+        """The tick plan of the forwards alone (`jpipe.lower.spmd.ticks.make_forward_tick_plan`)."""
 
     def step_fn(self, batch):
         """The unjitted step; only a lowering that makes the step one program has it."""

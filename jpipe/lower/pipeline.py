@@ -307,7 +307,7 @@ class Pipeline:
         ``"packed"`` (up to one F, one I and one W per rank per tick: fewer
         ticks, but a transfer still costs one) or ``"auto"`` (the default:
         packed where that does not lengthen the critical path). See
-        `jpipe.make_plan`.
+        `jpipe.make_tick_plan`.
       control: the shape of each tick's conditionals: ``"cond"`` (a
         two-way cond around a switch over the stage classes for W, F and I
         a cond per class: ``2 classes + 2`` a tick), ``"switch"`` (one
@@ -394,15 +394,15 @@ class Pipeline:
         self._lowering: Lowering = kind.runtime_class()(self, tick_layout)
 
     @property
-    def plan(self):
-        """The lock-step tick plan (`jpipe.Plan`): under SPMD the one its program runs,
+    def tick_plan(self):
+        """The lock-step tick plan (`jpipe.TickPlan`): under SPMD the one its program runs,
         memory actions included; per rank, of the schedule's compute, for figures."""
-        return self._lowering.plan
+        return self._lowering.tick_plan
 
     @property
-    def forward_plan(self):
+    def forward_tick_plan(self):
         """The tick plan of the forwards alone, which `loss` runs under SPMD."""
-        return self._lowering.forward_plan
+        return self._lowering.forward_tick_plan
 
     # -- parameters ------------------------------------------------------------
 

@@ -5,7 +5,7 @@ Usage::
     python -m jpipe.plan --model OPT-350 --devices A100-40:4,V100-16:4 --global-batch 256
         [--schedules 1f1b,zb_h1,my.py:fn] [--microbatch-sizes 1,2,4] [--top 3]
         [--profiles DIR_OR_FILE] [--raw-profiles] [--save plan.json] [--svg FILE] [--json]
-        [--memory-layout spmd|per_rank] [--tensor-per-stage]
+        [--memory-layout spmd|mpmd] [--tensor-per-stage]
         [--attention auto|xla|blockwise|cudnn] [--remat auto|none|dots|attention|full]
     python -m jpipe.plan --layer-costs 3,1,4,1,5 --speeds 1,1,0.5 [--json]
     python -m jpipe.plan --validate PLAN_CONFIG.json [--profiles DIR] [--model M] [--json]
@@ -18,7 +18,7 @@ per-stage costs, transfers, all-reduce and update (`jpipe.planner.plans`).
 ``--schedules search`` has `jpipe.search_schedule` choose, for each shape,
 the fastest built-in (with its options, V shapes, and memory actions where
 the layout's lowering runs them) whose footprint fits the tightest device.
-``--tensor-per-stage`` (with ``--memory-layout per_rank``) gives each device
+``--tensor-per-stage`` (with ``--memory-layout mpmd``) gives each device
 type its own tensor degree, so stages may differ in it (`plan`'s
 ``tensor_per_stage``; the plan file's ``mesh.tensor_per_rank``). It
 prints the best plans with their predicted step time, per-device peak memory
@@ -141,7 +141,7 @@ def _parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser):
         "--tensor-per-stage",
         action="store_true",
         help="give each device type its own tensor-parallel degree (from --tensor-parallel), "
-        "so stages may differ in degree; needs --memory-layout per_rank (lowering='mpmd', "
+        "so stages may differ in degree; needs --memory-layout mpmd (lowering='mpmd', "
         "one mesh per rank)",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of one type per node")
@@ -158,7 +158,7 @@ def _parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser):
         choices=LAYOUTS,
         default="spmd",
         help="memory check: spmd (jpipe's one program, every device holds the largest rank's "
-        "need; the default) or per_rank (each device its own rank's)",
+        "need; the default) or mpmd (each device its own rank's)",
     )
     p.add_argument(
         "--memory-margin",

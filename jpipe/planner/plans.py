@@ -46,13 +46,13 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
    need is its lowering's byte model (`jpipe.lower.bytes`; the search reads the
    same one), handed the overhead and the tensor degree per rank as inputs.
    Two layouts (`LAYOUTS`):
-   ``"per_rank"``, each device holding its own rank's need (what a runtime of
+   ``"mpmd"``, each device holding its own rank's need (what a runtime of
    one program per rank allocates, and what Sailor's runtime ran), and
    ``"spmd"``, what jpipe's one SPMD program allocates on *every* device: the
    largest rank's parameters, the largest rank's live values and the largest
    piece's working memory (docs/design.md), so the smallest device binds.
    Each device group has its own tensor degree, so the stages of a
-   ``per_rank`` plan may differ in it (one mesh per rank); a ``spmd`` plan,
+   ``mpmd`` plan may differ in it (one mesh per rank); a ``spmd`` plan,
    one program on one mesh, keeps one degree (`ClusterPlan.check` refuses
    others). Under remat a stage also holds, once, the bytes of the block its
    backward re-runs (`Profile.recomputes`, in the ``working`` term).
@@ -71,7 +71,7 @@ visited in order of a lower bound (the busiest rank's work, which no schedule
 beats), so the search stops simulating once no remaining candidate can enter
 the best ``top``.
 
-With ``tensor_per_stage`` (``per_rank`` only) each device type takes its own
+With ``tensor_per_stage`` (``mpmd`` only) each device type takes its own
 tensor degree, from the divisors of its count that fit in its node: a product
 of choices per type instead of one choice, some 16 times the shapes for three
 types. That search stays tractable by bounding before it splits: each shape
@@ -130,7 +130,7 @@ from jpipe.schedule.validate import analyze
 from jpipe.search.engine import StageFigures, layout_kind, runs_schedule, search_schedule
 
 PLAN_FORMAT = "jpipe-plan/1"
-LAYOUTS = ("spmd", "per_rank")
+LAYOUTS = ("spmd", "mpmd")
 SEARCH = "search"  # the schedule SPEC that has `jpipe.search_schedule` pick one per shape
 MEMORY_MARGIN = 0.10  # kept free on every device until validated on jpipe's own runs
 # The planner's text gives bytes in one unit, GiB (2^30 bytes): the unit of the device
@@ -141,6 +141,13 @@ GIB = 1024**3
 def gib(nbytes: float) -> str:
     """``"37.3 GiB"``: bytes as the planner's text writes them."""
     return f"{nbytes / GIB:.3g} GiB"
+
+
+def _renamed(layout) -> str:
+    """What to write instead of a layout name of earlier versions, or ""."""
+    if layout == "per_rank":
+        return " (the per-rank lowering's layout is called 'mpmd' now, as the lowering is)"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +179,7 @@ class ClusterPlan:
       schedule: a schedule SPEC (name or ``file.py:function``).
       num_chunks: stages per rank for the schedule; `None` for its default.
       memory_layout: ``"spmd"`` (jpipe's one program: every device holds the
-        largest rank's memory) or ``"per_rank"`` (each its own); see `LAYOUTS`.
+        largest rank's memory) or ``"mpmd"`` (each its own); see `LAYOUTS`.
 
     Each `DeviceGroup` carries its own tensor degree, so stages may have different
     ones (`tensor_per_rank`); only the per-rank lowering runs that (one mesh per
@@ -207,12 +214,13 @@ class ClusterPlan:
         if self.memory_layout not in LAYOUTS:
             raise ValueError(
                 f"memory layout {self.memory_layout!r} is not one of {', '.join(LAYOUTS)}"
+                + _renamed(self.memory_layout)
             )
         if not layout_kind(self.memory_layout).meshes_per_rank and not self.uniform_tensor:
             raise ValueError(
                 f"the ranks have tensor degrees {list(self.tensor_per_rank)}, but the spmd "
                 "layout's one program has one mesh, one tensor degree for every stage; plan "
-                "per-stage degrees with the per_rank layout (--memory-layout per_rank), which "
+                "per-stage degrees with the mpmd layout (--memory-layout mpmd), which "
                 "lowering='mpmd' runs with one mesh per rank"
             )
         if self.microbatch_size < 1 or self.global_batch < 1:
@@ -422,7 +430,7 @@ def memory_footprint(
     model (`jpipe.lower.interface.LoweringKind.byte_model`), which the schedule search
     reads too. Needs no times: a rank's peak of live values depends only on its own
     actions' order, so this works where a profile has bytes but no times. For a
-    ``per_rank`` plan whose ranks differ in tensor degree the ``spmd`` figures are
+    ``mpmd`` plan whose ranks differ in tensor degree the ``spmd`` figures are
     what one program would hold if it could run it (it cannot: `ClusterPlan.check`).
     """
     plan.check(profile.num_layers)
@@ -778,7 +786,7 @@ def plan_from_sailor(config: dict, schedule: str = "1f1b") -> ClusterPlan:
             microbatch_size=int(config["mbs"]),
             global_batch=int(config["gbs"]),
             schedule=schedule,
-            memory_layout="per_rank",  # Sailor's runtime: one program per rank
+            memory_layout="mpmd",  # Sailor's runtime: one program per rank
         )
     except (KeyError, TypeError, IndexError) as e:
         raise ValueError(f"not a Sailor plan file: cannot read {e!r}") from None
@@ -1024,7 +1032,7 @@ def _split_layers(
     A stage fits when its own footprint (its parameters, `live`
     (`_live_units`) microbatches of its residuals and one piece's working
     memory) is within ``capacity[s]``, what a device may hold besides its fixed
-    overhead: its own devices' under the ``per_rank`` layout, the smallest
+    overhead: its own devices' under the ``mpmd`` layout, the smallest
     device's under ``spmd`` (where this
     is necessary but not sufficient: the plan's footprint is checked again
     after simulation). With `budgets` ``(parameters, values)`` each stage's
@@ -1238,7 +1246,7 @@ def _plan_once(
       top: how many plans to return.
       receiver_busy: see `evaluate`.
       memory_layout: the layout the plans will run under (`LAYOUTS`): ``"spmd"``
-        for jpipe's one-program lowering, ``"per_rank"`` for one program per rank.
+        for jpipe's one-program lowering, ``"mpmd"`` for one program per rank.
       memory_margin: the share of every device's usable memory kept free.
       tensor_parallel: tensor-parallel degrees to try; default 1, 2, 4 and 8
         where they divide every type's count and fit in a node.
@@ -1246,7 +1254,7 @@ def _plan_once(
         (one that divides that type's count and fits in its node), so the stages
         on different types may differ in tensor degree; the same degree for every
         type is among the choices. Only the per-rank lowering runs such plans
-        (one mesh per rank), so this needs ``memory_layout="per_rank"``. The
+        (one mesh per rank), so this needs ``memory_layout="mpmd"``. The
         search then splits a shape's layers only when a bound computed before the
         split (`_shape_bound`) could still enter the top, and skips unsplit the
         shapes whose parameters cannot fit at all (`_parameters_fit`); the
@@ -1301,15 +1309,18 @@ def _check_search_options(memory_layout: str, memory_margin: float, tensor_per_s
     """Raises `ValueError` for a memory layout or margin `_plan_once` cannot take, or for
     per-stage tensor degrees under a layout whose one program has one mesh."""
     if memory_layout not in LAYOUTS:
-        raise ValueError(f"memory layout {memory_layout!r} is not one of {', '.join(LAYOUTS)}")
+        raise ValueError(
+            f"memory layout {memory_layout!r} is not one of {', '.join(LAYOUTS)}"
+            + _renamed(memory_layout)
+        )
     if not 0 <= memory_margin < 1:
         raise ValueError(
             f"the memory margin (--memory-margin) must be in [0, 1), got {memory_margin!r}"
         )
     if tensor_per_stage and not layout_kind(memory_layout).meshes_per_rank:
         raise ValueError(
-            "per-stage tensor degrees (--tensor-per-stage) need the per_rank layout "
-            f"(--memory-layout per_rank): the {memory_layout} layout's one program has one "
+            "per-stage tensor degrees (--tensor-per-stage) need the mpmd layout "
+            f"(--memory-layout mpmd): the {memory_layout} layout's one program has one "
             "mesh, one tensor degree for every stage"
         )
 
@@ -1439,7 +1450,7 @@ class _ShapeSearch:
             if not runs:
                 self.skipped.append(
                     f"{spec}: the SPMD lowering does not run its memory actions "
-                    "(plan with --memory-layout per_rank for lowering='mpmd')"
+                    "(plan with --memory-layout mpmd for lowering='mpmd')"
                 )
                 return
             if schedule.num_stages > self.profile.num_layers:
@@ -1782,7 +1793,7 @@ def _searched(
 
     The budget is what the tightest device of the shape may hold besides its fixed
     overhead (its usable memory less the margin); under ``spmd`` every device must hold
-    the largest rank's terms, under ``per_rank`` each its own, the search's layouts.
+    the largest rank's terms, under ``mpmd`` each its own, the search's layouts.
     The candidates are the built-ins and their options (V shapes and memory actions
     where the layout's lowering runs them: recomputes and evictions; the profiles give
     no host bandwidth for offloads), each split by `_fitting_split`; not the local
@@ -1952,7 +1963,7 @@ class TrainerSettings:
       batch_size: the global batch.
       lowering: the lowering whose memory the plan was checked for: ``"spmd"``
         (layout ``spmd``: every device holds the largest rank's) or
-        ``"mpmd"`` (layout ``per_rank``: each device its own rank's, as the
+        ``"mpmd"`` (layout ``mpmd``: each device its own rank's, as the
         per-rank lowering gives).
       tensor_per_rank: each pipeline rank's tensor degree where they differ (the
         file's ``mesh.tensor_per_rank``; only with lowering ``"mpmd"``, one mesh per
@@ -2035,7 +2046,7 @@ _PLAN_FIELDS = {
     "num_microbatches": "M",
     "microbatch_size": "B",
     "global_batch": "sequences per step",
-    "memory_layout": "spmd or per_rank",
+    "memory_layout": "spmd or mpmd",
     "ranks": "the device group of each rank and replica",
     "stage_layers": "the profile layers of each stage",
     "predicted_seconds": "the predicted step time",
@@ -2280,7 +2291,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"{where}: memory_layout {layout!r} is not one the trainer runs; accepted: "
-            f"{', '.join(LAYOUTS)}"
+            f"{', '.join(LAYOUTS)}" + _renamed(layout)
         )
     tensor_per_rank = _tensor_per_rank(mesh, pipe, tensor, layout, where)
     devices = sum(tensor_per_rank or (tensor,) * pipe) * data
@@ -2361,7 +2372,7 @@ def _tensor_per_rank(mesh: dict, pipe: int, tensor: int, layout: str, where: str
             f"{where}: mesh.tensor_per_rank {list(degrees)} gives the pipeline ranks different "
             "tensor degrees, which only the per-rank lowering runs (lowering='mpmd', one mesh "
             f"per rank), but the plan's memory_layout is {layout!r}, one SPMD program with one "
-            "mesh; plan again with python -m jpipe.plan --memory-layout per_rank "
+            "mesh; plan again with python -m jpipe.plan --memory-layout mpmd "
             "--tensor-per-stage"
         )
     return degrees

@@ -4,7 +4,7 @@
 predicts each with `jpipe.planner.plans.evaluate` (the schedule simulated) and with
 the closed form on the same inputs, and returns one `Row` per plan with the
 measured seconds per iteration and peak memory. Memory is predicted under the
-``per_rank`` layout (Sailor's runtime ran one program per rank), and also
+``mpmd`` layout (Sailor's runtime ran one program per rank), and also
 where the profile has the model's bytes but no times for the device
 (`memory_footprint` needs no times). Plans whose model has no usable profile
 are kept as rows with the reason, not dropped silently.
@@ -195,10 +195,10 @@ def validate_directory(
         mem, mem_note, min_need = None, repaired, None
         try:
             footprint = memory_footprint(plan, profile)
-            mem = footprint.max_bytes("per_rank")
+            mem = footprint.max_bytes("mpmd")
             min_need = max(
                 m.parts["parameters"] + m.parts["values"] / max(_live(plan, m.rank), 1)
-                for m in footprint.devices("per_rank")
+                for m in footprint.devices("mpmd")
             )
         except ValueError as e:
             mem_note = str(e)

@@ -5,7 +5,7 @@ Usage::
     python -m jpipe.search --profile gpt2_small --ranks 4 --microbatches 16 --budget 9GiB
     python -m jpipe.search --profile WORKDIR/profile.json --ranks 4 --microbatches 8 --budget 2MiB
         [--device NAME] [--rate partner_bytes_per_s=2e11,host_bytes_per_s=2.5e10] [...]
-        [--layout spmd|per_rank] [--schedules 1f1b,zb_h1,vmin,...] [--no-local]
+        [--layout spmd|mpmd] [--schedules 1f1b,zb_h1,vmin,...] [--no-local]
         [--batch N] [--rate flops_per_second=4e14,...] [--margin 0.1] [--max-simulations 20000]
         [--json] [--png FILE] [--svg FILE] [--csv FILE] [--width 120]
     python -m jpipe.search --cost F=1,I=1,W=1,evict=0.3 \\
@@ -31,7 +31,7 @@ counted: per device, the parameters (``params``: weights, gradients,
 optimizer state), the live residuals, carries and kept inputs, and the
 working memory of the largest piece; under ``--layout spmd`` (the SPMD
 lowering, the default) each the largest rank's, the residual and carry
-buffers as that program sizes them; under ``per_rank``
+buffers as that program sizes them; under ``mpmd``
 (``lowering="mpmd"``) each rank's own. ``--margin`` (default 0.1) keeps a
 share of the budget free for what the model does not count. Memory actions
 (recompute, evict,
@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, help="bytes per device, such as 9GiB or 8e9")
     p.add_argument("--layout", choices=LAYOUTS, default="spmd",
                    help="spmd: every device holds the largest rank's terms (the SPMD lowering, "
-                   "default); per_rank: each its own (lowering='mpmd')")  # fmt: skip
+                   "default); mpmd: each its own (lowering='mpmd')")  # fmt: skip
     p.add_argument("--schedules", help="SPECs to try, comma-separated (default: every built-in); "
                    "SPEC@V for V chunks")  # fmt: skip
     p.add_argument("--no-local", action="store_true", help="no local search over memory actions")

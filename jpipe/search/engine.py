@@ -62,7 +62,7 @@ figures and the planner read too):
   residual and carry buffers as the program sizes them from its tick plan
   (`spmd_buffers`), and the largest piece's working memory; the terms may
   come from different ranks (docs/design.md);
-- ``"per_rank"``: one program per rank (`Pipeline(lowering="mpmd")`,
+- ``"mpmd"``: one program per rank (`Pipeline(lowering="mpmd")`,
   `jpipe.lower.mpmd.bytes`): each device holds its own rank's values,
   working memory and gradients, and (today, on one mesh) every rank's
   packed weights and optimizer state.
@@ -71,9 +71,9 @@ A candidate fits when every device is within the budget less a margin
 (`MARGIN`) for what the model does not count (docs/search.md measures it).
 
 Which candidates may have memory actions is the lowering's own answer, not a
-switch kept here: under ``"per_rank"`` the per-rank lowering runs every kind
+switch kept here: under ``"mpmd"`` the per-rank lowering runs every kind
 (`jpipe.RankPrograms`); under ``"spmd"`` a kind counts only if
-`jpipe.make_plan`, the SPMD lowering's first pass, accepts a schedule with
+`jpipe.make_tick_plan`, the SPMD lowering's first pass, accepts a schedule with
 it (`lowering_runs`). Today both lowerings run every kind, so both searches
 take every candidate; under ``"spmd"`` a candidate's buffers come from its
 tick plan with its memory actions (`spmd_buffers`).
@@ -107,7 +107,7 @@ from jpipe.schedule.simulate import (
 )
 from jpipe.schedule.validate import ScheduleError, analyze
 
-LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "per_rank")
+LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "mpmd")
 """The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
 OWN = MPMD.layout  # each rank's own bytes, the layout the walk reads
 # The share of the budget kept free for what the model does not count: on GPT-2 small the
@@ -118,7 +118,7 @@ MARGIN = 0.10
 
 def layout_kind(layout: str) -> LoweringKind:
     """The lowering whose memory a layout stands for (`jpipe.lower.interface`): ``"spmd"`` is
-    the SPMD lowering's, ``"per_rank"`` the per-rank lowering's."""
+    the SPMD lowering's, ``"mpmd"`` the per-rank lowering's."""
     for kind in KINDS.values():
         if kind.layout == layout:
             return kind
@@ -1022,7 +1022,7 @@ def lowering_runs(layout: str, kind: str) -> bool:
     """Whether the lowering of `layout` runs memory actions of `kind`.
 
     The per-rank lowering runs them all. For the SPMD lowering this asks
-    `jpipe.make_plan` (its first pass, pure Python) to lay out a small
+    `jpipe.make_tick_plan` (its first pass, pure Python) to lay out a small
     built-in that has the kind: it runs every kind today, and a kind it
     came to refuse (by name, as `NotImplementedError`) would leave the
     ``"spmd"`` search with no change here.
@@ -1033,14 +1033,14 @@ def lowering_runs(layout: str, kind: str) -> bool:
     if lowering.runs_all_memory_actions:
         return True
     from jpipe.lower.spmd.ticks import (
-        make_plan,  # the SPMD lowering's pass; imported only when asked
+        make_tick_plan,  # the SPMD lowering's pass; imported only when asked
     )
 
     name, R, M, options = _PROBES[kind]
     probe = get_schedule(name, R, M, **options)
     assert any(a.kind == kind for _, _, a in probe.all_actions()), (name, kind)
     try:
-        make_plan(probe)
+        make_tick_plan(probe)
     except NotImplementedError:
         return False
     return True
@@ -1059,7 +1059,7 @@ class DeviceBytes:
     """A schedule's bytes per rank, and per device under a layout (module docstring).
 
     Attributes:
-      layout: ``"spmd"`` or ``"per_rank"``.
+      layout: ``"spmd"`` or ``"mpmd"``.
       params: per rank, the parameter bytes its device holds under `layout`.
       values: per rank, the most residuals, carries and kept inputs it holds at once.
       working: per rank, its largest piece's working memory.
@@ -1560,7 +1560,7 @@ class _Evaluator:
         `simulation`, if given, is `schedule`'s with the figures' costs (the base's,
         simulated as a built-in), read instead of running it again.
 
-        The bytes are each rank's own (``"per_rank"``), which is what picks a
+        The bytes are each rank's own (``"mpmd"``), which is what picks a
         roomy partner and costs no tick plan; `bytes_of` gives the layout's.
         Under another layout (``"spmd"``) a schedule whose simulated values fit
         is checked against the bytes the layout's model counts (the SPMD
@@ -1849,7 +1849,7 @@ class ScheduleSearch:
       skipped: why some SPECs gave no candidate (one line each).
       budget: bytes per device.
       margin: the share of `budget` kept free; a candidate fits within `usable`.
-      layout: ``"spmd"`` or ``"per_rank"``; `lowering` the Pipeline lowering it stands for.
+      layout: ``"spmd"`` or ``"mpmd"``; `lowering` the Pipeline lowering it stands for.
       memory_moves: the kinds of memory action the lowering runs (`lowering_runs`).
       simulated: schedules simulated, the local search's included.
       seconds: how long the search took.
@@ -1991,7 +1991,7 @@ def search_schedule(
       microbatches: M, or several to try.
       budget: bytes per device.
       layout: ``"spmd"`` (every device holds the largest rank's terms; the
-        SPMD lowering) or ``"per_rank"`` (each its own; ``lowering="mpmd"``).
+        SPMD lowering) or ``"mpmd"`` (each its own; ``lowering="mpmd"``).
       schedules: SPECs to try instead of every built-in (`builtin_specs`),
         each a string (its default chunks) or ``(SPEC, chunks)``.
       local: also run the local search over memory actions where the
@@ -2054,7 +2054,7 @@ class _SearchTerms:
 
     Attributes:
       num_ranks: R.
-      layout: ``"spmd"`` or ``"per_rank"`` (`LAYOUTS`).
+      layout: ``"spmd"`` or ``"mpmd"`` (`LAYOUTS`).
       usable: the bytes a device may hold: the budget less the margin.
       memory_moves: the kinds of memory action allowed (`MOVE_KINDS`' keys), sorted.
     """
@@ -2143,7 +2143,7 @@ def _why_no_candidate(spec, M: int, schedule: Schedule, terms: _SearchTerms) -> 
         kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})
         return (
             f"{spec}, M={M}: the {layout_kind(terms.layout).name} lowering does not run its "
-            f"memory actions ({', '.join(kinds)}); layout per_rank would take it"
+            f"memory actions ({', '.join(kinds)}); layout mpmd would take it"
         )
     kinds = {a.kind for _, _, a in schedule.all_actions() if a.is_memory}
     if not kinds <= terms.allowed_kinds:

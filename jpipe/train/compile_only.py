@@ -38,7 +38,7 @@ Printed: a table (stdout), then, as the last line of stdout, one JSON object::
   step is many programs issued from the host.
 - ``predicted_bytes``: jpipe's byte model for the lowering, from the same
   shapes: the schedule search's `device_bytes` (``"spmd"`` or
-  ``"per_rank"``, `jpipe.search.engine`, what ``python -m jpipe.search``
+  ``"mpmd"``, `jpipe.search.engine`, what ``python -m jpipe.search``
   fits schedules with), its figures taken from this step's pieces: each
   stage's residual, carry and output bytes (`jpipe.StageKernels`), its
   parameters' bytes per device times (weights, gradient accumulator, the

@@ -6,7 +6,7 @@ and raise `ConfigError` naming the field, the value and what is accepted.
 A ``plan`` field naming a plan file (``python -m jpipe.plan ... --save FILE``)
 sets the mesh, the layers per stage, the schedule, its chunks, the
 microbatches, the batch and the lowering (``mpmd`` for a plan checked per
-rank, ``--memory-layout per_rank``) from that file first
+rank, ``--memory-layout mpmd``) from that file first
 (`jpipe.planner.read_plan_file`).
 Checks that need the schedule, the devices or the corpus happen in
 `jpipe.train.prepare`.
@@ -610,7 +610,7 @@ def _apply_plan(kwargs: dict) -> dict:
         )
     mesh = dict(kwargs.get("mesh") or {})
     mesh.update(pipe=settings.pipe, data=settings.data, tensor=settings.tensor)
-    if settings.tensor_per_rank is not None:  # a degree per rank (a per_rank plan)
+    if settings.tensor_per_rank is not None:  # a degree per rank (an mpmd plan)
         mesh["tensor_per_rank"] = ",".join(str(t) for t in settings.tensor_per_rank)
     return {
         **kwargs,

@@ -210,7 +210,7 @@ def print_profile(
         say(f"  {s:>5} {ms(times.F[s])} {ms(times.I[s])} {ms(times.W[s])} {ms(times.B[s])}")
     costs = jpipe.Costs(F=times.F, I=times.I, W=times.W, B=times.B)
     sim = jpipe.simulate(pipeline.schedule, costs)
-    lockstep = pipeline.plan.predicted_time(costs)
+    lockstep = pipeline.tick_plan.predicted_time(costs)
 
     # The measured step runs on a copy, so the real state neither advances nor is donated.
     step_times = []
@@ -224,7 +224,10 @@ def print_profile(
         f"  predicted step time, event simulation (perfect overlap): {sim.makespan * 1e3:9.2f} ms"
         f"  (bubble {sim.bubble_fraction:.1%})"
     )
-    say(f"  predicted step time, lock-step program (Plan.predicted_time): {lockstep * 1e3:9.2f} ms")
+    say(
+        f"  predicted step time, lock-step program (TickPlan.predicted_time):"
+        f" {lockstep * 1e3:9.2f} ms"
+    )
     say(
         f"  measured train step (median of {reps}, with the optimizer update):"
         f" {measured * 1e3:9.2f} ms"

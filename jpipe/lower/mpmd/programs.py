@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jpipe.lower.interface import MPMD, Lowering
 from jpipe.lower.mpmd.transfer import Courier, process_of
 from jpipe.lower.spmd.program import axis_env
-from jpipe.lower.spmd.ticks import make_forward_plan, make_plan
+from jpipe.lower.spmd.ticks import make_forward_tick_plan, make_tick_plan
 from jpipe.schedule.actions import Action, Schedule
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.pack import ParamLayout
@@ -1139,12 +1139,12 @@ class MpmdLowering(Lowering):
     # this lowering runs the schedule's memory actions itself, so the plans
     # are of its compute.
     @functools.cached_property
-    def plan(self):
-        return make_plan(self.pipeline.schedule.without_memory_actions(), self.tick_layout)
+    def tick_plan(self):
+        return make_tick_plan(self.pipeline.schedule.without_memory_actions(), self.tick_layout)
 
     @functools.cached_property
-    def forward_plan(self):
-        return make_forward_plan(self.pipeline.schedule.without_memory_actions())
+    def forward_tick_plan(self):
+        return make_forward_tick_plan(self.pipeline.schedule.without_memory_actions())
 
     def rank_programs(self, batch) -> RankPrograms:
         p = self.pipeline

@@ -60,7 +60,7 @@ def tick_buffers(
     """The SPMD program's residual and carry buffers, in bytes, as it sizes them.
 
     `activation` and `carry` are each stage's residual and I-to-W carry bytes
-    per microbatch. `jpipe.make_plan` lays the schedule out in lock-step
+    per microbatch. `jpipe.make_tick_plan` lays the schedule out in lock-step
     ticks, and on each rank every residual (and carry) is placed for its
     lifetime in ticks by first fit (`pack_lifetimes`); every device
     allocates the largest rank's extent of each buffer (docs/design.md). A
@@ -74,7 +74,7 @@ def tick_buffers(
     each leaf up to whole rows of its buffer: on GPT-2 small both buffers
     came out exactly the program's (docs/search.md).
     """
-    lifetimes = plan_lifetimes(schedule)  # `make_plan(schedule).lifetimes`, without the rest
+    lifetimes = plan_lifetimes(schedule)  # `make_tick_plan(schedule).lifetimes`, without the rest
     extents = []
     for arena, sizes in (("res", activation), ("carry", carry)):
         most = 0.0

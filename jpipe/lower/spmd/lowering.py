@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jpipe.lower.interface import SPMD, Lowering
 from jpipe.lower.microbatch import split_microbatches
 from jpipe.lower.spmd.program import Program, build_step
-from jpipe.lower.spmd.ticks import make_forward_plan, make_plan
+from jpipe.lower.spmd.ticks import make_forward_tick_plan, make_tick_plan
 
 
 class SpmdLowering(Lowering):
@@ -32,19 +32,19 @@ class SpmdLowering(Lowering):
 
     def __init__(self, pipeline, tick_layout: str):
         super().__init__(pipeline, tick_layout)
-        self._plan = make_plan(pipeline.schedule, tick_layout)
-        self._forward_plan = make_forward_plan(pipeline.schedule)
+        self._plan = make_tick_plan(pipeline.schedule, tick_layout)
+        self._forward_plan = make_forward_tick_plan(pipeline.schedule)
         # Built once per batch shape (`Pipeline._key`): the jitted training step
         # with its program, the jitted forward-only loss.
         self._train_steps: dict[tuple, tuple[Callable, Program]] = {}
         self._loss_steps: dict[tuple, Callable] = {}
 
     @property
-    def plan(self):
+    def tick_plan(self):
         return self._plan
 
     @property
-    def forward_plan(self):
+    def forward_tick_plan(self):
         return self._forward_plan
 
     def _program(self, batch, plan, **options) -> Program:

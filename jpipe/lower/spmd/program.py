@@ -97,7 +97,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jpipe.lower.spmd.ticks import COLUMNS, STAGE_COLUMNS, Plan, pack_lifetimes
+from jpipe.lower.spmd.ticks import COLUMNS, STAGE_COLUMNS, TickPlan, pack_lifetimes
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.manual import DeviceView
 from jpipe.stage.pack import ParamLayout
@@ -389,7 +389,7 @@ class _Arena:
     or reads them, as wide as they are.
     """
 
-    def __init__(self, plan: Plan, layouts: dict):
+    def __init__(self, plan: TickPlan, layouts: dict):
         """Places `plan`'s values: ``layouts[kind][stage]`` is each kind's `FlatLayout`."""
         self.value_rows = {
             kind: [_value_rows(lay)[0] for lay in lays] for kind, lays in layouts.items()
@@ -452,7 +452,7 @@ class Lane(NamedTuple):
     rows: int
 
 
-def move_lanes(plan: Plan, classes, value_rows) -> tuple[tuple[Lane, ...], dict]:
+def move_lanes(plan: TickPlan, classes, value_rows) -> tuple[tuple[Lane, ...], dict]:
     """Groups the plan's evictions and loads into lanes: ``(lanes, {move: lane index})``.
 
     A lane carries residuals of one stage class, along a fixed permutation
@@ -490,19 +490,24 @@ def move_lanes(plan: Plan, classes, value_rows) -> tuple[tuple[Lane, ...], dict]
 
 
 def program_table(
-    plan: Plan, classes, arenas: dict, idle: bool = False, fc_classes: tuple = (), lanes=((), {})
+    plan: TickPlan,
+    classes,
+    arenas: dict,
+    idle: bool = False,
+    fc_classes: tuple = (),
+    lanes=((), {}),
 ) -> tuple[np.ndarray, dict]:
     """The plan's table with each piece's branch and value buffer rows added.
 
     Returns the ``int32`` table and ``{column name: index}``. Beside
-    `Plan.COLUMNS` and the channels' io slots, for each kind ``k`` in
+    `TickPlan.COLUMNS` and the channels' io slots, for each kind ``k`` in
     ``f, i, w``: ``k_branch`` (0: none; 1 + the stage's class; for an FC,
     1 + the number of classes + its class's place in `fc_classes`) and, for
     each value the piece reads or writes, its row in that value's buffer
     (``k_res_row``, ``k_carry_row``; `arenas` maps ``"res"``, ``"carry"``
     and ``"host"`` to their `_Arena`).
 
-    The copies of memory actions (`Plan.moves`): for each of `lanes`
+    The copies of memory actions (`TickPlan.moves`): for each of `lanes`
     (``(lanes, {move: lane})``, `move_lanes`), ``lane{i}_send`` (the row the
     sender reads), ``lane{i}_recv`` (the row the receiver writes) and
     ``lane{i}_on`` (1 where the receiver writes); for the host copies,
@@ -528,10 +533,10 @@ def program_table(
     for kind in STAGE_COLUMNS:
         branch = lookup[base[:, :, col[kind]]]
         if kind == "f_stage":
-            fc = base[:, :, col["f_mode"]] == Plan.F_MODES["FC"]
+            fc = base[:, :, col["f_mode"]] == TickPlan.F_MODES["FC"]
             branch = np.where(fc, fc_lookup[base[:, :, col[kind]]], branch)
         add(kind.replace("stage", "branch"), branch)
-    modes = {v: k for k, v in Plan.F_MODES.items()}
+    modes = {v: k for k, v in TickPlan.F_MODES.items()}
     for value, kinds in (("res", "fiw"), ("carry", "iw")):
         for k in kinds:
             stage = base[:, :, col[f"{k}_stage"]] - 1
@@ -578,7 +583,7 @@ def program_table(
 
 def build_step(
     stage_fns,
-    plan: Plan,
+    plan: TickPlan,
     layout: ParamLayout,
     mesh,
     microbatch_inputs,
@@ -608,9 +613,9 @@ def build_step(
         axis made XLA insert collectives inside the branches, where ranks that
         take different branches deadlock.)
       forward_only: build only the forward pieces, for a plan of forwards
-        (`jpipe.lower.spmd.ticks.make_forward_plan`); the gradients come back as zeros.
+        (`jpipe.lower.spmd.ticks.make_forward_tick_plan`); the gradients come back as zeros.
       kernels: the stages' pieces from `trace_kernels`, if already traced.
-      idle: run no piece in any tick (`Plan.table(idle=True)`), to measure
+      idle: run no piece in any tick (`TickPlan.table(idle=True)`), to measure
         the cost of the program's control alone; the results are zeros.
       control: the shape of each tick's conditionals, one of `CONTROLS`
         (default ``"auto"``: what this XLA keeps in place).
@@ -646,7 +651,7 @@ class _StepBuilder:
     Built once per step: the kernels and their classes (`stage_classes`), the
     io widths, the value buffers (`_Arena`), the memory actions' lanes and
     host classes, the program's table and its columns. Its methods are the
-    pieces of `per_rank`, the body of the `jax.shard_map`: the io reads and
+    pieces of `mpmd`, the body of the `jax.shard_map`: the io reads and
     writes, each class's F, I and W branches, a tick's conditionals
     (`CONTROLS`), the memory actions' copies, the hand-overs between ranks,
     the tick itself, and the loss and gradients after the scan.
@@ -655,7 +660,7 @@ class _StepBuilder:
     def __init__(
         self,
         stage_fns,
-        plan: Plan,
+        plan: TickPlan,
         layout: ParamLayout,
         mesh,
         microbatch_inputs,
@@ -1048,7 +1053,7 @@ class _StepBuilder:
         )
         if self.fc_classes:  # a recompute's loss was counted by its FC
             loss_piece = jnp.where(
-                row[col["f_mode"]] == Plan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
+                row[col["f_mode"]] == TickPlan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
             )
         loss = loss + loss_piece
         pending = self.hand_over(row, send_f, send_i)
@@ -1097,7 +1102,7 @@ class _StepBuilder:
         return self.finish(loss, grads)
 
     def program(self):
-        """`per_rank` as a `jax.shard_map` over the whole mesh: ``(packed, batch_mb, table)``."""
+        """`mpmd` as a `jax.shard_map` over the whole mesh: ``(packed, batch_mb, table)``."""
         # Manual over every axis of the mesh: `pipe`, `data` (`build_step`), `fsdp`
         # by the gathers and scatters around each piece, model axes (`tensor`) by
         # the stage functions' own collectives. Left to the partitioner, an axis

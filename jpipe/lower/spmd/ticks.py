@@ -26,7 +26,7 @@ reports. Two layouts of the ticks:
   with unit costs is no longer than the unit layout's.
   `docs/compiler-measurements.md` has the measurements behind this.
 
-`make_plan` then assigns buffer slots. Every value that must outlive a tick
+`make_tick_plan` then assigns buffer slots. Every value that must outlive a tick
 lives in a slot of one of three arenas:
 
 - ``io``: an activation or a gradient that arrived from a neighbour (or was
@@ -105,7 +105,7 @@ class Move(NamedTuple):
       stage, microbatch: whose residuals.
       src, dst: the ranks that send and receive (the owner for both
         host copies).
-      src_key, dst_key: the lifetimes (`Plan.lifetimes`, ``"res"`` or
+      src_key, dst_key: the lifetimes (`TickPlan.lifetimes`, ``"res"`` or
         ``"host"``) it reads and starts.
     """
 
@@ -138,13 +138,13 @@ class Transfers(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class TickPlan:
     """A schedule laid out in lock-step ticks, with buffer slots.
 
     Attributes:
       schedule: the validated schedule.
       layout: ``"unit"`` or ``"packed"`` (see the module docstring); a
-        forward-only plan (`make_forward_plan`) is labelled ``"unit"``: one
+        forward-only plan (`make_forward_tick_plan`) is labelled ``"unit"``: one
         piece per rank per tick, each forward as early as it can run.
       ticks: ``ticks[t][r]`` is the tuple of pieces rank `r` runs in tick `t`,
         in program order, each ``(kind, stage, microbatch)`` with kind ``F``,
@@ -214,8 +214,8 @@ class Plan:
     def table(self, *, idle: bool = False) -> np.ndarray:
         """The integer table ``[ticks, ranks, columns]`` that the program scans over.
 
-        Columns are `Plan.COLUMNS`, then the io slot that each of
-        `Plan.channels` delivers to on the receiving rank. The table is the one
+        Columns are `TickPlan.COLUMNS`, then the io slot that each of
+        `TickPlan.channels` delivers to on the receiving rank. The table is the one
         part of the program that grows with the microbatches, so it comes in
         the narrowest integer type that holds it (int8 up to 128
         microbatches, then int16).
@@ -246,7 +246,7 @@ class Plan:
 
 
 def _transfers(schedule: Schedule, when, num_ticks: int, owner, channels) -> Transfers:
-    """`Plan.transfers` from the tick of every piece (`_Layout.when`) and the channels."""
+    """`TickPlan.transfers` from the tick of every piece (`_Layout.when`) and the channels."""
     info = analyze(schedule)
     S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
     index = {c: i for i, c in enumerate(channels)}
@@ -282,7 +282,7 @@ def _when(ticks, S: int, M: int) -> list[int]:
 
 
 def _lockstep_time(schedule: Schedule, ticks, costs: Costs | None = None) -> float:
-    """`Plan.predicted_time` of a tick table (see there)."""
+    """`TickPlan.predicted_time` of a tick table (see there)."""
     costs = costs or Costs()
     S = analyze(schedule).num_stages
     cost = costs.table(S)
@@ -314,7 +314,7 @@ _UNIT_MEMORY_COSTS = Costs(F=1, I=1, W=1, B=2, comm=0, evict=1, offload=1)
 _KIND_INDEX = {"F": 0, "FC": 0, "I": 1, "W": 2, "R": 3}
 _NUM_KINDS = 4
 F_MODES = {"F": 0, "FC": 1, "R": 2}
-"""Column ``f_mode`` of the table: which forward-kind piece runs (see `Plan`)."""
+"""Column ``f_mode`` of the table: which forward-kind piece runs (see `TickPlan`)."""
 # A memory action's move kind, keyed by the action that begins the copy.
 _MOVE_OF = {"EVICT": "EVICT", "LOAD": "LOAD", "OFFLOAD_START": "OFFLOAD", "RELOAD_START": "RELOAD"}
 
@@ -327,7 +327,7 @@ class _Layout(NamedTuple):
       when: the tick of every piece, at ``k * S * M + s * M + m`` where `k`
         is 0, 1, 2 for F, I, W; -1 where there is no such piece.
       num_ticks: the ticks of the table.
-      lockstep: `Plan.predicted_time` with unit costs: each tick costs as
+      lockstep: `TickPlan.predicted_time` with unit costs: each tick costs as
         many pieces as its fullest rank runs.
       shared: whether no rank runs both an F and an I in one tick, so that
         F and I outputs can share one collective per shift.
@@ -460,7 +460,7 @@ def check_layout(layout: str) -> None:
 
 
 def _choose_layout(schedule: Schedule, layout: str, sim=None) -> _Layout:
-    """The `_Layout` that `make_plan` lays `schedule` out in (see there)."""
+    """The `_Layout` that `make_tick_plan` lays `schedule` out in (see there)."""
     check_layout(layout)
     if schedule.has_memory_actions:
         if layout == "packed":
@@ -507,7 +507,7 @@ def _ticks(schedule: Schedule, layout: _Layout):
 
 
 def _channels(schedule: Schedule, layout: _Layout) -> tuple[tuple[str | None, int], ...]:
-    """`Plan.channels`: a collective per kind of output and shift that some piece sends on."""
+    """`TickPlan.channels`: a collective per kind of output and shift that some piece sends on."""
     info = analyze(schedule)
     owner, R = info.stage_to_rank, schedule.num_ranks
     channels = set()
@@ -521,9 +521,9 @@ def _channels(schedule: Schedule, layout: _Layout) -> tuple[tuple[str | None, in
 
 
 def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
-    """The shape of the program `make_plan` lays out, without building its table.
+    """The shape of the program `make_tick_plan` lays out, without building its table.
 
-    ``{"tick_layout", "ticks", "channels", **Plan.transfers()}``, what
+    ``{"tick_layout", "ticks", "channels", **TickPlan.transfers()}``, what
     ``python -m jpipe.show`` prints; `sim`, a unit-cost simulation of
     `schedule` where one is at hand, saves simulating it again. With memory
     actions it also counts the copies (``moves``: evictions and loads, which
@@ -709,7 +709,7 @@ def _residual_intervals(layout: _Layout, fc, owner, R: int, S: int, M: int):
 
 
 def plan_lifetimes(schedule: Schedule, layout: str = "auto") -> dict:
-    """`make_plan(schedule, layout).lifetimes` alone: the same intervals in the same
+    """`make_tick_plan(schedule, layout).lifetimes` alone: the same intervals in the same
     order, without the tick table and the slots (what `jpipe.search_schedule` sizes the
     SPMD program's buffers from, for every schedule it tries).
 
@@ -763,7 +763,7 @@ def _plan_lifetimes(schedule: Schedule, layout: str) -> dict:
 def pack_lifetimes(lifetimes, size_of) -> tuple[int, dict]:
     """Places values that live over intervals in one buffer: ``(extent, {key: offset})``.
 
-    `lifetimes` are ``(start, end, key)`` intervals (as in `Plan.lifetimes`)
+    `lifetimes` are ``(start, end, key)`` intervals (as in `TickPlan.lifetimes`)
     and ``size_of(key)`` each value's size. First fit, in order of start: a
     value takes the lowest offset where it overlaps no value still live.
     Where all values have one size (a rank that holds one stage) this is the
@@ -824,30 +824,32 @@ def _first_fit(order, size_of) -> tuple[int, dict]:
     return extent, out
 
 
-def make_plan(schedule: Schedule, layout: str = "auto", *, forward_only: bool = False) -> Plan:
+def make_tick_plan(
+    schedule: Schedule, layout: str = "auto", *, forward_only: bool = False
+) -> TickPlan:
     """Lays `schedule` out in ticks and assigns its buffer slots.
 
     `layout` is ``"unit"``, ``"packed"`` or ``"auto"``: the packed layout
-    where its lock-step time with unit costs (`Plan.predicted_time`) is no
+    where its lock-step time with unit costs (`TickPlan.predicted_time`) is no
     longer than the unit layout's (it then has the same critical path in
     fewer ticks: GPipe, interleaved 1F1B), else the unit layout (1F1B, whose
     bounded warm-up cannot keep packed ticks full).
 
     With `forward_only`, the plan runs only the schedule's forwards, to
-    compute a loss (`make_forward_plan`; `layout` is ignored).
+    compute a loss (`make_forward_tick_plan`; `layout` is ignored).
 
-    Memory actions (`Plan` says how they run) are laid out unit; asking
+    Memory actions (`TickPlan` says how they run) are laid out unit; asking
     for the packed layout then is refused.
     """
     if forward_only:
-        return make_forward_plan(schedule)
+        return make_forward_tick_plan(schedule)
     check_layout(layout)
     info = analyze(schedule)
     chosen = _choose_layout(schedule, layout)  # slots for the chosen layout only
     return _plan_of(schedule, chosen, info)
 
 
-def make_forward_plan(schedule: Schedule) -> Plan:
+def make_forward_tick_plan(schedule: Schedule) -> TickPlan:
     """A plan that runs only the forwards of `schedule` (to compute a loss).
 
     Each rank runs its ``F`` actions in the schedule's order, one per tick, as
@@ -857,7 +859,7 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     """
     schedule = schedule.without_memory_actions()
     info = analyze(schedule)
-    # One piece of one kind per tick: labelled unit (see `Plan.layout`).
+    # One piece of one kind per tick: labelled unit (see `TickPlan.layout`).
     layout = _packed_layout(schedule, kinds=("F",))._replace(name="unit")
     plan = _plan_of(schedule, layout, info)
     for piece in (p for row in plan.ticks for pieces in row for p in pieces):
@@ -865,8 +867,8 @@ def make_forward_plan(schedule: Schedule) -> Plan:
     return plan
 
 
-def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
-    """The `Plan` of a `_Layout`: its table and its slots."""
+def _plan_of(schedule: Schedule, layout: _Layout, info) -> TickPlan:
+    """The `TickPlan` of a `_Layout`: its table and its slots."""
     owner, R = info.stage_to_rank, schedule.num_ranks
     ticks = _ticks(schedule, layout)
     moves, res_key = (), {}
@@ -879,7 +881,7 @@ def _plan_of(schedule: Schedule, layout: _Layout, info) -> Plan:
             ticks, layout.when, owner, R, info.num_microbatches
         )
     channels = _channels(schedule, layout)
-    return Plan(
+    return TickPlan(
         schedule,
         layout.name,
         ticks,
@@ -918,12 +920,12 @@ COLUMNS = (
     "f_mode",  # which forward-kind piece: F_MODES (F, FC keeping only its input, recompute)
 )
 STAGE_COLUMNS = ("f_stage", "i_stage", "w_stage")
-Plan.COLUMNS = COLUMNS
-Plan.F_MODES = F_MODES
+TickPlan.COLUMNS = COLUMNS
+TickPlan.F_MODES = F_MODES
 
 
-def _table(plan: Plan) -> np.ndarray:
-    """`Plan.table`: the integer table the program scans over."""
+def _table(plan: TickPlan) -> np.ndarray:
+    """`TickPlan.table`: the integer table the program scans over."""
     S = plan.schedule.num_stages
     R = plan.num_ranks
     owner = plan.stage_to_rank
