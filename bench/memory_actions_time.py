@@ -40,7 +40,7 @@ import jax  # noqa: E402
 
 from jpipe import models  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
-from jpipe.search.engine import _spec_text  # noqa: E402  (``zbv:max_deferred_w=0``)
+from jpipe.search.engine import spec_text  # noqa: E402  (``zbv:max_deferred_w=0``)
 
 CONFIG = gpt.GPTConfig(vocab_size=256, num_layers=8, d_model=128, num_heads=4, seq_len=64, d_ff=512)
 # (schedule, options, stages per rank, the schedule it saves memory on)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs = {}
     for name, options, chunks, _ in CASES:
-        spec = _spec_text(name, options)
+        spec = spec_text(name, options)
         schedule = jpipe.get_schedule(name, R, M, chunks if chunks > 1 else None, **options)
         model = models.make_stages(CONFIG, models.split_layers(CONFIG.num_layers, R * chunks))
         pipe = jpipe.Pipeline(model.stages, schedule, jpipe.make_mesh(R, 1), lowering=args.lowering)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             seconds[name].append(time.perf_counter() - start)
     rows = []
     for name, options, _, base in CASES:
-        name = _spec_text(name, options)
+        name = spec_text(name, options)
         med, base_med = statistics.median(seconds[name]), statistics.median(seconds[base])
         _, _, _, sim, lockstep = runs[name]
         _, _, _, base_sim, base_lockstep = runs[base]

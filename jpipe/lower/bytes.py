@@ -53,7 +53,7 @@ class RankBytes:
       working: the working memory of its largest piece, on top of its values
         while it runs.
       grads: its stages' gradients, a share of `params`, as the step returns
-        them (`jpipe.search.StageFigures.grad_output`); empty for none.
+        them (`jpipe.StageFigures.grad_output`); empty for none.
       overhead: each device's fixed memory (context, libraries, kernels);
         empty for none.
       tick_buffers: ``(residual, carry)`` bytes of the buffers a lock-step

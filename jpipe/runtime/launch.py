@@ -1,6 +1,6 @@
 """Starting N processes of one program on this machine, as on N hosts.
 
-`launch` runs the same command N times, each with the environment a
+`launch_local` runs the same command N times, each with the environment a
 multi-host job gives its processes (read by `jpipe.runtime.distributed.initialize_distributed`):
 ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES``
 and ``JAX_PROCESS_ID``; optionally N x K fake CPU devices

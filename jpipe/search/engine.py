@@ -122,7 +122,8 @@ def layout_kind(layout: str) -> LoweringKind:
     for kind in KINDS.values():
         if kind.layout == layout:
             return kind
-    raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    hint = " (the per-rank layout is called 'mpmd' now, as its lowering)" * (layout == "per_rank")
+    raise ValueError(f"memory layout {layout!r} is not one of {', '.join(LAYOUTS)}{hint}")
 
 
 STAGE_PROFILE_FORMAT = "jpipe-stages/1"
@@ -1334,7 +1335,7 @@ class Candidate:
         }
 
 
-def _spec_text(name: str, options: dict) -> str:
+def spec_text(name: str, options: dict) -> str:
     return name + (":" + ",".join(f"{k}={v!r}" for k, v in options.items()) if options else "")
 
 
@@ -1348,7 +1349,7 @@ def builtin_specs(num_ranks: int, num_microbatches: int) -> list[tuple[str, int]
             combos = [{**c, key: v} for c in combos for v in values]
         for chunks in chunk_counts:
             for options in combos:
-                out.append((_spec_text(name, options), chunks))
+                out.append((spec_text(name, options), chunks))
     return out
 
 

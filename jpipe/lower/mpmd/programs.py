@@ -279,7 +279,6 @@ class RankPrograms:
         self.order = issue_order(schedule)
         self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
         self.pieces = [self._stage_pieces(s) for s in range(S)]
-        self.compiles: int | None = None  # executables `compile` made (pieces alike share one)
         self._finish = [self._finish_grads(r) for r in range(R)]
         self._end_loss = self._finish_loss()
         self._zeros = [
@@ -565,15 +564,7 @@ class RankPrograms:
         return self.compiled
 
     def _compile_pieces(self, keys, batch) -> dict:
-        """``{(stage, kind): compiled}`` for these shapes; pieces alike compiled once.
-
-        Each piece is lowered, and pieces whose lowered programs are the same
-        text on the same rank (the middle stages of a rank holding several,
-        as in interleaved 1F1B or ZB-V) share one compiled executable: the
-        text holds every shape, sharding and donation, so the programs are
-        the same program. Their arguments may still be other pytrees (each
-        stage's buckets have its own names): `_Retreed` passes the leaves,
-        which the text says are alike in order.
+        """``{(stage, kind): compiled}`` for these shapes.
 
         One after another: compiling them in threads side by side measured no
         faster on XLA:CPU (Llama-3-70B widths, 8 blocks on pipe 8 x tensor 8:
@@ -581,20 +572,16 @@ class RankPrograms:
         already. A piece is compiled for its rank's devices, so stages alike
         on different ranks are compiled once each: a deserialized executable
         keeps the devices it was compiled for (jaxlib 0.10.2 and 0.12.1, even
-        with ``execution_devices``).
+        with ``execution_devices``). Stages alike on one rank are compiled
+        once each too: the same lowered text does not make two pieces the
+        same program, since jit leaves out the arguments a piece does not
+        read (an input gradient reads no bias) and, on jax 0.12, passes large
+        constants as arguments the text shows only by shape.
         """
-        compiled, by_text = {}, {}
-        for s, k in keys:
-            lowered = self.pieces[s][k].lower(*self._piece_args(s, k, batch))
-            same = (self.stage_to_rank[s], lowered.as_text())
-            if same not in by_text:
-                by_text[same] = lowered.compile()
-            shared = by_text[same]
-            if (shared.in_tree, shared.out_tree) != (lowered.in_tree, lowered.out_tree):
-                shared = _Retreed(shared, lowered.in_tree, lowered.out_tree)
-            compiled[s, k] = shared
-        self.compiles = len(by_text)
-        return compiled
+        return {
+            (s, k): self.pieces[s][k].lower(*self._piece_args(s, k, batch)).compile()
+            for s, k in keys
+        }
 
     # -- running -----------------------------------------------------------------
 
@@ -1038,26 +1025,6 @@ def _refuse_evictions_across_shapes(schedule, meshes) -> None:
                 f"shape ({dict(meshes[a.partner].shape)} against {dict(meshes[r].shape)}); "
                 "residuals are each device's own block, so evict to a rank of the same shape"
             )
-
-
-class _Retreed:
-    """A compiled program called with other pytrees of the same leaves: another stage's
-    piece whose lowered text is the same (`RankPrograms._compile_pieces`).
-
-    The leaves go in and come out in the order the shared program has them;
-    only the trees around them (the buckets' names) are this piece's own.
-    """
-
-    def __init__(self, compiled, in_tree, out_tree):
-        self.compiled, self.in_tree, self.out_tree = compiled, in_tree, out_tree
-
-    def __call__(self, *args):
-        leaves = self.in_tree.flatten_up_to((args, {}))
-        out = self.compiled(*jax.tree.unflatten(self.compiled.in_tree, leaves)[0])
-        return jax.tree.unflatten(self.out_tree, jax.tree.leaves(out))
-
-    def __getattr__(self, name):  # memory_analysis, cost_analysis, as_text: the program's own
-        return getattr(self.compiled, name)
 
 
 def _keep(values: dict, key, value) -> None:

@@ -68,7 +68,7 @@ table names at the start of the next tick, before anything reads.
   rank's count times the widest stage;
 - the gradient accumulator, laid out like the packed parameters.
 
-**Memory actions** (`jpipe.lower.spmd.ticks.Plan`'s `moves` and ``f_mode``): an FC
+**Memory actions** (`jpipe.lower.spmd.ticks.TickPlan`'s `moves` and ``f_mode``): an FC
 runs a branch of its class that writes no residuals, a recompute the F's
 own branch reading the FC's kept io slot; evictions and loads ride *lanes*,
 one `ppermute` each every tick outside any branch (`move_lanes`), written
@@ -651,7 +651,7 @@ class _StepBuilder:
     Built once per step: the kernels and their classes (`stage_classes`), the
     io widths, the value buffers (`_Arena`), the memory actions' lanes and
     host classes, the program's table and its columns. Its methods are the
-    pieces of `mpmd`, the body of the `jax.shard_map`: the io reads and
+    pieces of `per_rank`, the body of the `jax.shard_map`: the io reads and
     writes, each class's F, I and W branches, a tick's conditionals
     (`CONTROLS`), the memory actions' copies, the hand-overs between ranks,
     the tick itself, and the loss and gradients after the scan.
@@ -1102,7 +1102,7 @@ class _StepBuilder:
         return self.finish(loss, grads)
 
     def program(self):
-        """`mpmd` as a `jax.shard_map` over the whole mesh: ``(packed, batch_mb, table)``."""
+        """`per_rank` as a `jax.shard_map` over the whole mesh: ``(packed, batch_mb, table)``."""
         # Manual over every axis of the mesh: `pipe`, `data` (`build_step`), `fsdp`
         # by the gathers and scatters around each piece, model axes (`tensor`) by
         # the stage functions' own collectives. Left to the partitioner, an axis
