@@ -74,6 +74,7 @@ class RankBytes:
 
     def __post_init__(self):
         n = len(self.params)
+        object.__setattr__(self, "params", tuple(self.params))
         for name in ("values", "working", "grads", "overhead"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
@@ -81,9 +82,7 @@ class RankBytes:
                 raise ValueError(
                     f"{name} has {len(value)} entries and params {n}; give one per rank"
                 )
-        object.__setattr__(self, "params", tuple(self.params))
-        for name in ("values", "working"):
-            if len(getattr(self, name)) != n:
+            if not value and n and name in ("values", "working"):  # grads, overhead: optional
                 raise ValueError(f"{name} has no entry per rank (params has {n})")
 
     @property
