@@ -111,9 +111,15 @@ def test_compile_only_both_lowerings(lowering, monkeypatch, tmp_path):
     if lowering == "spmd":  # one row per device: 2 ranks x 2 data replicas
         assert [r["rank"] for r in rows] == [0, 0, 1, 1]
         assert len({r["device"] for r in rows}) == 4
+        assert report["rank_compile_seconds"] is None  # one program
     else:  # one row per rank, its two devices named together
         assert [r["rank"] for r in rows] == [0, 1]
         assert all(len(r["device"].split(",")) == 2 for r in rows)
+        # each rank's own pieces, timed: together within the step's whole compile
+        per_rank = report["rank_compile_seconds"]
+        assert len(per_rank) == 2 and all(t > 0 for t in per_rank)
+        assert sum(per_rank) <= report["compile_seconds"]
+        assert f"rank {per_rank.index(max(per_rank))}'s pieces" in lines[-2]
     for r in rows:
         assert r["arguments_bytes"] > 0 and r["temp_bytes"] > 0
         assert r["total_bytes"] >= r["arguments_bytes"] + r["temp_bytes"]

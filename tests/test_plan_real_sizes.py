@@ -181,6 +181,49 @@ def test_no_plan_fits_names_the_binding_device_once(llama):
     assert "\n" not in text
 
 
+def test_where_only_the_per_rank_layout_fits_the_error_names_its_plan(llama):
+    """At 21.5 GB an A100-40 cannot hold the SPMD program's fullest device (every device
+    holds the largest rank's terms: the first rank's embedding beside the last one's
+    head share), but the per-rank lowering's devices each hold their own rank's: the
+    error says so, with that plan's shape, bytes and time, which the per-rank plan
+    itself gives."""
+    small = dataclasses.replace(llama, memory=dict(llama.memory) | {"A100-40": 21.5e9})
+    small = dataclasses.replace(small, derived=set(), _links={})
+    with pytest.raises(NoPlanFits) as caught:
+        plan(small, [("A100-40", 16)], 256, top=1)
+    e = caught.value
+    own = plan(small, [("A100-40", 16)], 256, top=1, memory_layout="mpmd").best[0].evaluation
+    assert e.per_rank is not None and e.per_rank.step_seconds == own.step_seconds
+    assert e.per_rank.memory.fits("mpmd", 0.10) and not e.per_rank.memory.fits("spmd", 0.10)
+    text = str(e)
+    assert "under the per-rank lowering's layout (--memory-layout mpmd" in text
+    assert f"{own.memory.max_bytes('mpmd') / GIB:.3g} GiB on its fullest device" in text
+    assert e.to_json()["per_rank_plan"]["peak_bytes"] == own.memory.max_bytes("mpmd")
+    # where nothing fits under either layout, the error says nothing of the other
+    with pytest.raises(NoPlanFits) as caught:
+        plan(llama, [("A100-40", 4)], 256)
+    assert caught.value.per_rank is None and "per-rank" not in str(caught.value)
+
+
+def test_cli_names_a_faster_per_rank_plan(capsys, tmp_path):
+    """At 30 GB an A100-40's SPMD plans need full remat; the per-rank layout fits the
+    cheaper dots remat, a faster plan: the planner says so under the SPMD plans, and
+    not where the per-rank layout was asked for."""
+    argv = [*LLAMA, "--devices", "A100-40:16", "--memory", "A100-40:30e9", "--top", "1"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("the per-rank lowering"))
+    assert "with blockwise attention, dots remat" in line
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_rank, best = out["per_rank_plan"], out["plans"][0]
+    assert per_rank["memory_layout"] == "mpmd" and per_rank["remat"] == "dots"
+    assert per_rank["step_seconds"] < 0.99 * best["predicted_seconds"]
+    assert f"{best['predicted_seconds'] / per_rank['step_seconds'] - 1:.1%} faster" in line
+    assert main([*argv, "--memory-layout", "mpmd"]) == 0
+    assert "the per-rank lowering" not in capsys.readouterr().out
+
+
 def test_cli_json_answers_every_error_in_json(capsys):
     def run(*argv):
         assert main([*argv, "--json"]) == 2

@@ -394,6 +394,29 @@ def test_cli_exit_codes(capsys):
     assert "--batch" in capsys.readouterr().err
 
 
+def test_cli_names_the_per_rank_lowering_where_it_fits_or_is_faster(capsys):
+    """GPT-2 small on 4 ranks, M = 8: at 7 GiB nothing fits the SPMD program (every
+    device holds the largest rank's terms) and the per-rank lowering's best does; at
+    8 GiB it fits a faster schedule than the SPMD layout's; at 10 GiB both layouts'
+    best is the same and nothing is said. The line names what an mpmd search gives."""
+    flags = ["--profile", "gpt2_small", "-r", "4", "-m", "8", "--no-local"]
+    profile = jpipe.load_stage_profile("gpt2_small")
+    for budget, code, what in ((7, 1, "fits where nothing fits"), (8, 0, "faster")):
+        own = jpipe.search_schedule(profile, 4, 8, budget * 2**30, layout="mpmd", local=False)
+        assert search_cli.main(flags + ["--budget", f"{budget}GiB"]) == code
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("under the per-rank"))
+        assert what in line and own.winner.label in line and f"step {own.winner.time:.4g}" in line
+        assert search_cli.main(flags + ["--budget", f"{budget}GiB", "--json"]) == code
+        d = json.loads(capsys.readouterr().out)
+        assert d["per_rank"] == json.loads(json.dumps(own.winner.to_json())) and d["per_rank"]["fits"]
+        assert (d["winner"] is None) == (code == 1)
+    assert search_cli.main(flags + ["--budget", "10GiB"]) == 0
+    assert "per-rank" not in capsys.readouterr().out
+    assert search_cli.main(flags + ["--budget", "8GiB", "--layout", "mpmd"]) == 0
+    assert "under the per-rank" not in capsys.readouterr().out
+
+
 def test_cli_reads_per_stage_lists_and_units():
     fig = search_cli.figures_from_flags("F=1/1/1/2,comm=0.1/0.1/0.1", "activation=1GiB/1/1/1")
     assert fig.num_stages == 4 and fig.costs.F == (1, 1, 1, 2)

@@ -867,6 +867,7 @@ class NoPlanFits(ValueError):
     def __init__(self, message: str, miss=None, sequence_length=None, tried=()):
         super().__init__(message)
         self.miss, self.sequence_length, self.tried = miss, sequence_length, tuple(tried)
+        self.per_rank = None  # the best plan under the mpmd layout, where one fits there
 
     def to_json(self) -> dict:
         """The error as the command line's ``--json`` gives it."""
@@ -883,12 +884,20 @@ class NoPlanFits(ValueError):
                 "parts": m.device.parts,
                 "sequence_length": self.sequence_length,
                 "microbatch_size": m.plan.microbatch_size,
-                "shape": _describe(m.plan),
+                "shape": describe_shape(m.plan),
                 "stage_layers": [list(x) for x in m.plan.stage_layers],
                 **(m.choice.to_json() if m.choice is not None else {}),
             }
         if self.tried:
             out["tried"] = [c.to_json() for c in self.tried if c is not None]
+        if self.per_rank is not None:
+            ev = self.per_rank
+            out["per_rank_plan"] = {
+                "shape": describe_shape(ev.plan),
+                "memory_layout": "mpmd",
+                "peak_bytes": ev.memory.max_bytes("mpmd"),
+                "step_seconds": ev.step_seconds,
+            }
         return out
 
 
@@ -1168,7 +1177,39 @@ def plan(
         return dataclasses.replace(
             result, memory_choice=choice, tried=tuple(c for c, _ in failed), profile=adjusted
         )
-    raise _no_plan_fits(profile, devices, global_batch, failed, kwargs)
+    error = _no_plan_fits(profile, devices, global_batch, failed, kwargs)
+    if layout_kind(memory_layout).every_device_holds_busiest and error.miss is not None:
+        error = _per_rank_advice(error, profile, devices, global_batch, attention, remat, kwargs)
+    raise error
+
+
+PER_RANK_ADVICE = 1.10
+"""Where the SPMD layout's fullest device holds more than this times the per-rank
+lowering's, a plan names the per-rank lowering and its figure (issue 35: the one
+program sizes every device for the largest rank)."""
+
+
+def _per_rank_advice(error, profile, devices, global_batch, attention, remat, kwargs):
+    """`error` (nothing fits under the SPMD layout), saying what fits under the per-rank
+    lowering's layout, where something does."""
+    try:
+        other = plan(
+            profile, devices, global_batch, attention=attention, remat=remat,
+            **(kwargs | {"memory_layout": "mpmd", "top": 1}),
+        )  # fmt: skip
+    except NoPlanFits:
+        return error
+    ev = other.best[0].evaluation
+    choice = f", with {other.memory_choice}" if other.memory_choice is not None else ""
+    text = (
+        f"{error}; under the per-rank lowering's layout (--memory-layout mpmd, "
+        f"lowering='mpmd': each device holds its own rank's) {describe_shape(ev.plan)} fits, "
+        f"{gib(ev.memory.max_bytes('mpmd'))} on its fullest device, "
+        f"{ev.step_seconds:.4g} s per step{choice}"
+    )
+    out = NoPlanFits(text, error.miss, error.sequence_length, error.tried)
+    out.per_rank = ev
+    return out
 
 
 def _no_plan_fits(profile, devices, global_batch, failed, kwargs) -> NoPlanFits:
@@ -1191,7 +1232,7 @@ def _no_plan_fits(profile, devices, global_batch, failed, kwargs) -> NoPlanFits:
     where = f"rank {dev.rank}" + (f" replica {dev.replica}" if m.plan.data > 1 else "")
     B = m.plan.microbatch_size
     text = (
-        f"no plan fits: out of memory: the closest shape, {_describe(m.plan)}, needs "
+        f"no plan fits: out of memory: the closest shape, {describe_shape(m.plan)}, needs "
         f"{gib(m.needed_bytes)} on the {dev.kind} of {where} ({parts} GiB), which has "
         f"{gib(dev.memory_bytes)}, {gib(m.available_bytes)} of it usable "
         f"({dev.usable_bytes / dev.memory_bytes:.2f} usable x {1 - margin:.2f} margin): "
@@ -1493,11 +1534,11 @@ class _ShapeSearch:
                 self.searched,
             )  # fmt: skip
         except ValueError as e:
-            self.skipped.append(f"{_describe(shape)}: {e}")
+            self.skipped.append(f"{describe_shape(shape)}: {e}")
             return None
         why_not = _evicts_across_degrees(schedule, shape.ranks)
         if why_not:  # the search was told so; kept as a check
-            self.skipped.append(f"{_describe(shape)}: {why_not}")
+            self.skipped.append(f"{describe_shape(shape)}: {why_not}")
             return None
         self.chosen[candidate] = why
         return candidate, schedule
@@ -1538,7 +1579,7 @@ class _ShapeSearch:
             simulated += 1
             if not ev.memory.fits(self.memory_layout, self.memory_margin):
                 self.skipped.append(
-                    f"{_describe(candidate)}: out of memory, "
+                    f"{describe_shape(candidate)}: out of memory, "
                     + ev.memory.why(self.memory_layout, self.memory_margin)
                 )
                 self.too_big.append(_miss(candidate, ev.memory, self.memory_margin))
@@ -1878,7 +1919,8 @@ def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> f
     return busiest
 
 
-def _describe(p: ClusterPlan) -> str:
+def describe_shape(p: ClusterPlan) -> str:
+    """A plan's shape in one line: ``pp=2 dp=1 tp=8 B=1 M=256 1f1b ranks=A100-40,A100-40``."""
     kinds = [p.ranks[r][0].kind for r in range(p.pipe)]
     tp = p.tensor_parallel if p.uniform_tensor else "/".join(map(str, p.tensor_per_rank))
     return (
@@ -1899,7 +1941,7 @@ def _reasons(
     s = max(range(len(ev.stage_seconds)), key=lambda k: ev.stage_seconds[k])
     dev = p.ranks[ev.simulation.schedule.stage_to_rank[s]][0].kind
     out = [
-        f"{_describe(p)}: {ev.step_seconds:.4g} s per step = pipeline {ev.pipeline_seconds:.4g} s "
+        f"{describe_shape(p)}: {ev.step_seconds:.4g} s per step = pipeline {ev.pipeline_seconds:.4g} s "
         f"+ all-reduce {max(ev.allreduce_seconds):.3g} s + update {max(ev.update_seconds):.3g} s",
         f"bottleneck stage {s} ({len(p.stage_layers[s])} layers"
         + f" on {dev}"
@@ -1909,6 +1951,14 @@ def _reasons(
         f"({(ev.closed_form_seconds / ev.step_seconds - 1) * 100:+.1f}% vs simulated)",
         ev.memory.why(p.memory_layout, memory_margin),
     ]
+    if layout_kind(p.memory_layout).every_device_holds_busiest and p.uniform_tensor:
+        held, own = ev.memory.max_bytes("spmd"), ev.memory.max_bytes("mpmd")
+        if held > PER_RANK_ADVICE * own:
+            out.append(
+                f"the per-rank lowering (--memory-layout mpmd, lowering='mpmd') would hold "
+                f"{gib(own)} on its fullest device, where every device of the one program "
+                f"holds the largest rank's terms, {gib(held)} ({held / own:.2f}x)"
+            )
     if not p.uniform_tensor:
         out.append(
             f"tensor degree per rank {list(p.tensor_per_rank)}: one mesh per rank, "

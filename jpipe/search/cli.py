@@ -261,20 +261,44 @@ def _run(args):
     if batch is None and len(Ms) > 1:
         batch = Ms[0] * figures.microbatch_size
     log = (lambda line: print(line, file=sys.stderr)) if not args.json else None
-    return search_schedule(
-        figures,
-        args.ranks,
-        Ms,
-        parse_bytes(args.budget),
-        layout=args.layout,
-        schedules=_schedules(args.schedules),
-        local=not args.no_local,
-        batch=batch,
-        margin=args.margin,
-        max_simulations=args.max_simulations,
-        max_seconds=args.max_seconds,
-        log=log,
-    ), figures
+
+    def search(layout, local, log):
+        return search_schedule(
+            figures,
+            args.ranks,
+            Ms,
+            parse_bytes(args.budget),
+            layout=layout,
+            schedules=_schedules(args.schedules),
+            local=local,
+            batch=batch,
+            margin=args.margin,
+            max_simulations=args.max_simulations,
+            max_seconds=args.max_seconds,
+            log=log,
+        )
+
+    result = search(args.layout, not args.no_local, log)
+    return result, figures, _per_rank_instead(result, search, local=not args.no_local)
+
+
+PER_RANK_FASTER = 0.01
+"""The least share faster the per-rank lowering's best must be for the search to name it."""
+
+
+def _per_rank_instead(result, search, local: bool):
+    """Under the SPMD layout, the per-rank lowering's best where it is what fits, or
+    faster (every device of the one program holds the largest rank's terms): the
+    mpmd search over the same schedules, its built-ins alone where the SPMD layout
+    fitted something (a bound: the local search could only add to it), or None."""
+    if not layout_kind(result.layout).every_device_holds_busiest:
+        return None
+    other = search("mpmd", local and result.winner is None, None).winner
+    if other is None:
+        return None
+    if result.winner is not None and other.time >= result.winner.time * (1 - PER_RANK_FASTER):
+        return None
+    return other
 
 
 def _table(result, top: int) -> list[str]:
@@ -307,6 +331,22 @@ def _winner_bytes(w) -> list[str]:
     return lines
 
 
+def _per_rank_line(result, per_rank) -> str:
+    """One line naming the per-rank lowering's best (`_per_rank_instead`), or ""."""
+    if per_rank is None:
+        return ""
+    what = (
+        "fits where nothing fits the one program"
+        if result.winner is None
+        else f"is {result.winner.time / per_rank.time - 1:.1%} faster"
+    )
+    return (
+        f"under the per-rank lowering (--layout mpmd, lowering='mpmd': each device holds "
+        f"its own rank's) {per_rank.label} {what}: step {per_rank.time:.4g}, "
+        f"{format_bytes(per_rank.memory.most)} on its fullest device"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0; 1 if nothing fits; 2 on an error)."""
     try:
@@ -314,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
-        result, figures = _run(args)
+        result, figures, per_rank = _run(args)
         w = result.winner
         written = []
         if w is not None:
@@ -328,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    advice = _per_rank_line(result, per_rank)
     if args.json:
         print(json.dumps({"figures": getattr(figures, "model", figures.source),
                           "warnings": list(getattr(figures, "warnings", ())),
-                          **result.to_json()}))  # fmt: skip
+                          **result.to_json(),
+                          **({"per_rank": per_rank.to_json()} if per_rank else {})}))  # fmt: skip
     else:
         print(
             f"{result.simulated} schedules simulated in {result.seconds:.1f} s; budget "
@@ -349,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(_table(result, args.top)))
         if result.skipped:
             print(f"\n{len(result.skipped)} not simulated or not searched (--json lists why)")
+        if advice:
+            print(f"\n{advice}")
     for path in written:
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0 if w is not None else 1

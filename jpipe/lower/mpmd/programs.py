@@ -321,6 +321,8 @@ class RankPrograms:
             for r in range(R)
         ]
         self.compiled: list = []
+        # seconds to lower and compile each piece, ``{(stage, kind): seconds}``
+        self.compile_seconds: dict[tuple[int, str], float] = {}
         self.last_run: dict = {}
 
     # -- the programs ------------------------------------------------------------
@@ -578,10 +580,21 @@ class RankPrograms:
         read (an input gradient reads no bias) and, on jax 0.12, passes large
         constants as arguments the text shows only by shape.
         """
-        return {
-            (s, k): self.pieces[s][k].lower(*self._piece_args(s, k, batch)).compile()
-            for s, k in keys
-        }
+        out = {}
+        for s, k in keys:
+            start = time.perf_counter()
+            out[s, k] = self.pieces[s][k].lower(*self._piece_args(s, k, batch)).compile()
+            self.compile_seconds[s, k] = time.perf_counter() - start
+        return out
+
+    def rank_compile_seconds(self) -> list[float | None]:
+        """Per rank, the seconds its pieces took to lower and compile (None for another
+        process's rank): what each process compiles where every rank has its own."""
+        out: list[float | None] = [None] * self.num_ranks
+        for (s, _), seconds in self.compile_seconds.items():
+            r = self.stage_to_rank[s]
+            out[r] = (out[r] or 0.0) + seconds
+        return out
 
     # -- running -----------------------------------------------------------------
 
