@@ -45,13 +45,13 @@ Printed: a table (stdout), then, as the last line of stdout, one JSON object::
   optimizer state's share), and each stage's largest piece's working memory
   (its F, I and W compiled alone, their temp and outputs, plus the
   activation in and out; under the per-rank lowering, its pieces as
-  compiled). No gradient output beside the accumulator (the search's
-  ``grad_output``): the train step feeds its gradients to the optimizer's
-  update inside the same program, which writes the donated state in place,
-  so no step output holds them (Llama-3-8B, SPMD: counting them put the
-  prediction 10.8% over the compiled bytes). Known to leave out what the model does not count: the padding
-  rows of the packed buckets (every device holds the fullest rank's arrays),
-  the batch. None (JSON null), with the reason on stderr, where the figures
+  compiled). Under SPMD no gradient output beside the accumulator (the
+  search's ``grad_output``): the train step feeds its gradients to the
+  optimizer's update inside the same program, which writes the donated
+  state in place, so no output of the step holds them (counting them put
+  Llama-3-8B's prediction 10.8% over the compiled bytes). Known to leave
+  out what the model does not count: the padding rows of the packed
+  buckets (every device holds the fullest rank's arrays), the batch. None (JSON null), with the reason on stderr, where the figures
   cannot be made (a model whose pieces do not compile alone) or with
   ``config.compile_only_predict=False`` (under SPMD the pieces compiled
   alone take about as long again as the step).
