@@ -454,3 +454,39 @@ def test_per_rank_local_search_counts_each_ranks_own_room():
     assert not any("no local search" in line for line in found.skipped), found.skipped
     assert found.winner is not None and found.winner.fits
     assert found.winner.memory.most <= 20
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "1f1b", "zbv"])
+def test_per_rank_bytes_add_each_pieces_own_working_memory(name):
+    """With working memory per kind of piece, the per-rank model holds on each rank the
+    most of (values held when a piece starts + that piece's own working memory) and its
+    peak of values: a walk of each rank's list gives the same, and never more than
+    the largest working memory on top of the peak (what it counts without them). The
+    SPMD model sizes its working memory once, so it does not change."""
+    S = 8 if name == "zbv" else 4
+    schedule = jpipe.get_schedule(name, 4, 8)
+    act, carry = 1.0, 3.0
+    by_kind = [{"F": 2.0 + s, "I": 5.0 + s, "W": 1.0, "B": 6.0} for s in range(S)]
+    base = StageFigures(
+        jpipe.Costs(F=1, I=1, W=1, B=2),
+        jpipe.Sizes(activation=act, carry=carry, params=[10.0] * S),
+        working=[max(k.values()) for k in by_kind],
+        num_stages=S,
+    )
+    figures = dataclasses.replace(base, working_by_kind=by_kind)
+    sim = jpipe.simulate(schedule, figures.costs)
+    with_kinds, without = device_bytes(sim, figures, "mpmd"), device_bytes(sim, base, "mpmd")
+    for r in range(4):
+        held = peak = busy = 0.0
+        for a in schedule.ranks[r]:
+            busy = max(busy, held + by_kind[a.stage][a.kind])
+            held += {"F": act, "I": carry, "W": -act - carry, "B": -act}[a.kind]
+            peak = max(peak, held)
+        params = with_kinds.device[r] - max(peak, busy)
+        assert params == pytest.approx(without.device[r] - peak - without.working[r])
+        assert with_kinds.values[r] == pytest.approx(peak)
+        assert with_kinds.device[r] <= without.device[r] + 1e-9
+    if name == "zb_h1":  # a rank whose largest piece (an I) does not run at its peak
+        assert with_kinds.most < without.most
+    spmd = device_bytes(sim, figures, "spmd"), device_bytes(sim, base, "spmd")
+    assert spmd[0].device == spmd[1].device

@@ -62,6 +62,11 @@ class RankBytes:
       packed_everywhere: every rank holds the packed parameters and the
         optimizer state built on them whole (the per-rank lowering on one
         mesh), not its own stages' alone (one mesh per rank).
+      busy: where known, the most it holds while a piece runs: the values
+        held when each piece starts plus that piece's own working memory
+        (or its peak of values, where more), in place of `values` plus the
+        largest `working` where a model holds working memory only while a
+        piece runs (the per-rank one); empty for not known.
     """
 
     params: tuple[float, ...]
@@ -71,18 +76,19 @@ class RankBytes:
     overhead: tuple[float, ...] = ()
     tick_buffers: tuple[float, float] | None = None
     packed_everywhere: bool = False
+    busy: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.params)
         object.__setattr__(self, "params", tuple(self.params))
-        for name in ("values", "working", "grads", "overhead"):
+        for name in ("values", "working", "grads", "overhead", "busy"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
             if value and len(value) != n:
                 raise ValueError(
                     f"{name} has {len(value)} entries and params {n}; give one per rank"
                 )
-            if not value and n and name in ("values", "working"):  # grads, overhead: optional
+            if not value and n and name in ("values", "working"):  # the others: optional
                 raise ValueError(f"{name} has no entry per rank (params has {n})")
 
     @property

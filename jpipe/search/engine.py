@@ -89,7 +89,7 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from jpipe.lower.bytes import HeldBytes, RankBytes
@@ -190,6 +190,13 @@ class StageFigures:
         beside the accumulator that ``params`` counts (one more copy of the
         gradients on every device under ``"spmd"``; the per-rank lowering
         accumulates in place).
+      working_by_kind: where known, each stage's working memory per kind of
+        piece (``{"F": ..., "I": ..., "W": ..., "B": ...}``, one dict per
+        stage; `working` for a kind not given). The per-rank lowering's
+        model then adds to the values a rank holds when each piece starts
+        that piece's own working memory, as the rank's account does, rather
+        than its largest piece's to its peak of values (`jpipe.lower.bytes`).
+        The SPMD program sizes its working memory once for every piece.
       num_stages: the number of stages these figures are for; `None` when
         every value is one number, which then stands for one rank's share of
         the model at one stage per rank: a schedule with V stages per rank
@@ -204,8 +211,21 @@ class StageFigures:
     grad_output: float | tuple[float, ...] = 0.0
     num_stages: int | None = None
     source: str = ""
+    working_by_kind: tuple[Mapping[str, float], ...] | None = None
 
     def __post_init__(self):
+        if self.working_by_kind is not None:
+            kinds = tuple(dict(k) for k in self.working_by_kind)
+            object.__setattr__(self, "working_by_kind", kinds)
+            if self.num_stages is None or len(kinds) != self.num_stages:
+                raise ValueError(
+                    f"working_by_kind has {len(kinds)} entries; give one per stage "
+                    f"(num_stages={self.num_stages})"
+                )
+            for k in kinds:
+                for v in k.values():
+                    if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                        raise ValueError(f"working_by_kind bytes must be finite and non-negative, got {v!r}")
         for name in ("working", "grad_output"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -266,9 +286,13 @@ class StageFigures:
         keys = [k for k in Sizes._KEYS if params or k != "params"]
         sizes = dataclasses.replace(self.sizes, **{k: times(getattr(self.sizes, k)) for k in keys})
         grads = times(self.grad_output) if params else self.grad_output
+        by_kind = self.working_by_kind
+        if by_kind is not None:
+            by_kind = tuple({k: v * factor for k, v in d.items()} for d in by_kind)
         return dataclasses.replace(
-            self, costs=costs, sizes=sizes, working=times(self.working), grad_output=grads
-        )
+            self, costs=costs, sizes=sizes, working=times(self.working), grad_output=grads,
+            working_by_kind=by_kind,
+        )  # fmt: skip
 
     def working_table(self, num_stages: int) -> tuple[float, ...]:
         return _table(self.working, num_stages)
@@ -1115,7 +1139,7 @@ def _rank_figures(schedule: Schedule, figures: StageFigures):
     return own, grads, working
 
 
-def _need(ranks, values: Sequence[float], buffers=None) -> RankBytes:
+def _need(ranks, values: Sequence[float], buffers=None, busy=()) -> RankBytes:
     """What each rank needs (`_rank_figures`, and its live `values`), for a byte model.
 
     The search's pipelines run on one mesh, so under the per-rank lowering every rank
@@ -1125,7 +1149,7 @@ def _need(ranks, values: Sequence[float], buffers=None) -> RankBytes:
     own, grads, working = ranks
     return RankBytes(
         params=own, values=values, working=working, grads=grads, tick_buffers=buffers,
-        packed_everywhere=True,
+        packed_everywhere=True, busy=busy,
     )  # fmt: skip
 
 
@@ -1155,12 +1179,55 @@ def _curves(sim: Simulation, figures: StageFigures):
     busy link or copy engine starts it; its source is still freed when it
     lands. `key` is the `(stage, microbatch)` whose bytes changed.
     """
-    schedule = sim.schedule
-    S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
-    size = figures.sizes.table(S)
-    rows = analyze(schedule).rows  # validated already (simulated)
+    rows, _, events = _events(sim, figures)
+    curves = []
+    for row in events:
+        live, curve = 0.0, []
+        add = curve.append
+        for when, delta, (r, i) in row:
+            live += delta
+            a = rows[r][i]
+            add((when[0], live, (a.stage, a.microbatch)))
+        curves.append(curve)
+    return curves
+
+
+# The actions that run a piece of the stage (the others move or drop values).
+_PIECES = frozenset(("F", "FC", "B", "I", "W", "RECOMPUTE"))
+
+
+def _busy(sim: Simulation, figures: StageFigures) -> list[float]:
+    """Per rank, the most it holds while a piece runs: the live values when each piece
+    starts (its own takes not yet counted) plus that piece's working memory
+    (`StageFigures.working_by_kind`, the stage's `working` for a kind it lacks), or its
+    peak of live values where that is more. What the per-rank lowering's account
+    counts (`jpipe.RankPrograms.account`)."""
+    rows, starts, events = _events(sim, figures)
+    S = sim.schedule.num_stages
+    by_kind, working = figures.working_by_kind, figures.working_table(S)
+    out = []
+    for r, row in enumerate(events):
+        # at a piece's start, before its own takes (`_live_events` keys a start (t, 1, i, 0))
+        probes = [((starts[r][i], 1, i, -1), a) for i, a in enumerate(rows[r]) if a.kind in _PIECES]
+        merged = sorted([(k, d, None) for k, d, _ in row] + [(k, 0.0, a) for k, a in probes],
+                        key=operator.itemgetter(0))  # fmt: skip
+        live = most = 0.0
+        for _, delta, a in merged:
+            if a is None:
+                live += delta
+                most = max(most, live)
+            else:
+                kinds = by_kind[a.stage] if by_kind is not None else {}
+                most = max(most, live + kinds.get(a.kind, working[a.stage]))
+        out.append(most)
+    return out
+
+
+def _starts_of(sim: Simulation, rows):
+    """Each action's start as the live events take it: a transfer that takes its buffer
+    at issue starts when the rank reaches it (`_curves`)."""
     starts = sim.starts
-    if schedule.has_memory_actions:
+    if sim.schedule.has_memory_actions:
         first = min((min(row) for row in sim.starts if row), default=0.0)
         starts = []
         for r, row in enumerate(rows):
@@ -1172,20 +1239,22 @@ def _curves(sim: Simulation, figures: StageFigures):
                 elif kind in _MOVES_ON:
                     issued = ends[i]  # the rank moves on when these end
             starts.append(out)
+    return starts
+
+
+def _events(sim: Simulation, figures: StageFigures):
+    """The schedule's rows, each action's start as the events take it, and per rank its
+    changes of live bytes in order (`_curves`)."""
+    schedule = sim.schedule
+    S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    size = figures.sizes.table(S)
+    rows = analyze(schedule).rows  # validated already (simulated)
+    starts = _starts_of(sim, rows)
     events = _live_events(
         rows, starts, sim.ends, starts, S, M, R,
         size["activation"], size["input"], size["carry"],
     )  # fmt: skip
-    curves = []
-    for row in events:
-        live, curve = 0.0, []
-        add = curve.append
-        for when, delta, (r, i) in row:
-            live += delta
-            a = rows[r][i]
-            add((when[0], live, (a.stage, a.microbatch)))
-        curves.append(curve)
-    return curves
+    return rows, starts, events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1253,7 +1322,8 @@ def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
     model = layout_kind(layout).byte_model()
     size = figures.sizes.table(schedule.num_stages)
     buffers = model.buffers(schedule, size["activation"], size["carry"])
-    held = model.device_bytes(_need(ranks, values, buffers))
+    busy = _busy(sim, figures) if figures.working_by_kind is not None else ()
+    held = model.device_bytes(_need(ranks, values, buffers, busy))
     return DeviceBytes(
         layout, tuple(h.params for h in held), values, tuple(ranks[2]),
         tuple(h.total for h in held), max(h.grad_output for h in held), buffers, held,

@@ -44,8 +44,9 @@ Printed: a table (stdout), then, as the last line of stdout, one JSON object::
   parameters' bytes per device times (weights, gradient accumulator, the
   optimizer state's share), and each stage's largest piece's working memory
   (its F, I and W compiled alone, their temp and outputs, plus the
-  activation in and out; under the per-rank lowering, its pieces as
-  compiled). Under SPMD no gradient output beside the accumulator (the
+  activation in and out; under the per-rank lowering, each of its pieces as
+  compiled, added to the values a rank holds when that piece starts:
+  `StageFigures.working_by_kind`). Under SPMD no gradient output beside the accumulator (the
   search's ``grad_output``): the train step feeds its gradients to the
   optimizer's update inside the same program, which writes the donated
   state in place, so no output of the step holds them (counting them put
@@ -482,8 +483,10 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
     out = [_nbytes(jax.tree.leaves(k.y)) for k in kernels]
     ins = [_nbytes(jax.tree.leaves(k.x)) if k.has_x else 0 for k in kernels]
     one_program = pipeline.lowering_kind.one_program
+    by_kind = None
     if not one_program:  # each piece a program: measure each
-        working = _compiled_working(pipeline.rank_programs(keyed), out, ins)
+        by_kind = _compiled_working(pipeline.rank_programs(keyed), out, ins)
+        working = [max(k.values(), default=0) for k in by_kind]
     else:
         log("compile-only: jpipe's byte model: compiling each stage's pieces alone ...")
         working = _spmd_working(pipeline, kernels, pipeline.program(keyed).classes, out, ins, log)
@@ -500,6 +503,7 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
         # packed parameters that is its own (`RankBytes.packed_everywhere`).
         grad_output=0.0 if one_program else tuple(float(w) for w in weights),
         num_stages=S,
+        working_by_kind=by_kind,
     )
     sim = jpipe.simulate(schedule)
     layout_name = pipeline.lowering_kind.layout
@@ -512,22 +516,22 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
     return predicted.device
 
 
-def _compiled_working(programs, out, ins) -> list[int]:
-    """Per stage, its largest issued piece's working memory, plus its activation in and out.
+def _compiled_working(programs, out, ins) -> list[dict[str, int]]:
+    """Per stage, each issued piece's working memory, plus the activation in and out.
 
-    Per action the schedule issues, as the rank's account counts it: a B
-    issued as its I and its W holds the I-to-W carry beside the W
+    Per kind of action the schedule issues, as the rank's account counts it:
+    a B issued as its I and its W holds the I-to-W carry beside the W
     (`RankPrograms.piece_working_bytes`).
     """
     issued = [set() for _ in programs.compiled]
     for _, a in programs.order:
         issued[a.stage].add(a.kind)
-    working = []
-    for s, pieces in enumerate(programs.compiled):
-        kinds = issued[s] if pieces else ()
-        most = max((programs.piece_working_bytes(s, k) for k in kinds), default=0)
-        working.append(most + out[s] + ins[s])
-    return working
+    return [
+        {k: programs.piece_working_bytes(s, k) + out[s] + ins[s] for k in sorted(issued[s])}
+        if pieces
+        else {}
+        for s, pieces in enumerate(programs.compiled)
+    ]
 
 
 def _spmd_working(pipeline, kernels, classes, out, ins, log) -> list[int]:
