@@ -2,10 +2,15 @@
 
 Fake CPU devices in one process share the host's cores, so they cannot show a
 pipeline's overlap. Separate processes with one XLA thread each
-(``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``), one
-device each, joined by `jax.distributed` over loopback (gloo), are the
-closest this machine gets to separate accelerators: each has its own core,
-and a transfer goes through the network stack, as between hosts.
+(``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``),
+each pinned to a core of its own (`jpipe.launch_local`'s ``one_thread``:
+XLA:CPU sizes its thread pools by the cores a process may use, so without
+the pin each ran four busy threads), one device each, joined by
+`jax.distributed` over loopback (gloo), are the closest this machine gets
+to separate accelerators: each computes on its own core, and a transfer
+goes through the network stack, as between hosts. The process's host
+thread and its transfer threads share that core too, which a host of
+accelerators does not make them do.
 
 ``python -m bench.multiprocess`` starts 2 such processes (`jpipe.launch`)
 and times, on the same model and global batch, in the same rounds
@@ -35,7 +40,9 @@ use the measured pieces and transfer: ``sim ideal`` is
 ``jpipe.simulate(schedule, Costs(F, I, W, B, comm=transfer))`` (ranks that
 overlap perfectly; for the per-rank rows with that lowering's own compiled
 F, I and W, each timed as M calls issued back to back as a step issues
-them, B = I + W, as they run it, and the transfer API's time); ``sim
+them, B = I + W, as they run it; the ppermutes' transfer time for both,
+since with one core a process the transfer API's ping-pong times a
+thread's wake-up more than the link); ``sim
 lock-step`` is the program jpipe compiles, ``plan.predicted_time(costs)``
 plus one transfer per channel per tick (every
 tick ends in its `ppermute`s). For the per-rank rows the host's own cost is
@@ -347,10 +354,14 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     api = med(multi["transfer_api"]["times"])
     c = jpipe.Costs(F=costs["F"], I=costs["I"], W=costs["W"], B=costs["B"], comm=transfer)
     # The per-rank lowering runs its own pieces (F, I and W as it compiled them, timed in the
-    # same rounds), issues a B as its I and then its W, and sends with the transfer API.
+    # same rounds) and issues a B as its I and then its W. Its ideal takes the link's cost
+    # as the ppermutes measure it, as the SPMD rows' does: with one core a process, the
+    # transfer API's ping-pong measures how soon a thread sharing its core with a busy one
+    # wakes (25 to 95 ms a transfer, where a whole step of 17 transfers took 380 ms), not
+    # what a transfer costs inside a step.
     own = multi["per_rank_costs"]
     i_then_w = [i + w for i, w in zip(own["I"], own["W"])]
-    c_per_rank = jpipe.Costs(F=own["F"], I=own["I"], W=own["W"], B=i_then_w, comm=api)
+    c_per_rank = jpipe.Costs(F=own["F"], I=own["I"], W=own["W"], B=i_then_w, comm=transfer)
     base = multi["rows"]["one"]
     base_med, base_best = med(base["times"]), min(base["times"])
     dp = multi["rows"]["data parallel"]
