@@ -49,14 +49,19 @@ def test_figures_refuse_lists_of_the_wrong_length_and_scale_for_chunks():
 
 
 @pytest.mark.parametrize("kind", jpipe.MEMORY_KINDS)
-def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
-    """The switch is the lowering's refusal: a kind counts exactly when make_tick_plan takes it."""
+def test_what_each_lowering_declares_it_runs_is_what_its_pass_takes(kind):
+    """`LoweringKind.memory_actions` against the lowerings' own passes: the SPMD
+    lowering's first pass (`make_tick_plan`) takes a schedule with the kind exactly when
+    the SPMD kind declares it; the per-rank lowering runs every kind (its op list,
+    tests/test_mpmd.py and the memory-action tests run each) and declares every one."""
     assert lowering_runs("mpmd", kind)
+    seen = False
     for name, options in (("1f1b_recompute", {"k": 1}), ("1f1b_bpipe", {}),
                           ("zb_h1_offload", {})):  # fmt: skip
         schedule = jpipe.get_schedule(name, 4, 8, **options)
         if kind not in {a.kind for _, _, a in schedule.all_actions()}:
             continue
+        seen = True
         try:
             make_tick_plan(schedule)
             accepted = True
@@ -64,6 +69,9 @@ def test_what_the_spmd_lowering_runs_is_its_own_answer(kind):
             accepted = False
         assert lowering_runs("spmd", kind) == accepted
         assert runs_schedule("spmd", schedule) == accepted
+    assert seen, f"no built-in here has {kind}: add one that does"
+    with pytest.raises(ValueError, match="is not a memory action"):
+        lowering_runs("spmd", "F")
 
 
 @pytest.mark.slow

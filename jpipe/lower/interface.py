@@ -24,9 +24,9 @@ report ask its byte model (`LoweringKind.byte_model`, the contract in
 `jpipe.lower.bytes`) what a device holds of what the simulator says each
 rank needs. A third lowering is one more `LoweringKind` in `KINDS`, one
 more `Lowering` subclass and one more byte model; `Pipeline` and the
-trainer do not change. What is not yet shared: which memory actions a
-lowering that does not run them all takes is asked of the SPMD tick plan
-(`jpipe.search.engine.lowering_runs`).
+trainer do not change. Which memory actions a lowering runs is declared
+here too (`LoweringKind.memory_actions`), and a test holds each declaration
+to what the lowering's own pass accepts (tests/test_schedule_search.py).
 
 This module imports no JAX, so the pure-Python layers (the search and the
 planner) read it freely.
@@ -38,6 +38,8 @@ import abc
 import dataclasses
 import importlib
 from typing import Any
+
+from jpipe.schedule.actions import MEMORY_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +60,9 @@ class LoweringKind:
         needs (one program, one buffer of each kind), rather than its own
         rank's need: the rule its byte model (`byte_model`) applies, which
         reports read to say how a device's terms were counted.
-      runs_all_memory_actions: runs every kind of memory action (offload,
-        reload, ...) a valid schedule holds; otherwise the search asks the
-        SPMD tick plan which kinds it lays out
+      memory_actions: the kinds of memory action (`jpipe.MEMORY_KINDS`:
+        recompute, evict, offload, ...) it runs; the schedule search and
+        the planner take candidates with these only
         (`jpipe.search.engine.lowering_runs`).
       runtime: ``"module:Class"`` of its `Lowering`, imported when a
         `Pipeline` is built (so this module needs no JAX).
@@ -75,7 +77,7 @@ class LoweringKind:
     one_program: bool
     meshes_per_rank: bool
     every_device_holds_busiest: bool
-    runs_all_memory_actions: bool
+    memory_actions: frozenset[str]
     runtime: str
     bytes_model: str
 
@@ -103,7 +105,7 @@ SPMD = LoweringKind(
     one_program=True,
     meshes_per_rank=False,
     every_device_holds_busiest=True,
-    runs_all_memory_actions=False,
+    memory_actions=frozenset(MEMORY_KINDS),  # every kind, in its tick plan (docs/design.md)
     runtime="jpipe.lower.spmd.lowering:SpmdLowering",
     bytes_model="jpipe.lower.spmd.bytes:SpmdBytes",
 )
@@ -114,7 +116,7 @@ MPMD = LoweringKind(
     one_program=False,
     meshes_per_rank=True,
     every_device_holds_busiest=False,
-    runs_all_memory_actions=True,
+    memory_actions=frozenset(MEMORY_KINDS),  # every kind, as ops of its rank's list
     runtime="jpipe.lower.mpmd.programs:MpmdLowering",
     bytes_model="jpipe.lower.mpmd.bytes:PerRankBytes",
 )

@@ -279,21 +279,23 @@ def _run(args):
         )
 
     result = search(args.layout, not args.no_local, log)
-    return result, figures, _per_rank_instead(result, search, local=not args.no_local)
+    per_rank_log = None if log is None else (lambda line: log(f"per-rank layout: {line}"))
+    per_rank = _per_rank_instead(result, search, not args.no_local, per_rank_log)
+    return result, figures, per_rank
 
 
 PER_RANK_FASTER = 0.01
 """The least share faster the per-rank lowering's best must be for the search to name it."""
 
 
-def _per_rank_instead(result, search, local: bool):
+def _per_rank_instead(result, search, local: bool, log=None):
     """Under the SPMD layout, the per-rank lowering's best where it is what fits, or
     faster (every device of the one program holds the largest rank's terms): the
     mpmd search over the same schedules, its built-ins alone where the SPMD layout
     fitted something (a bound: the local search could only add to it), or None."""
     if not layout_kind(result.layout).every_device_holds_busiest:
         return None
-    other = search("mpmd", local and result.winner is None, None).winner
+    other = search("mpmd", local and result.winner is None, log).winner
     if other is None:
         return None
     if result.winner is not None and other.time >= result.winner.time * (1 - PER_RANK_FASTER):

@@ -71,10 +71,9 @@ A candidate fits when every device is within the budget less a margin
 (`MARGIN`) for what the model does not count (docs/search.md measures it).
 
 Which candidates may have memory actions is the lowering's own answer, not a
-switch kept here: under ``"mpmd"`` the per-rank lowering runs every kind
-(`jpipe.RankPrograms`); under ``"spmd"`` a kind counts only if
-`jpipe.make_tick_plan`, the SPMD lowering's first pass, accepts a schedule with
-it (`lowering_runs`). Today both lowerings run every kind, so both searches
+switch kept here: each `LoweringKind` declares the kinds it runs
+(`LoweringKind.memory_actions`, `lowering_runs`), held by a test to what its
+own pass accepts. Today both lowerings run every kind, so both searches
 take every candidate; under ``"spmd"`` a candidate's buffers come from its
 tick plan with its memory actions (`spmd_buffers`).
 """
@@ -1029,46 +1028,13 @@ def load_stage_profile(
 # -- what the lowerings run ------------------------------------------------------------------
 
 
-# One small schedule per memory action, to ask the SPMD lowering whether it runs it.
-_PROBES = {
-    "FC": ("1f1b_recompute", 3, 4, {"k": 1}),
-    "RECOMPUTE": ("1f1b_recompute", 3, 4, {"k": 1}),
-    "EVICT": ("1f1b_bpipe", 4, 8, {}),
-    "LOAD": ("1f1b_bpipe", 4, 8, {}),
-    "OFFLOAD_START": ("zb_h1_offload", 4, 8, {}),
-    "OFFLOAD_END": ("zb_h1_offload", 4, 8, {}),
-    "RELOAD_START": ("zb_h1_offload", 4, 8, {}),
-    "RELOAD_END": ("zb_h1_offload", 4, 8, {}),
-}
-
-
-@functools.cache
 def lowering_runs(layout: str, kind: str) -> bool:
-    """Whether the lowering of `layout` runs memory actions of `kind`.
-
-    The per-rank lowering runs them all. For the SPMD lowering this asks
-    `jpipe.make_tick_plan` (its first pass, pure Python) to lay out a small
-    built-in that has the kind: it runs every kind today, and a kind it
-    came to refuse (by name, as `NotImplementedError`) would leave the
-    ``"spmd"`` search with no change here.
-    """
-    lowering = layout_kind(layout)
+    """Whether the lowering of `layout` runs memory actions of `kind`, as its
+    `LoweringKind.memory_actions` declares (each held to its lowering's own pass by
+    tests/test_schedule_search.py)."""
     if kind not in MEMORY_KINDS:
         raise ValueError(f"{kind!r} is not a memory action ({', '.join(MEMORY_KINDS)})")
-    if lowering.runs_all_memory_actions:
-        return True
-    from jpipe.lower.spmd.ticks import (
-        make_tick_plan,  # the SPMD lowering's pass; imported only when asked
-    )
-
-    name, R, M, options = _PROBES[kind]
-    probe = get_schedule(name, R, M, **options)
-    assert any(a.kind == kind for _, _, a in probe.all_actions()), (name, kind)
-    try:
-        make_tick_plan(probe)
-    except NotImplementedError:
-        return False
-    return True
+    return kind in layout_kind(layout).memory_actions
 
 
 def runs_schedule(layout: str, schedule: Schedule) -> bool:
