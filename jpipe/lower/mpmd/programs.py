@@ -44,6 +44,7 @@ those by name.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -722,144 +723,174 @@ class RankPrograms:
             self.compile(packed, batch)
         start = time.perf_counter()
         self.courier.begin()
-        S, R, layout, here = self.num_stages, self.num_ranks, self.layout, self.local
-        exe, rank_of, k, y = self.compiled, self.stage_to_rank, self.kernels, self._y_avals
-        rows, batches = self._rank_rows(packed), self._rank_batches(batch)
+        here, last = self.local, self.stage_to_rank[-1]
         # Each rank's accumulators are made just before its first weight
         # gradient (`accumulators_made`), not at the start: the rank waits for
         # its first output gradient then, so making them costs no time.
-        acc: list = [None] * R
-        last = rank_of[-1]
-        loss_acc = self._loss_zero() if here[last] else None
-        ops = sum(here) + here[last]
-        x_in: dict = {}  # (stage, microbatch) -> the activation it reads
-        g_in: dict = {}  # (stage, microbatch) -> the output gradient it reads
-        res: dict = {}  # (stage, microbatch) -> its residuals, on its rank (or its partner)
-        kept: dict = {}  # (stage, microbatch) -> the carry its I made for its W
-        inputs: dict = {}  # (stage, microbatch) -> the input an FC kept for its RECOMPUTE
-        host: dict = {}  # (stage, microbatch) -> its residuals' copy in host memory
+        step = _Step(
+            rows=self._rank_rows(packed),
+            batches=self._rank_batches(batch),
+            acc=[None] * self.num_ranks,
+            loss_acc=self._loss_zero() if here[last] else None,
+            ops=sum(here) + here[last],
+        )
         for i, (r, a) in enumerate(self.order):
-            s, mb = a.stage, a.microbatch
             if not here[r]:  # another process's op: only what it sends here
                 before = self.courier.transfers
-                if a.kind in ("F", "FC") and s < S - 1 and here[rank_of[s + 1]]:
-                    x_in[(s + 1, mb)] = self._move(None, r, rank_of[s + 1], i, y[s])
-                elif a.kind in ("I", "B") and s > 0 and here[rank_of[s - 1]]:
-                    g_in[(s - 1, mb)] = self._move(None, r, rank_of[s - 1], i, y[s - 1])
-                elif a.kind == "EVICT" and here[a.partner]:
-                    res[(s, mb)] = self._move(None, r, a.partner, i, k[s].res_avals)
-                elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
-                    self._move(res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
-                ops += self.courier.transfers - before
+                self._receive(step, i, r, a)
+                step.ops += self.courier.transfers - before
                 continue
-            own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
-            head = (own_rows, batches[r], self._index[r][mb])
-            ops += 1
+            step.ops += 1
             if a.kind in ("F", "FC"):
-                # F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums]).
-                x = [] if s == 0 else x_in.pop((s, mb))
-                out = exe[s][_PIECE_OF.get(a.kind, a.kind)](
-                    *head, x, *((loss_acc,) if s == S - 1 else ())
-                )
-                if a.kind == "F":
-                    res[(s, mb)] = out[1]
-                else:
-                    inputs[(s, mb)] = x
-                if s == S - 1:
-                    loss_acc = out[-1]
-                else:
-                    to = rank_of[s + 1]
-                    _keep(x_in, (s + 1, mb), self._move(out[0], r, to, i, y[s]))
-                    ops += to != r
-                del x, out
-            elif a.kind == "RECOMPUTE":
-                res[(s, mb)] = exe[s]["RECOMPUTE"](*head, inputs.pop((s, mb)))
-            elif a.kind == "EVICT":
-                _keep(res, (s, mb), self._move(res.pop((s, mb)), r, a.partner, i, k[s].res_avals))
-            elif a.kind == "LOAD":
-                if here[a.partner]:
-                    res[(s, mb)] = self._move(res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
-                else:
-                    res[(s, mb)] = self._move(None, a.partner, r, i, k[s].res_avals)
-            elif a.kind == "OFFLOAD_START":  # the copy begins; the device copy stays
-                host[(s, mb)] = [jax.device_put(v, self.rank_host[r]) for v in res[(s, mb)]]
-            elif a.kind == "OFFLOAD_END":  # freed once the copy has read it
-                del res[(s, mb)]
-            elif a.kind == "RELOAD_START":
-                res[(s, mb)] = [jax.device_put(v, self.rank_every[r]) for v in host.pop((s, mb))]
-            elif a.kind == "RELOAD_END":
-                pass  # the reader waits for the copy as for any input
-            elif a.kind == "W":
-                if acc[r] is None:
-                    acc[r], ops = self._zeros[r](), ops + 1
-                own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
-                acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), kept.pop((s, mb)), own_acc))
-                del own_acc
+                self._issue_forward(step, i, r, a)
+            elif a.kind in ("W", "I", "B"):
+                self._issue_backward(step, i, r, a)
             else:
-                g = [] if s == S - 1 else g_in.pop((s, mb))
-                if a.kind == "B" and acc[r] is None:
-                    acc[r], ops = self._zeros[r](), ops + 1
-                if a.kind == "I":
-                    dx, kept[(s, mb)] = exe[s]["I"](*head, res[(s, mb)], g)
-                elif not self.fused_backward:  # a B as its I, then its W
-                    dx, carry = exe[s]["I"](*head, res[(s, mb)], g)
-                    own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
-                    acc[r].update(exe[s]["W"](*head, res.pop((s, mb)), carry, own_acc))
-                    ops += 1
-                    del own_acc, carry
-                else:
-                    own_acc = {b: acc[r][b] for b in layout.stage_buckets(s)}
-                    dx, new_acc = exe[s]["B"](*head, res.pop((s, mb)), g, own_acc)
-                    acc[r].update(new_acc)
-                    del own_acc, new_acc
-                if s > 0:
-                    to = rank_of[s - 1]
-                    _keep(g_in, (s - 1, mb), self._move(dx, r, to, i, y[s - 1]))
-                    ops += to != r
-                del dx, g
-            del head, own_rows
+                self._issue_memory_action(step, i, r, a)
             if after_op is not None:
                 after_op(i)
         loss = weight = None
         if here[last]:
-            loss, weight = self._end_loss(loss_acc)
+            loss, weight = self._end_loss(step.loss_acc)
         end = len(self.order)
         loss = self._shared(loss, end)
         if self.weighted:
             weight = self._shared(weight, end + jax.process_count())
-        by_device: dict = {b: {} for b in layout.buckets}
+        grads = self._finished_grads(step, packed, weight)
+        self.last_run = {
+            "host_ops": step.ops + 1,
+            "transfers_between_processes": self.courier.transfers,
+            "seconds": time.perf_counter() - start,
+        }
+        self.courier.settle((loss, grads))
+        return self._replicated(loss), grads
+
+    def _head(self, step: _Step, r: int, s: int, mb: int) -> tuple:
+        """What every piece of stage `s` on rank `r` takes first: its own rows of the
+        parameters, the rank's batch and the microbatch's index."""
+        own_rows = {b: step.rows[r][b] for b in self.layout.stage_buckets(s)}
+        return own_rows, step.batches[r], self._index[r][mb]
+
+    def _own_acc(self, step: _Step, r: int, s: int) -> dict:
+        """Stage `s`'s gradient accumulators on rank `r` (made at the rank's first use)."""
+        if step.acc[r] is None:
+            step.acc[r] = self._zeros[r]()
+            step.ops += 1
+        return {b: step.acc[r][b] for b in self.layout.stage_buckets(s)}
+
+    def _receive(self, step: _Step, i: int, r: int, a) -> None:
+        """Another process's op `i` (of rank `r`): what it sends to this process's ranks."""
+        s, mb, here, rank_of, k = (
+            a.stage,
+            a.microbatch,
+            self.local,
+            self.stage_to_rank,
+            self.kernels,
+        )
+        y = self._y_avals
+        if a.kind in ("F", "FC") and s < self.num_stages - 1 and here[rank_of[s + 1]]:
+            step.x_in[(s + 1, mb)] = self._move(None, r, rank_of[s + 1], i, y[s])
+        elif a.kind in ("I", "B") and s > 0 and here[rank_of[s - 1]]:
+            step.g_in[(s - 1, mb)] = self._move(None, r, rank_of[s - 1], i, y[s - 1])
+        elif a.kind == "EVICT" and here[a.partner]:
+            step.res[(s, mb)] = self._move(None, r, a.partner, i, k[s].res_avals)
+        elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
+            self._move(step.res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
+
+    def _issue_forward(self, step: _Step, i: int, r: int, a) -> None:
+        """F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums])."""
+        s, mb, S = a.stage, a.microbatch, self.num_stages
+        x = [] if s == 0 else step.x_in.pop((s, mb))
+        out = self.compiled[s][_PIECE_OF.get(a.kind, a.kind)](
+            *self._head(step, r, s, mb), x, *((step.loss_acc,) if s == S - 1 else ())
+        )
+        if a.kind == "F":
+            step.res[(s, mb)] = out[1]
+        else:
+            step.inputs[(s, mb)] = x
+        if s == S - 1:
+            step.loss_acc = out[-1]
+        else:
+            to = self.stage_to_rank[s + 1]
+            _keep(step.x_in, (s + 1, mb), self._move(out[0], r, to, i, self._y_avals[s]))
+            step.ops += to != r
+
+    def _issue_backward(self, step: _Step, i: int, r: int, a) -> None:
+        """W into the accumulators; I (its carry kept for its W) or B, sending the input
+        gradient to the stage before."""
+        s, mb, exe = a.stage, a.microbatch, self.compiled[a.stage]
+        head, res = self._head(step, r, s, mb), step.res
+        if a.kind == "W":
+            own_acc = self._own_acc(step, r, s)
+            step.acc[r].update(exe["W"](*head, res.pop((s, mb)), step.kept.pop((s, mb)), own_acc))
+            return
+        g = [] if s == self.num_stages - 1 else step.g_in.pop((s, mb))
+        if a.kind == "I":
+            dx, step.kept[(s, mb)] = exe["I"](*head, res[(s, mb)], g)
+        elif not self.fused_backward:  # a B as its I, then its W
+            own_acc = self._own_acc(step, r, s)
+            dx, carry = exe["I"](*head, res[(s, mb)], g)
+            step.acc[r].update(exe["W"](*head, res.pop((s, mb)), carry, own_acc))
+            step.ops += 1
+            del own_acc, carry  # dropped before the send, as the step's memory is counted
+        else:
+            own_acc = self._own_acc(step, r, s)
+            dx, new_acc = exe["B"](*head, res.pop((s, mb)), g, own_acc)
+            step.acc[r].update(new_acc)
+            del own_acc, new_acc
+        if s > 0:
+            to = self.stage_to_rank[s - 1]
+            _keep(step.g_in, (s - 1, mb), self._move(dx, r, to, i, self._y_avals[s - 1]))
+            step.ops += to != r
+
+    def _issue_memory_action(self, step: _Step, i: int, r: int, a) -> None:
+        """RECOMPUTE, EVICT and LOAD, and the host copies (OFFLOAD_*, RELOAD_*)."""
+        s, mb, res, avals = a.stage, a.microbatch, step.res, self.kernels[a.stage].res_avals
+        if a.kind == "RECOMPUTE":
+            res[(s, mb)] = self.compiled[s]["RECOMPUTE"](
+                *self._head(step, r, s, mb), step.inputs.pop((s, mb))
+            )
+        elif a.kind == "EVICT":
+            _keep(res, (s, mb), self._move(res.pop((s, mb)), r, a.partner, i, avals))
+        elif a.kind == "LOAD":
+            held = res.pop((s, mb)) if self.local[a.partner] else None
+            res[(s, mb)] = self._move(held, a.partner, r, i, avals)
+        elif a.kind == "OFFLOAD_START":  # the copy begins; the device copy stays
+            step.host[(s, mb)] = [jax.device_put(v, self.rank_host[r]) for v in res[(s, mb)]]
+        elif a.kind == "OFFLOAD_END":  # freed once the copy has read it
+            del res[(s, mb)]
+        elif a.kind == "RELOAD_START":
+            res[(s, mb)] = [jax.device_put(v, self.rank_every[r]) for v in step.host.pop((s, mb))]
+        # RELOAD_END: the reader waits for the copy as for any input
+
+    def _finished_grads(self, step: _Step, packed, weight):
+        """The accumulated gradients, finished (averaged or weighted) and laid out as the
+        parameters are: one dict per rank (``shaped``) or the packed buckets."""
+        by_device: dict = {b: {} for b in self.layout.buckets}
         per_rank = []
-        for r in range(R):
-            if not here[r]:
+        for r in range(self.num_ranks):
+            if not self.local[r]:
                 per_rank.append(None)
                 continue
             w = self._ones[r] if not self.weighted else jax.device_put(weight, self._scalar[r])
-            if acc[r] is None:  # a rank without a stage
-                acc[r] = self._zeros[r]()
+            if step.acc[r] is None:  # a rank without a stage
+                step.acc[r] = self._zeros[r]()
             # Averaging over no batch axis, unweighted: the sums are the gradients.
-            finished = acc[r] if self._finish[r] is None else self._finish[r](acc[r], w)
-            ops += self._finish[r] is not None
+            finished = step.acc[r] if self._finish[r] is None else self._finish[r](step.acc[r], w)
+            step.ops += self._finish[r] is not None
             if self.shaped:
                 per_rank.append(finished)
                 continue
             finished = {**finished, **self._padding[r]()}
             for b, g in finished.items():
                 by_device[b].update(_by_device([g]))
-            ops += 2
+            step.ops += 2
         if self.shaped:
-            grads = per_rank
-        else:
-            grads = {
-                b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
-                for b in layout.buckets
-            }
-        self.last_run = {
-            "host_ops": ops + 1,
-            "transfers_between_processes": self.courier.transfers,
-            "seconds": time.perf_counter() - start,
+            return per_rank
+        return {
+            b: _assemble(packed[b].shape, self.full_param_sharding[b], by_device[b])
+            for b in self.layout.buckets
         }
-        self.courier.settle((loss, grads))
-        return self._replicated(loss), grads
 
     def __call__(self, packed, batch):
         """`run`: called, the compiled per-rank step runs as a compiled SPMD step does."""
@@ -1038,6 +1069,24 @@ def _refuse_evictions_across_shapes(schedule, meshes) -> None:
                 f"shape ({dict(meshes[a.partner].shape)} against {dict(meshes[r].shape)}); "
                 "residuals are each device's own block, so evict to a rank of the same shape"
             )
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one step (`RankPrograms.run`) holds while its ops are issued, keyed by
+    ``(stage, microbatch)`` where a value is one microbatch's."""
+
+    rows: list  # each local rank's rows of its own buckets
+    batches: list  # each local rank's batch
+    acc: list  # each rank's gradient accumulators (None until its first backward)
+    loss_acc: object  # the last stage's loss sums (None on other processes)
+    ops: int  # host operations issued, for `last_run`
+    x_in: dict = dataclasses.field(default_factory=dict)  # the activation a stage reads
+    g_in: dict = dataclasses.field(default_factory=dict)  # the output gradient it reads
+    res: dict = dataclasses.field(default_factory=dict)  # residuals (on its rank or partner)
+    kept: dict = dataclasses.field(default_factory=dict)  # the carry an I made for its W
+    inputs: dict = dataclasses.field(default_factory=dict)  # what an FC kept for its RECOMPUTE
+    host: dict = dataclasses.field(default_factory=dict)  # residuals' copy in host memory
 
 
 def _keep(values: dict, key, value) -> None:
