@@ -357,7 +357,7 @@ def report(multi: dict, args, seconds: float) -> tuple[dict, str]:
     # same rounds) and issues a B as its I and then its W. Its ideal takes the link's cost
     # as the ppermutes measure it, as the SPMD rows' does: with one core a process, the
     # transfer API's ping-pong measures how soon a thread sharing its core with a busy one
-    # wakes (25 to 95 ms a transfer, where a whole step of 17 transfers took 380 ms), not
+    # wakes (25 to 92 ms a transfer, where a whole step of 17 transfers took 380 ms), not
     # what a transfer costs inside a step.
     own = multi["per_rank_costs"]
     i_then_w = [i + w for i, w in zip(own["I"], own["W"])]

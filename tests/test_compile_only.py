@@ -119,7 +119,7 @@ def test_compile_only_both_lowerings(lowering, monkeypatch, tmp_path):
         per_rank = report["rank_compile_seconds"]
         assert len(per_rank) == 2 and all(t > 0 for t in per_rank)
         assert sum(per_rank) <= report["compile_seconds"]
-        assert f"rank {per_rank.index(max(per_rank))}'s pieces" in lines[-2]
+        assert "'s pieces" in lines[-2] and "what a process a rank compiles" in lines[-2]
     for r in rows:
         assert r["arguments_bytes"] > 0 and r["temp_bytes"] > 0
         assert r["total_bytes"] >= r["arguments_bytes"] + r["temp_bytes"]

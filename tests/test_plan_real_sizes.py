@@ -6,6 +6,7 @@ Real planner runs on the published Sailor profiles (pure Python, no mocks).
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -222,6 +223,23 @@ def test_cli_names_a_faster_per_rank_plan(capsys, tmp_path):
     assert f"{best['predicted_seconds'] / per_rank['step_seconds'] - 1:.1%} faster" in line
     assert main([*argv, "--memory-layout", "mpmd"]) == 0
     assert "the per-rank lowering" not in capsys.readouterr().out
+
+
+def test_a_plan_names_the_per_rank_lowering_where_the_one_program_holds_more(capsys):
+    """OPT-350 over A100-40s and V100-16s: the best SPMD plan's fullest device holds more
+    than 1.10x what the per-rank lowering's would for the same plan; its why says so,
+    with both figures, and a plan under the mpmd layout says nothing of the kind."""
+    argv = ["--model", "OPT-350", "--devices", "A100-40:4,V100-16:4", "--global-batch", "256",
+            "--schedules", "1f1b,zb_h1", "--top", "1"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    line = next(x for x in best["why"] if "would hold" in x)
+    own, held = (float(x) for x in re.findall(r"([0-9.]+) GiB", line))
+    ratio = float(re.search(r"\(([0-9.]+)x\)", line).group(1))
+    assert ratio > 1.10 and held / own == pytest.approx(ratio, abs=0.01)  # GiB to 3 digits
+    assert main([*argv, "--memory-layout", "mpmd", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert not any("would hold" in x for x in best["why"])
 
 
 def test_cli_json_answers_every_error_in_json(capsys):

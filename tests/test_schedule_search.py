@@ -417,7 +417,9 @@ def test_cli_names_the_per_rank_lowering_where_it_fits_or_is_faster(capsys):
         assert what in line and own.winner.label in line and f"step {own.winner.time:.4g}" in line
         assert search_cli.main(flags + ["--budget", f"{budget}GiB", "--json"]) == code
         d = json.loads(capsys.readouterr().out)
-        assert d["per_rank"] == json.loads(json.dumps(own.winner.to_json())) and d["per_rank"]["fits"]
+        assert (
+            d["per_rank"] == json.loads(json.dumps(own.winner.to_json())) and d["per_rank"]["fits"]
+        )
         assert (d["winner"] is None) == (code == 1)
     assert search_cli.main(flags + ["--budget", "10GiB"]) == 0
     assert "per-rank" not in capsys.readouterr().out

@@ -105,7 +105,7 @@ import time
 from collections.abc import Sequence
 
 from jpipe.lower.bytes import RankBytes
-from jpipe.lower.interface import SPMD
+from jpipe.lower.interface import MPMD, SPMD
 from jpipe.planner.choices import AUTO, MemoryChoice, choices_to_try, with_choice
 from jpipe.planner.partition import (
     NoSplitFits,
@@ -868,6 +868,7 @@ class NoPlanFits(ValueError):
         super().__init__(message)
         self.miss, self.sequence_length, self.tried = miss, sequence_length, tuple(tried)
         self.per_rank = None  # the best plan under the mpmd layout, where one fits there
+        self.per_rank_choice = None  # its attention and remat (`MemoryChoice`), if chosen
 
     def to_json(self) -> dict:
         """The error as the command line's ``--json`` gives it."""
@@ -892,11 +893,13 @@ class NoPlanFits(ValueError):
             out["tried"] = [c.to_json() for c in self.tried if c is not None]
         if self.per_rank is not None:
             ev = self.per_rank
+            choice = self.per_rank_choice
             out["per_rank_plan"] = {
                 "shape": describe_shape(ev.plan),
-                "memory_layout": "mpmd",
-                "peak_bytes": ev.memory.max_bytes("mpmd"),
+                "memory_layout": MPMD.layout,
+                "peak_bytes": ev.memory.max_bytes(MPMD.layout),
                 "step_seconds": ev.step_seconds,
+                **(choice.to_json() if choice is not None else {}),
             }
         return out
 
@@ -1195,7 +1198,7 @@ def _per_rank_advice(error, profile, devices, global_batch, attention, remat, kw
     try:
         other = plan(
             profile, devices, global_batch, attention=attention, remat=remat,
-            **(kwargs | {"memory_layout": "mpmd", "top": 1}),
+            **(kwargs | {"memory_layout": MPMD.layout, "top": 1}),
         )  # fmt: skip
     except NoPlanFits:
         return error
@@ -1203,12 +1206,13 @@ def _per_rank_advice(error, profile, devices, global_batch, attention, remat, kw
     choice = f", with {other.memory_choice}" if other.memory_choice is not None else ""
     text = (
         f"{error}; under the per-rank lowering's layout (--memory-layout mpmd, "
-        f"lowering='mpmd': each device holds its own rank's) {describe_shape(ev.plan)} fits, "
-        f"{gib(ev.memory.max_bytes('mpmd'))} on its fullest device, "
+        f"lowering='mpmd' with a mesh per rank, mesh.tensor_per_rank: each device holds its "
+        f"own rank's) {describe_shape(ev.plan)} fits, "
+        f"{gib(ev.memory.max_bytes(MPMD.layout))} on its fullest device, "
         f"{ev.step_seconds:.4g} s per step{choice}"
     )
     out = NoPlanFits(text, error.miss, error.sequence_length, error.tried)
-    out.per_rank = ev
+    out.per_rank, out.per_rank_choice = ev, other.memory_choice
     return out
 
 
@@ -1941,7 +1945,8 @@ def _reasons(
     s = max(range(len(ev.stage_seconds)), key=lambda k: ev.stage_seconds[k])
     dev = p.ranks[ev.simulation.schedule.stage_to_rank[s]][0].kind
     out = [
-        f"{describe_shape(p)}: {ev.step_seconds:.4g} s per step = pipeline {ev.pipeline_seconds:.4g} s "
+        f"{describe_shape(p)}: {ev.step_seconds:.4g} s per step = pipeline "
+        f"{ev.pipeline_seconds:.4g} s "
         f"+ all-reduce {max(ev.allreduce_seconds):.3g} s + update {max(ev.update_seconds):.3g} s",
         f"bottleneck stage {s} ({len(p.stage_layers[s])} layers"
         + f" on {dev}"
@@ -1952,10 +1957,11 @@ def _reasons(
         ev.memory.why(p.memory_layout, memory_margin),
     ]
     if layout_kind(p.memory_layout).every_device_holds_busiest and p.uniform_tensor:
-        held, own = ev.memory.max_bytes("spmd"), ev.memory.max_bytes("mpmd")
+        held, own = ev.memory.max_bytes(p.memory_layout), ev.memory.max_bytes(MPMD.layout)
         if held > PER_RANK_ADVICE * own:
             out.append(
-                f"the per-rank lowering (--memory-layout mpmd, lowering='mpmd') would hold "
+                f"the per-rank lowering (--memory-layout mpmd, lowering='mpmd' with a mesh "
+                f"per rank) would hold "
                 f"{gib(own)} on its fullest device, where every device of the one program "
                 f"holds the largest rank's terms, {gib(held)} ({held / own:.2f}x)"
             )

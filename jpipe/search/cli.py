@@ -53,16 +53,19 @@ fits (`jpipe.search.engine.rank_candidates`). Bad input exits with status 2 and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
 import warnings
 
+from jpipe.lower.interface import MPMD
 from jpipe.schedule.chart import draw_gantt, text_chart
 from jpipe.schedule.simulate import Costs, Sizes
 from jpipe.search.engine import (
     LAYOUTS,
     MARGIN,
+    PER_RANK_FASTER,
     StageFigures,
     byte_unit,
     format_bytes,
@@ -262,7 +265,7 @@ def _run(args):
         batch = Ms[0] * figures.microbatch_size
     log = (lambda line: print(line, file=sys.stderr)) if not args.json else None
 
-    def search(layout, local, log):
+    def search(layout, local, log, max_seconds):
         return search_schedule(
             figures,
             args.ranks,
@@ -274,28 +277,28 @@ def _run(args):
             batch=batch,
             margin=args.margin,
             max_simulations=args.max_simulations,
-            max_seconds=args.max_seconds,
+            max_seconds=max_seconds,
             log=log,
         )
 
-    result = search(args.layout, not args.no_local, log)
-    per_rank_log = None if log is None else (lambda line: log(f"per-rank layout: {line}"))
-    per_rank = _per_rank_instead(result, search, not args.no_local, per_rank_log)
+    result = search(args.layout, not args.no_local, log, args.max_seconds)
+    per_rank = None
+    left = None if args.max_seconds is None else args.max_seconds - result.seconds
+    if left is None or left > 0:  # --max-seconds bounds both searches together
+        per_rank_log = None if log is None else (lambda line: log(f"per-rank layout: {line}"))
+        again = functools.partial(search, log=per_rank_log, max_seconds=left)
+        per_rank = _per_rank_instead(result, again, not args.no_local)
     return result, figures, per_rank
 
 
-PER_RANK_FASTER = 0.01
-"""The least share faster the per-rank lowering's best must be for the search to name it."""
-
-
-def _per_rank_instead(result, search, local: bool, log=None):
+def _per_rank_instead(result, search, local: bool):
     """Under the SPMD layout, the per-rank lowering's best where it is what fits, or
     faster (every device of the one program holds the largest rank's terms): the
     mpmd search over the same schedules, its built-ins alone where the SPMD layout
     fitted something (a bound: the local search could only add to it), or None."""
     if not layout_kind(result.layout).every_device_holds_busiest:
         return None
-    other = search("mpmd", local and result.winner is None, log).winner
+    other = search(MPMD.layout, local and result.winner is None).winner
     if other is None:
         return None
     if result.winner is not None and other.time >= result.winner.time * (1 - PER_RANK_FASTER):

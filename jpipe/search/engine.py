@@ -87,6 +87,7 @@ import math
 import operator
 import os
 import time
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
@@ -213,18 +214,19 @@ class StageFigures:
     working_by_kind: tuple[Mapping[str, float], ...] | None = None
 
     def __post_init__(self):
-        if self.working_by_kind is not None:
-            kinds = tuple(dict(k) for k in self.working_by_kind)
+        if self.working_by_kind is not None:  # read-only views: the figures are frozen
+            kinds = tuple(types.MappingProxyType(dict(k)) for k in self.working_by_kind)
             object.__setattr__(self, "working_by_kind", kinds)
             if self.num_stages is None or len(kinds) != self.num_stages:
                 raise ValueError(
                     f"working_by_kind has {len(kinds)} entries; give one per stage "
                     f"(num_stages={self.num_stages})"
                 )
-            for k in kinds:
-                for v in k.values():
-                    if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                        raise ValueError(f"working_by_kind bytes must be finite and non-negative, got {v!r}")
+            for v in (v for k in kinds for v in k.values()):
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(
+                        f"working_by_kind bytes must be finite and non-negative, got {v!r}"
+                    )
         for name in ("working", "grad_output"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -1028,6 +1030,11 @@ def load_stage_profile(
 # -- what the lowerings run ------------------------------------------------------------------
 
 
+PER_RANK_FASTER = 0.01
+"""The least share faster the per-rank lowering's best must be for the search's and the
+planner's command lines to name it beside the SPMD layout's."""
+
+
 def lowering_runs(layout: str, kind: str) -> bool:
     """Whether the lowering of `layout` runs memory actions of `kind`, as its
     `LoweringKind.memory_actions` declares (each held to its lowering's own pass by
@@ -1288,10 +1295,16 @@ def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
     model = layout_kind(layout).byte_model()
     size = figures.sizes.table(schedule.num_stages)
     buffers = model.buffers(schedule, size["activation"], size["carry"])
-    busy = _busy(sim, figures) if figures.working_by_kind is not None else ()
+    # Working memory per kind of piece matters only where a device holds its own rank's
+    # working memory while a piece runs (the per-rank lowering), not a buffer sized once.
+    per_piece = (
+        figures.working_by_kind is not None and not layout_kind(layout).every_device_holds_busiest
+    )
+    busy = _busy(sim, figures) if per_piece else ()
     held = model.device_bytes(_need(ranks, values, buffers, busy))
+    working = tuple(h.working for h in held) if per_piece else tuple(ranks[2])
     return DeviceBytes(
-        layout, tuple(h.params for h in held), values, tuple(ranks[2]),
+        layout, tuple(h.params for h in held), values, working,
         tuple(h.total for h in held), max(h.grad_output for h in held), buffers, held,
     )  # fmt: skip
 

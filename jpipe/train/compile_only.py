@@ -52,8 +52,9 @@ Printed: a table (stdout), then, as the last line of stdout, one JSON object::
   state in place, so no output of the step holds them (counting them put
   Llama-3-8B's prediction 10.8% over the compiled bytes). Known to leave
   out what the model does not count: the padding rows of the packed
-  buckets (every device holds the fullest rank's arrays), the batch. None (JSON null), with the reason on stderr, where the figures
-  cannot be made (a model whose pieces do not compile alone) or with
+  buckets (every device holds the fullest rank's arrays), the batch. None
+  (JSON null), with the reason on stderr, where the figures cannot be made
+  (a model whose pieces do not compile alone) or with
   ``config.compile_only_predict=False`` (under SPMD the pieces compiled
   alone take about as long again as the step).
 - ``compile_seconds``: the wall time of the compile (per rank: of every
