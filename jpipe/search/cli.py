@@ -346,8 +346,8 @@ def _per_rank_line(result, per_rank) -> str:
         else f"is {result.winner.time / per_rank.time - 1:.1%} faster"
     )
     return (
-        f"under the per-rank lowering (--layout mpmd, lowering='mpmd': each device holds "
-        f"its own rank's) {per_rank.label} {what}: step {per_rank.time:.4g}, "
+        f"under the per-rank lowering (--layout mpmd, lowering='mpmd': each device its own "
+        f"rank's values and working memory) {per_rank.label} {what}: step {per_rank.time:.4g}, "
         f"{format_bytes(per_rank.memory.most)} on its fullest device"
     )
 
