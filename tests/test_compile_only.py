@@ -138,7 +138,9 @@ def test_per_rank_prediction_follows_each_pieces_working_memory():
     values (the deferred Ws' carries): jpipe's byte model, adding at each piece the values
     held when it starts to that piece's own working memory, is within 1% of every rank's
     account (it leaves out only the batch and the packed buckets' padding rows)."""
-    report = compile_only.compile_only(tiny(lowering="mpmd", schedule="zb_h1"), log=lambda line: None)
+    report = compile_only.compile_only(
+        tiny(lowering="mpmd", schedule="zb_h1"), log=lambda line: None
+    )
     for row in report.devices:
         assert row.predicted_bytes == pytest.approx(row.total_bytes, rel=0.01), row
 
