@@ -26,9 +26,18 @@ from jpipe import testing
 
 
 def random_schedule(
-    seed: int, ranks: int, stages: int, microbatches: int, memory: bool = False
+    seed: int,
+    ranks: int,
+    stages: int,
+    microbatches: int,
+    memory: bool = False,
+    overlap: bool = False,
 ) -> jpipe.Schedule:
-    """A random valid schedule; with `memory`, residuals kept, recomputed, evicted, offloaded."""
+    """A random valid schedule; with `memory`, residuals kept, recomputed, evicted, offloaded.
+
+    With `overlap`, about half of the places where a rank's F is followed by a
+    B or I become `Overlap` cells (the rest of the schedule as without it).
+    """
     rng = random.Random(seed)
     owner = [rng.randrange(ranks) for _ in range(stages)]
     split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}
@@ -71,7 +80,45 @@ def random_schedule(
         todo[(s, m)].pop(0)
         if not todo[(s, m)]:
             del todo[(s, m)]
+    if overlap:
+        cells = random.Random(seed + 1)
+        rows = [_with_cells(row, cells) for row in rows]
     return jpipe.Schedule.of(rows, name=f"random-{seed}")
+
+
+def _with_cells(row: list, rng: random.Random) -> list:
+    """`row` with about half of its ``F`` then ``B``/``I`` pairs as `Overlap` cells."""
+    out, i = [], 0
+    while i < len(row):
+        a = row[i]
+        pair = i + 1 < len(row) and a.kind == "F" and row[i + 1].kind in ("B", "I")
+        if pair and rng.random() < 0.5:
+            out.append(jpipe.Overlap(a, row[i + 1]))
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def test_random_cells_are_drawn_whole_and_split():
+    # The fuzz's cells: some issued as one program by the per-rank lowering,
+    # some split there because the backward needs what the forward starts.
+    from jpipe.lower.mpmd.programs import issue_ops
+
+    fused = split = 0
+    for seed in range(200):
+        ranks, stages, microbatches = 1 + seed % 3, 1 + seed % 4, 1 + seed % 3
+        schedule = random_schedule(seed, ranks, max(ranks, stages), microbatches, overlap=True)
+        jpipe.validate(schedule)
+        written = sum(isinstance(c, jpipe.Overlap) for row in schedule.ranks for c in row)
+        cells = len(issue_ops(schedule).cells)
+        fused, split = fused + cells, split + written - cells
+        plain = random_schedule(seed, ranks, max(ranks, stages), microbatches)
+        assert [plain.actions(r) for r in range(ranks)] == [
+            schedule.actions(r) for r in range(ranks)
+        ]
+    assert fused > 50 and split > 10, (fused, split)
 
 
 def test_random_schedules_with_memory_actions_validate():
@@ -107,13 +154,17 @@ activations = st.tuples(*[st.sampled_from(testing.ACTIVATIONS)] * 3)
     st.sampled_from([1, 2]),
     st.sampled_from(jpipe.LOWERINGS),
     st.booleans(),
+    st.booleans(),
 )
-def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data, lowering, memory):
+def test_random_valid_schedules_are_exact(
+    size, layout, scan_layers, kinds, data, lowering, memory, overlap
+):
     # Memory actions (recompute, evict, offload) are drawn under both
-    # lowerings; the SPMD one lays them out in unit ticks only.
+    # lowerings; the SPMD one lays them out in unit ticks only. Overlap cells
+    # too: the per-rank lowering runs each as one program where it can.
     seed, ranks, stages, microbatches = size
     assert ranks * data <= 8  # the fake devices of conftest.py
-    schedule = random_schedule(seed, ranks, stages, microbatches, memory=memory)
+    schedule = random_schedule(seed, ranks, stages, microbatches, memory=memory, overlap=overlap)
     jpipe.validate(schedule)
     if schedule.has_memory_actions and lowering == "spmd":
         layout = "unit"
@@ -129,7 +180,25 @@ def test_random_valid_schedules_are_exact(size, layout, scan_layers, kinds, data
         activations=kinds,
         lowering=lowering,
     )
-    assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, result)
+    assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, overlap, result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [8, 15])
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
+def test_random_cells_are_exact(seed, lowering):
+    # Not left to the draw: these seeds hold cells of an F with an I and with
+    # a B issued as one program, and a cell split (its backward waits on its
+    # forward), on 2 and 3 ranks with ranks holding several stages.
+    from jpipe.lower.mpmd.programs import issue_ops
+
+    ranks = 2 + seed % 2
+    schedule = random_schedule(seed, ranks, ranks + 1 + seed % 2, 3, overlap=True)
+    order, cells = issue_ops(schedule)
+    written = sum(isinstance(c, jpipe.Overlap) for row in schedule.ranks for c in row)
+    assert {order[i + 1][1].kind for i in cells} == {"I", "B"} and written > len(cells)
+    result = testing.check_schedule(schedule, lowering=lowering)
+    assert result.passed, (schedule, result)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 import jpipe
 from jpipe import models, testing
-from jpipe.lower.mpmd.programs import issue_order
+from jpipe.lower.mpmd.programs import RankPrograms, issue_ops, issue_order
 from jpipe.models import gpt
 
 RTOL = 1e-5
@@ -68,6 +68,81 @@ def test_a_schedule_that_waits_forever_is_refused_by_name():
     bad = jpipe.Schedule.of([["0F0", "0B0"], ["1B0", "1F0"]])
     with pytest.raises(ValueError, match=r"every rank waits \(rank 0: 0B0, rank 1: 1B0\)"):
         issue_order(bad)
+
+
+def test_each_dualpipev_cell_is_one_op_unless_its_backward_waits_on_its_forward():
+    # DualPipeV's cells: every one issued whole, its two halves side by side.
+    for ranks, microbatches in [(2, 4), (4, 10), (8, 16)]:
+        schedule = jpipe.get_schedule("dualpipev", ranks, microbatches, 2)
+        order, cells = issue_ops(schedule)
+        written = [
+            (r, step.parts)
+            for r in range(ranks)
+            for step in schedule.ranks[r]
+            if isinstance(step, jpipe.Overlap)
+        ]
+        assert sorted((order[i][0], (order[i][1], order[i + 1][1])) for i in cells) == sorted(
+            written
+        )
+        assert all(order[i][0] == order[i + 1][0] for i in cells)
+        assert order == issue_order(schedule)
+        assert issue_ops(schedule, fuse_cells=False).cells == frozenset()
+    # Rank 0's cell pairs F(0,1) with B(0,1), which needs rank 1's I(1,1),
+    # which needs F(0,1)'s output: one program would wait on itself, so the
+    # cell is issued as its halves, the forward first.
+    F, B = jpipe.F, jpipe.B
+    waits = jpipe.Schedule.of(
+        [[F(0, 0), jpipe.Overlap(F(0, 1), B(0, 1)), B(0, 0)], [F(1, 0), F(1, 1), B(1, 1), B(1, 0)]]
+    )
+    jpipe.validate(waits)
+    order, cells = issue_ops(waits)
+    assert cells == frozenset()
+    assert [a for r, a in order if r == 0] == [F(0, 0), F(0, 1), B(0, 1), B(0, 0)]
+    # The same cell on rank 1, F(1,1) with B(1,0), needs nothing of its own: one op.
+    fine = jpipe.Schedule.of(
+        [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), jpipe.Overlap(F(1, 1), B(1, 0)), B(1, 1)]]
+    )
+    order, cells = issue_ops(fine)
+    assert [(order[i], order[i + 1]) for i in cells] == [((1, F(1, 1)), (1, B(1, 0)))]
+
+
+@pytest.mark.slow
+def test_a_cell_is_one_program_with_the_cells_halves_results():
+    # DualPipeV on 2 ranks: each Overlap cell runs as one program (its F and
+    # its I, or its I and W), so a step issues one program fewer per cell,
+    # and the step gives what the halves issued apart give.
+    pipe, _, params, batch = _pipeline("dualpipev", ranks=2, microbatches=4, chunks=2)
+    packed = pipe.pack(params)
+    p = pipe
+    args = (p.schedule, p.layout, p.mesh, p._kernels(batch), p.pipe_axis, p.data_axis)
+    kwargs = dict(stage_to_rank=p.stage_to_rank, meshes=p.rank_meshes)
+    fused = RankPrograms(*args, **kwargs)
+    apart = RankPrograms(*args, **kwargs, fuse_cells=False)
+    n_cells = sum(isinstance(c, jpipe.Overlap) for row in p.schedule.ranks for c in row)
+    assert len(fused.cells) == n_cells > 0 and not apart.cells
+    loss, grads = fused.run(packed, batch)
+    want_loss, want_grads = apart.run(packed, batch)
+    # One host op fewer per cell (a B in a cell is its I and W: two fewer).
+    in_b_cells = sum(fused.order[i + 1][1].kind == "B" for i in fused.cells)
+    assert apart.last_run["host_ops"] - fused.last_run["host_ops"] == n_cells + in_b_cells
+    # Each kind of cell compiled once, as one executable with both halves' outputs.
+    assert set(fused.compiled_cells) == {fused._cell_key(i) for i in fused.cells}
+    assert not apart.compiled_cells
+    for (sf, sb, kind), exe in fused.compiled_cells.items():
+        outs = jax.tree.leaves(exe.out_info)
+        f_outs = jax.tree.leaves(fused.compiled[sf]["F"].out_info)
+        b_outs = jax.tree.leaves(fused.compiled[sb]["I"].out_info)
+        if kind == "B":  # dx and the accumulators, the carry kept inside
+            b_outs = b_outs[: len(b_outs) - len(fused.kernels[sb].carry_avals)]
+            b_outs += jax.tree.leaves(fused.compiled[sb]["W"].out_info)
+        assert [(o.shape, o.dtype) for o in outs] == [(o.shape, o.dtype) for o in f_outs + b_outs]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL)
+    for b in grads:
+        np.testing.assert_allclose(grads[b], want_grads[b], rtol=RTOL, atol=1e-7)
+    # And the accounted peak counts each cell's program: its working memory at its forward.
+    accounts = fused.account()
+    cell_work = max(fused.op_working_bytes(i) for i in fused.cells)
+    assert cell_work > 0 and max(a.largest_piece_bytes for a in accounts) >= cell_work
 
 
 @pytest.mark.slow
@@ -196,6 +271,7 @@ def _bytes_on(devices) -> dict:
         ("zb_h1", 2, None, 1, {}),
         ("zb_h1", 2, None, 2, {}),
         ("zbv", 2, 2, 1, {}),
+        ("dualpipev", 2, 2, 1, {}),  # Overlap cells, each one program
         # Memory actions: FC and RECOMPUTE, EVICT to a partner and LOAD, the offloads.
         ("1f1b_recompute", 2, None, 1, {"k": 1}),
         ("1f1b_bpipe", 4, None, 1, {}),
@@ -234,7 +310,10 @@ def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, opt
     finally:
         gc.enable()
     assert len(measured) == len(programs.order)
+    assert bool(programs.cells) == (name == "dualpipev")
     for i, per_rank in enumerate(measured):
+        if i in programs.cells:  # a cell's halves run as one program: nothing between them
+            continue
         for r, per_device in enumerate(per_rank):
             # The rank's gradient accumulators, from just before its first W or B.
             want = held[i][r] + (accounts[r].grad_bytes if i >= made[r] else 0)

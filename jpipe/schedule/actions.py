@@ -182,8 +182,12 @@ class Action:
 class Overlap:
     """A forward of one stage run together with a backward of another.
 
-    DualPipe's overlapped cell. It executes as its two parts in order:
-    `forward` first, then `backward`. Both stages must live on the same rank.
+    DualPipe's overlapped cell. Its meaning is its two parts in order:
+    `forward` first, then `backward`; both stages must live on the same rank.
+    The per-rank lowering runs the cell as one program holding both halves
+    (or as its halves apart, where the backward needs what the forward
+    starts); the SPMD program runs them as two pieces, in one tick under the
+    packed tick layout. See docs/schedules.md, "Overlapped cells".
     """
 
     forward: Action

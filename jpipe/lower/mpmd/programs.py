@@ -13,12 +13,17 @@ conditionals. This lowering runs the same validated schedule another way:
   and reduce-scattering its weight gradients after, as the SPMD program
   does. No piece holds a conditional: which piece runs is decided on the
   host, once, when the op list is made.
-- **The op list** (`issue_order`): every rank's actions in its own list
+- **The op list** (`issue_ops`): every rank's actions in its own list
   order, interleaved across ranks so that no piece is issued before the
   pieces that make its inputs. The host walks it once per step, issuing
   each piece asynchronously (JAX's dispatch returns before the piece runs;
   a device runs its pieces in the order they were issued, each when its
   inputs are ready), so a rank never waits on the host for a branch.
+- **Overlapped cells.** An `Overlap(F, B)` cell (DualPipe's) is one program:
+  the forward's piece and the backward's (a B's I and W) traced into one
+  jit, so XLA may schedule the two halves' work together, and a B's I-to-W
+  carry never leaves it. A cell whose backward needs what its own forward
+  starts cannot be one program; it is issued as its two halves (`issue_ops`).
 - **Values** are separate arrays, not rows of shared buffers: an F's
   output goes to the next stage's rank with `jax.device_put` only when that
   stage is elsewhere, its residuals stay on its rank, and every value is
@@ -62,29 +67,63 @@ from jpipe.lower.interface import MPMD, Lowering
 from jpipe.lower.mpmd.transfer import Courier, process_of
 from jpipe.lower.spmd.program import axis_env
 from jpipe.lower.spmd.ticks import make_forward_tick_plan, make_tick_plan
-from jpipe.schedule.actions import Action, Schedule
+from jpipe.schedule.actions import Action, Overlap, Schedule
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.pack import ParamLayout
 from jpipe.stage.pieces import StageKernels, WeightedLoss, loss_seed
 
 
+class OpList(NamedTuple):
+    """The per-rank lowering's op list (`issue_ops`).
+
+    Attributes:
+      order: ``(rank, action)`` in issue order.
+      cells: the positions in `order` of the forward half of each `Overlap`
+        cell issued as one program; its backward half is the next op.
+    """
+
+    order: tuple[tuple[int, Action], ...]
+    cells: frozenset[int]
+
+
 def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
+    """The op list's order (`issue_ops`): ``(rank, action)``, inputs first."""
+    return issue_ops(schedule).order
+
+
+def issue_ops(schedule: Schedule, fuse_cells: bool = True) -> OpList:
     """Every rank's actions in its list order, interleaved so inputs come first.
 
     Walks the ranks round-robin, taking from each rank as many of its next
     actions as have their inputs issued: an F (or FC) needs the forward of the
     stage before on its microbatch, an I or B the I or B of the stage after
     (the last stage's needs only its own forward), a W its I; a memory action
-    needs only what its own rank issued before it. A validated schedule never
-    stalls here; one that does is refused, naming the actions that wait.
+    needs only what its own rank issued before it.
+
+    An `Overlap` cell is taken whole, as one program (`RankPrograms`), once
+    both its halves have their inputs: its backward may not wait on its own
+    forward. Where every rank waits and a cell's forward could go alone (its
+    backward needs what the forward starts, here or through other ranks),
+    that cell is split into its two halves, issued apart; a cell is split only
+    so. A validated schedule never stalls here; one that does is refused,
+    naming the actions that wait. With `fuse_cells` False every cell is
+    issued as its two halves (no `OpList.cells`).
     """
     S = schedule.num_stages
-    lists = [
-        [a for step in schedule.actions(r) for a in step.parts] for r in range(len(schedule.ranks))
-    ]
+    lists: list[list[Action]] = []
+    cell_starts: list[set[int]] = []  # per rank, where each Overlap cell starts in its list
+    for r in range(len(schedule.ranks)):
+        actions, starts = [], set()
+        for step in schedule.ranks[r]:
+            if isinstance(step, Overlap) and fuse_cells:
+                starts.add(len(actions))
+            actions += step.parts
+        lists.append(actions)
+        cell_starts.append(starts)
     done: set[tuple[str, int, int]] = set()
     at = [0] * len(lists)
     order: list[tuple[int, Action]] = []
+    cells: set[int] = set()
 
     def ready(a: Action) -> bool:
         s, m = a.stage, a.microbatch
@@ -98,28 +137,46 @@ def issue_order(schedule: Schedule) -> tuple[tuple[int, Action], ...]:
             return ("I", s, m) in done
         return True  # a memory action: its rank's list order is all it needs
 
+    def issue(r: int, a: Action) -> None:
+        order.append((r, a))
+        done.add((a.kind, a.stage, a.microbatch))
+        if a.kind == "B":  # a B is its I and its W
+            done.add(("I", a.stage, a.microbatch))
+        if a.kind == "FC":  # a forward, whatever it keeps
+            done.add(("F", a.stage, a.microbatch))
+        at[r] += 1
+
     total = sum(len(x) for x in lists)
     while len(order) < total:
         progressed = False
         for r, actions in enumerate(lists):
-            while at[r] < len(actions) and ready(actions[at[r]]):
+            while at[r] < len(actions):
                 a = actions[at[r]]
-                order.append((r, a))
-                done.add((a.kind, a.stage, a.microbatch))
-                if a.kind == "B":  # a B is its I and its W
-                    done.add(("I", a.stage, a.microbatch))
-                if a.kind == "FC":  # a forward, whatever it keeps
-                    done.add(("F", a.stage, a.microbatch))
-                at[r] += 1
+                if at[r] in cell_starts[r]:  # a cell: both halves at once, or wait
+                    b = actions[at[r] + 1]
+                    if not (ready(a) and ready(b)):
+                        break
+                    cells.add(len(order))
+                    issue(r, a)
+                    issue(r, b)
+                elif ready(a):
+                    issue(r, a)
+                else:
+                    break
                 progressed = True
-        if not progressed:
-            waiting = ", ".join(
-                f"rank {r}: {actions[at[r]]}"
-                for r, actions in enumerate(lists)
-                if at[r] < len(actions)
-            )
-            raise ValueError(f"the schedule cannot proceed: every rank waits ({waiting})")
-    return tuple(order)
+        if progressed:
+            continue
+        split = next(
+            (r for r, x in enumerate(lists) if at[r] in cell_starts[r] and ready(x[at[r]])), None
+        )
+        if split is not None:  # its halves apart: the forward now, the backward when ready
+            cell_starts[split].discard(at[split])
+            continue
+        waiting = ", ".join(
+            f"rank {r}: {actions[at[r]]}" for r, actions in enumerate(lists) if at[r] < len(actions)
+        )
+        raise ValueError(f"the schedule cannot proceed: every rank waits ({waiting})")
+    return OpList(tuple(order), frozenset(cells))
 
 
 # The compiled piece each kind runs (None: a transfer, not a program of its own).
@@ -197,12 +254,18 @@ class RankPrograms:
 
     Attributes:
       meshes: each rank's sub-mesh.
-      order: the op list (`issue_order`): ``(rank, action)`` in issue order.
+      order: the op list (`issue_ops`): ``(rank, action)`` in issue order.
+      cells: the positions in `order` of each `Overlap` cell issued as one
+        program (its forward half; its backward half is the next op).
+        `fuse_cells=False` issues every cell as its two halves.
       kernels: the stages' traced pieces, shared with the SPMD lowering.
       pieces: per stage, ``{"F", "I", "W", "B", "F_eval": jitted}`` on its
         rank's sub-mesh (``F_eval``: the forward of `loss`, keeping nothing).
+      cell_pieces: ``{(forward's stage, backward's stage, "I" or "B"): jitted}``,
+        each kind of cell in `cells` as one program (`_cell_piece`).
       compiled: per stage, the pieces' executables, once `compile` ran
         (`run` compiles on its first call).
+      compiled_cells: the cells' executables, keyed as `cell_pieces`.
       last_run: host figures of the latest `run`: ``host_ops`` (pieces,
         transfers and set-up calls issued) and ``seconds`` (to issue them
         all; the devices finish later).
@@ -219,6 +282,7 @@ class RankPrograms:
         stage_to_rank,
         fused_backward: bool = False,
         meshes=None,
+        fuse_cells: bool = True,
     ):
         check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
         self.schedule, self.layout, self.mesh = schedule, layout, mesh
@@ -277,9 +341,12 @@ class RankPrograms:
         self.n_dev = [m.devices.size for m in self.meshes]
         self._y_avals = [jax.tree.leaves(kk.y) for kk in kernels]  # each stage's output, per device
 
-        self.order = issue_order(schedule)
+        self.order, self.cells = issue_ops(schedule, fuse_cells)
         self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
         self.pieces = [self._stage_pieces(s) for s in range(S)]
+        self.cell_pieces = {
+            key: self._cell_piece(*key) for key in sorted({self._cell_key(i) for i in self.cells})
+        }
         self._finish = [self._finish_grads(r) for r in range(R)]
         self._end_loss = self._finish_loss()
         self._zeros = [
@@ -322,6 +389,7 @@ class RankPrograms:
             for r in range(R)
         ]
         self.compiled: list = []
+        self.compiled_cells: dict = {}  # {(forward's stage, backward's stage, kind): compiled}
         # seconds to lower and compile each piece, ``{(stage, kind): seconds}``
         self.compile_seconds: dict[tuple[int, str], float] = {}
         self.last_run: dict = {}
@@ -449,6 +517,36 @@ class RankPrograms:
             for kind, (fn, ins, outs) in specs.items()
         }
 
+    def _cell_key(self, i: int) -> tuple[int, int, str]:
+        """The fused cell at `order[i]`: ``(its forward's stage, its backward's, "I" or "B")``."""
+        return self.order[i][1].stage, self.order[i + 1][1].stage, self.order[i + 1][1].kind
+
+    def _cell_piece(self, sf: int, sb: int, kind: str):
+        """An `Overlap` cell's two halves as one program: stage `sf`'s F, then stage `sb`'s
+        I or B (its I and W), on their rank's sub-mesh.
+
+        Its arguments are the F's and then the backward's, as each piece takes
+        them; it returns ``(F's outputs, the backward's)``. Nothing orders one
+        half after the other inside it (neither reads the other's outputs), so
+        XLA may interleave their work; a B's I-to-W carry never leaves it.
+        """
+        f, b = self.pieces[sf], self.pieces[sb]
+        n_f = 5 if sf == self.num_stages - 1 else 4
+
+        def cell(*args):
+            fa, ba = args[:n_f], args[n_f:]
+            if kind == "I":
+                back = b["I"](*ba)
+            elif self.fused_backward:
+                back = b["B"](*ba)
+            else:
+                dx, carry = b["I"](*ba[:5])
+                back = dx, b["W"](*ba[:4], carry, ba[5])
+            return f["F"](*fa), back
+
+        donate = ((4,) if n_f == 5 else ()) + ((n_f + 5,) if kind == "B" else ())
+        return jax.jit(cell, donate_argnums=donate)
+
     def _finish_grads(self, r: int):
         """Rank `r`'s gradients averaged over the batch axes (fsdp summed where no scatter did).
 
@@ -564,6 +662,15 @@ class RankPrograms:
             {kind: compiled[s, kind] for kind in kinds} if s in local else None
             for s in range(self.num_stages)
         ]
+        self.compiled_cells = {}
+        for key, piece in self.cell_pieces.items():
+            sf, sb, kind = key
+            if sf not in local:
+                continue
+            start = time.perf_counter()
+            args = self._piece_args(sf, "F", batch) + self._piece_args(sb, kind, batch)
+            self.compiled_cells[key] = piece.lower(*args).compile()
+            self.compile_seconds[sf, f"F{sf}+{kind}{sb}"] = time.perf_counter() - start
         return self.compiled
 
     def _compile_pieces(self, keys, batch) -> dict:
@@ -740,8 +847,14 @@ class RankPrograms:
                 self._receive(step, i, r, a)
                 step.ops += self.courier.transfers - before
                 continue
+            if i - 1 in self.cells:  # the backward half of a cell, issued with its forward
+                if after_op is not None:
+                    after_op(i)
+                continue
             step.ops += 1
-            if a.kind in ("F", "FC"):
+            if i in self.cells:
+                self._issue_cell(step, i, r, a, self.order[i + 1][1])
+            elif a.kind in ("F", "FC"):
                 self._issue_forward(step, i, r, a)
             elif a.kind in ("W", "I", "B"):
                 self._issue_backward(step, i, r, a)
@@ -797,51 +910,88 @@ class RankPrograms:
         elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
             self._move(step.res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
 
-    def _issue_forward(self, step: _Step, i: int, r: int, a) -> None:
-        """F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums])."""
-        s, mb, S = a.stage, a.microbatch, self.num_stages
+    def _forward_args(self, step: _Step, r: int, a) -> tuple:
+        """An F's or FC's arguments, its input taken from where it waits."""
+        s, mb = a.stage, a.microbatch
         x = [] if s == 0 else step.x_in.pop((s, mb))
-        out = self.compiled[s][_PIECE_OF.get(a.kind, a.kind)](
-            *self._head(step, r, s, mb), x, *((step.loss_acc,) if s == S - 1 else ())
-        )
+        if a.kind == "FC":
+            step.inputs[(s, mb)] = x  # kept for its RECOMPUTE
+        loss = (step.loss_acc,) if s == self.num_stages - 1 else ()
+        return (*self._head(step, r, s, mb), x, *loss)
+
+    def _forward_done(self, step: _Step, i: int, r: int, a, out) -> None:
+        """An F's outputs ``(y, residuals[, loss sums])`` (an FC's: ``(y[, loss sums])``)
+        kept, and y sent to the next stage's rank."""
+        s, mb = a.stage, a.microbatch
         if a.kind == "F":
             step.res[(s, mb)] = out[1]
-        else:
-            step.inputs[(s, mb)] = x
-        if s == S - 1:
+        if s == self.num_stages - 1:
             step.loss_acc = out[-1]
         else:
             to = self.stage_to_rank[s + 1]
             _keep(step.x_in, (s + 1, mb), self._move(out[0], r, to, i, self._y_avals[s]))
             step.ops += to != r
 
-    def _issue_backward(self, step: _Step, i: int, r: int, a) -> None:
-        """W into the accumulators; I (its carry kept for its W) or B, sending the input
-        gradient to the stage before."""
-        s, mb, exe = a.stage, a.microbatch, self.compiled[a.stage]
-        head, res = self._head(step, r, s, mb), step.res
-        if a.kind == "W":
-            own_acc = self._own_acc(step, r, s)
-            step.acc[r].update(exe["W"](*head, res.pop((s, mb)), step.kept.pop((s, mb)), own_acc))
-            return
+    def _issue_forward(self, step: _Step, i: int, r: int, a) -> None:
+        """F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums])."""
+        piece = self.compiled[a.stage][_PIECE_OF.get(a.kind, a.kind)]
+        self._forward_done(step, i, r, a, piece(*self._forward_args(step, r, a)))
+
+    def _backward_args(self, step: _Step, r: int, a) -> tuple:
+        """An I's or B's arguments ``(head, residuals, output gradient[, accumulators])``."""
+        s, mb = a.stage, a.microbatch
         g = [] if s == self.num_stages - 1 else step.g_in.pop((s, mb))
+        if a.kind == "I":  # its W reads the residuals too
+            return (*self._head(step, r, s, mb), step.res[(s, mb)], g)
+        own_acc = self._own_acc(step, r, s)
+        return (*self._head(step, r, s, mb), step.res.pop((s, mb)), g, own_acc)
+
+    def _backward_done(self, step: _Step, i: int, r: int, a, out) -> None:
+        """An I's ``(dx, carry)`` (the carry kept for its W) or a B's ``(dx, accumulators)``;
+        dx sent to the stage before."""
+        s, mb = a.stage, a.microbatch
+        dx, second = out
         if a.kind == "I":
-            dx, step.kept[(s, mb)] = exe["I"](*head, res[(s, mb)], g)
-        elif not self.fused_backward:  # a B as its I, then its W
-            own_acc = self._own_acc(step, r, s)
-            dx, carry = exe["I"](*head, res[(s, mb)], g)
-            step.acc[r].update(exe["W"](*head, res.pop((s, mb)), carry, own_acc))
-            step.ops += 1
-            del own_acc, carry  # dropped before the send, as the step's memory is counted
+            step.kept[(s, mb)] = second
         else:
-            own_acc = self._own_acc(step, r, s)
-            dx, new_acc = exe["B"](*head, res.pop((s, mb)), g, own_acc)
-            step.acc[r].update(new_acc)
-            del own_acc, new_acc
+            step.acc[r].update(second)
+        del out, second  # dropped before the send, as the step's memory is counted
         if s > 0:
             to = self.stage_to_rank[s - 1]
             _keep(step.g_in, (s - 1, mb), self._move(dx, r, to, i, self._y_avals[s - 1]))
             step.ops += to != r
+
+    def _issue_backward(self, step: _Step, i: int, r: int, a) -> None:
+        """W into the accumulators; I (its carry kept for its W) or B, sending the input
+        gradient to the stage before."""
+        s, mb, exe = a.stage, a.microbatch, self.compiled[a.stage]
+        if a.kind == "W":
+            head, own_acc = self._head(step, r, s, mb), self._own_acc(step, r, s)
+            kept = step.kept.pop((s, mb))
+            step.acc[r].update(exe["W"](*head, step.res.pop((s, mb)), kept, own_acc))
+            return
+        args = self._backward_args(step, r, a)
+        if a.kind == "I":
+            out = exe["I"](*args)
+        elif not self.fused_backward:  # a B as its I, then its W
+            dx, carry = exe["I"](*args[:5])
+            out = dx, exe["W"](*args[:4], carry, args[5])
+            step.ops += 1
+            del carry
+        else:
+            out = exe["B"](*args)
+        del args
+        self._backward_done(step, i, r, a, out)
+
+    def _issue_cell(self, step: _Step, i: int, r: int, f, b) -> None:
+        """An `Overlap` cell issued as one program (`_cell_piece`): its forward `f` is op
+        `i`, its backward `b` op ``i + 1``."""
+        program = self.compiled_cells[f.stage, b.stage, b.kind]
+        f_args, b_args = self._forward_args(step, r, f), self._backward_args(step, r, b)
+        f_out, b_out = program(*f_args, *b_args)
+        del f_args, b_args
+        self._forward_done(step, i, r, f, f_out)
+        self._backward_done(step, i + 1, r, b, b_out)
 
     def _issue_memory_action(self, step: _Step, i: int, r: int, a) -> None:
         """RECOMPUTE, EVICT and LOAD, and the host copies (OFFLOAD_*, RELOAD_*)."""
@@ -952,6 +1102,21 @@ class RankPrograms:
         m = self.compiled[s][kind].memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
+    def op_working_bytes(self, i: int) -> int:
+        """What op `i` of `order` allocates while it runs (`piece_working_bytes`).
+
+        A cell issued as one program: its program's, counted at its forward
+        half (op `i`), and nothing at its backward half, which runs within it.
+        """
+        if i in self.cells:
+            sf, sb, kind = self._cell_key(i)
+            m = self.compiled_cells[sf, sb, kind].memory_analysis()
+            return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+        if i - 1 in self.cells:
+            return 0
+        a = self.order[i][1]
+        return self.piece_working_bytes(a.stage, a.kind)
+
     def held_values(self) -> list[list[int]]:
         """Per op of `order`, per rank: bytes of live values on each of its devices after it.
 
@@ -1005,7 +1170,7 @@ class RankPrograms:
         made = [len(self.order)] * self.num_ranks
         for i, (r, a) in reversed(list(enumerate(self.order))):
             if a.kind in ("W", "B"):
-                made[r] = i
+                made[r] = i - (i - 1 in self.cells)  # a cell's: before the whole cell
         return made
 
     def account(self) -> list[RankMemory | None]:
@@ -1037,8 +1202,8 @@ class RankPrograms:
         peak = list(grads)  # at the step's end every rank holds its gradients
         largest = [0] * R
         before = [0] * R
-        for i, ((r, a), after) in enumerate(zip(self.order, held, strict=True)):
-            work = self.piece_working_bytes(a.stage, a.kind) if self.local[r] else 0
+        for i, ((r, _), after) in enumerate(zip(self.order, held, strict=True)):
+            work = self.op_working_bytes(i) if self.local[r] else 0
             largest[r] = max(largest[r], work)
             acc = [grads[q] if i >= made[q] else 0 for q in range(R)]
             # While a piece runs its inputs are still held and its outputs being made.
@@ -1220,7 +1385,7 @@ class MpmdLowering(Lowering):
             raise ValueError("nothing is compiled yet: call Pipeline.compile first")
         analyses = [
             c.memory_analysis() for pieces in compiled.compiled if pieces for c in pieces.values()
-        ]
+        ] + [c.memory_analysis() for c in compiled.compiled_cells.values()]
         temp = max(a.temp_size_in_bytes for a in analyses)
         arguments = max(a.argument_size_in_bytes for a in analyses)
         return temp, arguments
