@@ -3,6 +3,7 @@
 Usage::
 
     python -m jpipe.check SPEC --ranks R --microbatches M [--chunks V] [--data D] [--json]
+    python -m jpipe.check SPEC -r R -m M --lowering mpmd
     python -m jpipe.check SPEC -r R -m M --tensor 2 [--fsdp 2] --model my_model.py:build
     python -m jpipe.check SPEC -r R -m M --model my_model.py:build [--config my_config.py]
 
@@ -33,7 +34,11 @@ stages or None for your stages under `jax.shard_map`); see
 `jpipe.testing.load_model` for how the two are told apart. ``--model
 tensor:BLOCK`` runs a built-in one whose stages
 write their own collectives over ``tensor`` (`jpipe.testing.TENSOR_BLOCKS`).
-``--tensor`` and ``--fsdp`` add those mesh axes.
+``--tensor`` and ``--fsdp`` add those mesh axes. ``--lowering mpmd`` checks
+the schedule under the per-rank lowering (one program per piece on each
+rank's devices, `jpipe.Pipeline`'s ``lowering="mpmd"``) instead of the
+default single SPMD program, so that you check the lowering you will run;
+the report names it.
 """
 
 from __future__ import annotations
@@ -103,6 +108,13 @@ def main(argv=None) -> int:
         help="tick layout: one piece per rank per tick (unit), up to one F, I and W "
         "(packed), or packed where no slower (auto, the default)",
     )
+    parser.add_argument(
+        "--lowering",
+        choices=("spmd", "mpmd"),
+        default="spmd",
+        help="spmd: one program for the whole mesh; mpmd: one program per piece on each "
+        "rank's devices (see jpipe.Pipeline)",
+    )
     parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error")
     parser.add_argument(
         "--compute-dtype",
@@ -145,6 +157,7 @@ def main(argv=None) -> int:
             tick_layout=args.layout,
             compute_dtype=args.compute_dtype,
             config=args.config,
+            lowering=args.lowering,
         )
     except (ScheduleError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -161,12 +174,13 @@ def main(argv=None) -> int:
         print(
             f"{result.schedule}: {result.ranks} ranks x {result.data} data{axes}, "
             f"{result.stages} stages, {result.microbatches} microbatches, {result.ticks} ticks "
-            f"({result.tick_layout}){model}"
+            f"({result.tick_layout}), {result.lowering} lowering{model}"
         )
         print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")
+        piece = " (the largest piece)" if result.lowering == "mpmd" else ""
         print(
-            f"compile {result.compile_seconds:.2f}s, per device: temp "
+            f"compile {result.compile_seconds:.2f}s, per device{piece}: temp "
             f"{result.temp_bytes / 2**20:.2f} MiB, "
             f"arguments {result.argument_bytes / 2**20:.2f} MiB"
         )

@@ -685,6 +685,8 @@ class CheckResult:
       ticks: the lock-step program's length.
       tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``).
       rtol: the tolerance used.
+      lowering: the lowering the pipeline ran under (``"spmd"`` or ``"mpmd"``),
+        as the `jpipe.Pipeline` built for the check reports it.
     """
 
     passed: bool
@@ -706,6 +708,7 @@ class CheckResult:
     fsdp: int = 1
     tensor: int = 1
     model: str = "small_model"
+    lowering: str = "spmd"
 
     def summary(self) -> dict:
         return dataclasses.asdict(self)
@@ -830,12 +833,14 @@ def check_schedule(
     )
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+    if lowering == "mpmd":
+        _check_every_process_holds_a_rank(devices[:devices_needed], R)
     mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
     pipe = Pipeline(
         model.stages, schedule, mesh, tick_layout=tick_layout, control=control, lowering=lowering
     )
     packed = pipe.pack(model.params, model.specs)
-    placed = jax.device_put(batch, pipe.batch_sharding)
+    placed = _place(batch, pipe.batch_sharding)
     loss, grads, temp, arguments = _pipelined_loss_and_grads(pipe, packed, placed)
     # Float32: the reference on the whole batch at once. Lower precision (in the compute
     # or in the activations' leaves): on the same microbatches.
@@ -863,6 +868,7 @@ def check_schedule(
         fsdp=fsdp,
         tensor=tensor,
         model=model.name,
+        lowering=pipe.lowering,
     )
 
 
@@ -880,6 +886,46 @@ def _model_to_check(
     if len(model.stages) != num_stages:
         raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {num_stages}")
     return model
+
+
+def _check_every_process_holds_a_rank(devices, num_ranks: int) -> None:
+    """Refuses a per-rank check in which some process of the run holds none of `devices`.
+
+    The per-rank lowering hands the loss to every process of the run from the process
+    of the last rank, and a process that holds no rank is not set up for that (it fails
+    inside the transfer); so the check asks for a mesh that reaches every process."""
+    import jax
+
+    count = jax.process_count()
+    held = sorted({d.process_index for d in devices})
+    if len(held) == count:
+        return
+    idle = sorted(set(range(count)) - set(held))
+    raise ValueError(
+        f"under the per-rank lowering (mpmd) every process must hold a pipeline rank, but "
+        f"the check's {len(devices)} devices ({num_ranks} ranks) lie in process(es) {held} "
+        f"of {count}, none in {idle}: launch fewer processes or fewer devices each "
+        "(jpipe.launch -n N --cpu_devices K with N x K the devices the check needs), or "
+        "check more ranks"
+    )
+
+
+def _place(batch, sharding):
+    """`batch` (the same on every process) laid out as `sharding` says, shard by shard.
+
+    Not `jax.device_put`: in a run of several processes with one device each, jax 0.10.2's
+    `device_put` makes an array whose `addressable_shards` raises ("must have one shard
+    each"), which the SPMD program accepts but the per-rank lowering, reading each rank's
+    shards, does not (``jpipe.launch -n 2 --cpu_devices 1 -- -m jpipe.check 1f1b -r 2 -m 4
+    --lowering mpmd``)."""
+    import jax
+    import numpy as np
+
+    def place(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    return jax.tree.map(place, batch)
 
 
 def _pipelined_loss_and_grads(pipe, packed, placed):
