@@ -74,6 +74,38 @@ def test_a_step_has_few_conditionals_whatever_its_size(name, chunks, control):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("control", ["cond", "switch"])
+def test_an_overlap_cell_in_one_tick_is_one_branch(control):
+    # DualPipeV laid out packed: each Overlap cell's F and I share a tick, and
+    # run in one branch of their own kind of cell (F then I), the F and I
+    # conditionals idle there: one conditional more in all ("switch") or per
+    # kind of cell ("cond"). Laid out unit, no cell shares a tick.
+    from jpipe.lower.spmd.program import cell_classes, plan_cells
+
+    schedule = jpipe.get_schedule("dualpipev", 4, 8, 2)
+    written = sum(isinstance(c, jpipe.Overlap) for row in schedule.ranks for c in row)
+    stages, params, make_batch = testing.small_model(schedule.num_stages)
+    mesh = jpipe.make_mesh(4, 1, jax.devices()[:4])
+    pipe = jpipe.Pipeline(stages, schedule, mesh, control=control, tick_layout="packed")
+    batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pipe.batch_sharding),
+        make_batch(16),
+    )
+    cells = plan_cells(pipe.tick_plan)
+    assert len(cells) == written > 0
+    assert plan_cells(jpipe.Pipeline(stages, schedule, mesh, tick_layout="unit").tick_plan) == {}
+    packed = pipe.packed_shapes(params)
+    program = pipe.program(batch)
+    classes = len(set(program.classes))
+    pairs = len(cell_classes(cells, program.classes))
+    hlo = jax.jit(pipe.step_fn(batch)).lower(packed, batch).compile()
+    want = 3 + 1 if control == "switch" else 3 * classes + pairs
+    assert hlo.as_text().count(" conditional(") == want
+    result = testing.check_schedule(schedule, tick_layout="packed", control=control)
+    assert result.passed, result
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,chunks", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
 )

@@ -186,8 +186,9 @@ class Overlap:
     `forward` first, then `backward`; both stages must live on the same rank.
     The per-rank lowering runs the cell as one program holding both halves
     (or as its halves apart, where the backward needs what the forward
-    starts); the SPMD program runs them as two pieces, in one tick under the
-    packed tick layout. See docs/schedules.md, "Overlapped cells".
+    starts); the SPMD program as one branch where its halves share a tick
+    (the packed tick layout puts them so). See docs/schedules.md,
+    "Overlapped cells".
     """
 
     forward: Action

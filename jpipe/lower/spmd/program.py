@@ -8,7 +8,10 @@ per tick; on each rank the row says which pieces to run and where in the
 buffers they read and write.
 
 **Control.** A tick runs its pieces in the order F, I, W (so a packed tick
-can run all three). Stages whose pieces trace to the same program, with the
+can run all three). An `Overlap` cell whose F and I the plan puts in one
+tick (the packed layout does) runs as one branch of its own
+(`plan_cells`, `_StepBuilder.run_cells`), the F and I conditionals idle
+there. Stages whose pieces trace to the same program, with the
 same shapes and the same parameter buckets (the blocks of a transformer, one
 per rank), form one *class* and share one branch: the rank's own rows of the
 buckets are the stage's parameters, whichever stage it is, so the program
@@ -98,6 +101,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jpipe.lower.spmd.ticks import COLUMNS, STAGE_COLUMNS, TickPlan, pack_lifetimes
+from jpipe.schedule.actions import Overlap
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.manual import DeviceView
 from jpipe.stage.pack import ParamLayout
@@ -489,6 +493,34 @@ def move_lanes(plan: TickPlan, classes, value_rows) -> tuple[tuple[Lane, ...], d
     return out, index
 
 
+def plan_cells(plan: TickPlan) -> dict[tuple[int, int], tuple[int, int]]:
+    """The `Overlap` cells whose two halves the plan puts in one tick on their rank.
+
+    ``{(tick, rank): (forward's stage, backward's stage)}``, for the program
+    to run each as one branch (`_StepBuilder.cells_by_switch`). The packed
+    tick layout puts a cell's forward and its backward's I in one tick; the
+    unit layout never does. A cell whose backward is of its own forward's
+    stage and microbatch is left out: its I reads what its F writes.
+    """
+    tick = {(piece.kind, piece.stage, piece.microbatch): (t, r) for t, r, piece in plan.pieces()}
+    out = {}
+    for row in plan.schedule.ranks:
+        for step in row:
+            if not isinstance(step, Overlap):
+                continue
+            f, b = step.forward, step.backward
+            at = tick.get(("F", f.stage, f.microbatch))
+            if at is not None and at == tick.get(("I", b.stage, b.microbatch)) and f.key != b.key:
+                out[at] = (f.stage, b.stage)
+    return out
+
+
+def cell_classes(cells: dict, classes) -> tuple[tuple[int, int], ...]:
+    """The distinct ``(F's class, I's class)`` of `cells` (`plan_cells`), in order: one
+    branch each."""
+    return tuple(sorted({(classes[sf], classes[sb]) for sf, sb in cells.values()}))
+
+
 def program_table(
     plan: TickPlan,
     classes,
@@ -496,6 +528,7 @@ def program_table(
     idle: bool = False,
     fc_classes: tuple = (),
     lanes=((), {}),
+    cells: dict | None = None,
 ) -> tuple[np.ndarray, dict]:
     """The plan's table with each piece's branch and value buffer rows added.
 
@@ -513,6 +546,11 @@ def program_table(
     ``lane{i}_on`` (1 where the receiver writes); for the host copies,
     ``host_class`` (0: none; 1 + the stage's class), ``host_reload`` (0: an
     offload, 1: a reload), ``host_res_row`` and ``host_row``.
+
+    `cells` (`plan_cells`), where given: ``cell_branch`` (0: none; 1 + the
+    place of the cell's ``(F class, I class)`` in `cell_classes` of the same
+    cells), with ``f_branch`` and ``i_branch`` 0 there, the cell's branch
+    running both.
     """
     base = plan.table(idle=idle).astype(np.int32)
     T, R, _ = base.shape
@@ -548,6 +586,15 @@ def program_table(
                 key = plan.res_key.get((piece, s, m), (s, m)) if value == "res" else (s, m)
                 values[t, r] = arenas[value].offset.get((value, *key), 0)
             add(f"{k}_{value}_row", values)
+    if cells:
+        pairs = cell_classes(cells, classes)
+        branch = np.zeros((T, R), np.int32)
+        for (t, r), (sf, sb) in cells.items():
+            if not idle:
+                branch[t, r] = 1 + pairs.index((classes[sf], classes[sb]))
+                extra[names["f_branch"] - base.shape[2]][t, r] = 0
+                extra[names["i_branch"] - base.shape[2]][t, r] = 0
+        add("cell_branch", branch)
     if not plan.moves:
         return np.concatenate([base] + [v[:, :, None] for v in extra], axis=2), names
     lane_list, lane_of = lanes
@@ -716,8 +763,11 @@ class _StepBuilder:
         )
         self.buckets = layout.buckets
         arenas = {"res": self.res, "carry": self.carry, "host": self.host}
+        # Overlap cells whose halves share a tick: one branch each (F, then I).
+        self.cells = {} if forward_only else plan_cells(plan)
+        self.cell_pairs = cell_classes(self.cells, classes)
         self.table, self.col = program_table(
-            plan, classes, arenas, idle, self.fc_classes, self.lanes
+            plan, classes, arenas, idle, self.fc_classes, self.lanes, self.cells
         )
         self.fsdp = layout.fsdp_axis
         self.local_zeros = {b: (layout.local_shape(b), dt) for b, (_, dt) in self.buckets.items()}
@@ -935,6 +985,45 @@ class _StepBuilder:
             grads = lax.cond(w_class >= 0, weight_grad, lambda g: g, grads)
         return grads, buf, send_f, send_i, loss_piece
 
+    def run_cells(self, flat, batch_mb, io, buf, row):
+        """The tick's `Overlap` cell, if the rank runs one: ``(buf, send_f, send_i, loss_piece)``.
+
+        One branch per kind of cell (`cell_pairs`), which runs the cell's F
+        and then its I; branch 0 is idle. Under ``"switch"`` control, one
+        switch, and the I reads its residuals from the buffer as the tick
+        found it (the F writes the rows of a value that starts now, the I
+        reads one still live: they differ), so neither half waits on the
+        other and XLA may interleave them. Under ``"cond"``, a cond per kind
+        of cell, as F and I each have, and the I reads the buffer the F
+        wrote: for an XLA that copies through switches (jaxlib 0.10's
+        XLA:CPU), the independent read made it copy the whole residual
+        buffer too (the per-device temp of `dualpipev` on 2 and 4 ranks
+        1.49x and 1.55x the program without cell branches; 1.05x and 1.03x
+        with the read after the write).
+        """
+        f_branches, i_branches = self.f_branches, self.i_branches
+        apart = self.control == "switch"
+        idle = (buf, self.zero_send(), self.zero_send(), self.loss_zero)
+        which = row[self.col["cell_branch"]]
+
+        def cell(pair):
+            cf, ci = pair
+
+            def run(state):
+                b = state[0]
+                f_buf, send_f, loss_piece = f_branches[cf](flat, batch_mb, io, b, row)
+                i_buf, send_i = i_branches[ci](flat, batch_mb, io, b if apart else f_buf, row)
+                return (f_buf[0], i_buf[1]), send_f, send_i, loss_piece
+
+            return run
+
+        if self.control == "switch":
+            return lax.switch(which, [lambda s: s] + [cell(p) for p in self.cell_pairs], idle)
+        state = idle
+        for j, pair in enumerate(self.cell_pairs):
+            state = lax.cond(which == 1 + j, cell(pair), lambda s: s, state)
+        return state
+
     # -- memory actions and hand-overs ---------------------------------------
 
     def move_residuals(self, buf, host_buf, row):
@@ -1047,10 +1136,18 @@ class _StepBuilder:
         # Column `{kind}_branch` is 0 when no piece of that kind runs here,
         # else 1 + the stage's class.
         classes = tuple(row[col[f"{k}_branch"]] - 1 for k in "fiw")
+        if self.cell_pairs:  # an Overlap cell's F and I, before the tick's W
+            buf, *cell_out = self.run_cells(flat, batch_mb, io, buf, row)
         run_pieces = self.pieces_by_switch if self.control == "switch" else self.pieces_by_cond
         grads, buf, send_f, send_i, loss_piece = run_pieces(
             flat, batch_mb, io, grads, buf, row, classes
         )
+        if self.cell_pairs:  # where the cell ran, the F and I conditionals did not
+            on = row[col["cell_branch"]] > 0
+            cell_f, cell_i, cell_loss = cell_out
+            send_f = {dt: jnp.where(on, cell_f[dt], v) for dt, v in send_f.items()}
+            send_i = {dt: jnp.where(on, cell_i[dt], v) for dt, v in send_i.items()}
+            loss_piece = jnp.where(on, cell_loss, loss_piece)
         if self.fc_classes:  # a recompute's loss was counted by its FC
             loss_piece = jnp.where(
                 row[col["f_mode"]] == TickPlan.F_MODES["R"], jnp.zeros_like(loss_piece), loss_piece
