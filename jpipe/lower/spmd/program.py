@@ -859,11 +859,16 @@ class _StepBuilder:
             return buf, self.zero_send(), loss_piece.astype(loss_dtype)
         return buf, k.y_layout.pack(y, self.io_widths), self.loss_zero
 
-    def input_grad(self, c, flat, batch_mb, io, buf, row):
-        """Class `c`'s I, writing its carry in place: ``(buf, send)``."""
+    def input_grad(self, c, flat, batch_mb, io, buf, row, residuals=None):
+        """Class `c`'s I, writing its carry in place: ``(buf, send)``.
+
+        Its residuals from the buffer, unless given (an `Overlap` cell's,
+        read before its F writes, `run_cells`).
+        """
         s, S = self.members[c][0], self.S
         k, col, kernels = self.kernels[s], self.col, self.kernels
-        residuals = self.res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
+        if residuals is None:
+            residuals = self.res.load(buf[0], "res", s, k.res_layout, row[col["i_res_row"]])
         if s == S - 1 and self.weighted:
             # d(total) = 1 and d(weight) = 0: the step divides by the summed
             # weights once, at the end (the weight must not depend on the
@@ -989,17 +994,20 @@ class _StepBuilder:
         """The tick's `Overlap` cell, if the rank runs one: ``(buf, send_f, send_i, loss_piece)``.
 
         One branch per kind of cell (`cell_pairs`), which runs the cell's F
-        and then its I; branch 0 is idle. Under ``"switch"`` control, one
-        switch, and the I reads its residuals from the buffer as the tick
-        found it (the F writes the rows of a value that starts now, the I
-        reads one still live: they differ), so neither half waits on the
-        other and XLA may interleave them. Under ``"cond"``, a cond per kind
-        of cell, as F and I each have, and the I reads the buffer the F
-        wrote: for an XLA that copies through switches (jaxlib 0.10's
-        XLA:CPU), the independent read made it copy the whole residual
-        buffer too (the per-device temp of `dualpipev` on 2 and 4 ranks
-        1.49x and 1.55x the program without cell branches; 1.05x and 1.03x
-        with the read after the write).
+        and its I; branch 0 is idle. Under ``"switch"`` control, one switch,
+        and the I's residuals are read before the F writes its own (an
+        `optimization_barrier` orders the read before the write; the rows
+        differ, the F's value starting now and the I's still live), so
+        neither half's compute waits on the other's and XLA may interleave
+        them. Under ``"cond"``, a cond per kind of cell, as F and I each
+        have, and the I reads the buffer the F wrote: an XLA that copies
+        through switches (jaxlib 0.10's XLA:CPU) copied the whole residual
+        buffer for the early read. Measured on `dualpipev`, 2 and 4 ranks,
+        packed, the per-device temp against the program without cell
+        branches: jaxlib 0.12.1 "switch" 1.004x and 0.993x (the I reading the
+        buffer as the tick found it, with no barrier: 1.45x and 1.53x);
+        0.12.1 "cond" 1.05x and 1.03x; 0.10.2 "cond" the same (the early
+        read: 1.49x and 1.55x).
         """
         f_branches, i_branches = self.f_branches, self.i_branches
         apart = self.control == "switch"
@@ -1011,8 +1019,20 @@ class _StepBuilder:
 
             def run(state):
                 b = state[0]
-                f_buf, send_f, loss_piece = f_branches[cf](flat, batch_mb, io, b, row)
-                i_buf, send_i = i_branches[ci](flat, batch_mb, io, b if apart else f_buf, row)
+                if not apart:  # the I reads the buffer the F wrote
+                    f_buf, send_f, loss_piece = f_branches[cf](flat, batch_mb, io, b, row)
+                    i_buf, send_i = i_branches[ci](flat, batch_mb, io, f_buf, row)
+                    return (f_buf[0], i_buf[1]), send_f, send_i, loss_piece
+                # The I's residuals read first; the F writes into the buffer
+                # only after that read (the barrier), so the F's and the I's
+                # compute depend on nothing of each other.
+                s = self.members[ci][0]
+                at = row[self.col["i_res_row"]]
+                res = self.res.load(b[0], "res", s, self.kernels[s].res_layout, at)
+                res, after_read = lax.optimization_barrier((res, b[0]))
+                after_read = (after_read, b[1])
+                f_buf, send_f, loss_piece = f_branches[cf](flat, batch_mb, io, after_read, row)
+                i_buf, send_i = self.input_grad(ci, flat, batch_mb, io, b, row, res)
                 return (f_buf[0], i_buf[1]), send_f, send_i, loss_piece
 
             return run
