@@ -697,3 +697,54 @@ def test_a_loss_stage_passing_on_a_fraction_of_a_byte_a_sequence_is_read():
     data["output_bytes"][-1] = 1e-9  # not a size in any unit
     with pytest.raises(ValueError, match=r"output_bytes\[3\]"):
         _profiles.profile_from_json(data)
+
+
+# --- any JSON file a user gives: one reader, one line naming the kind, the file and the place --
+
+
+def _sailor_info(path):
+    os.makedirs(os.path.join(os.path.dirname(path), "profiles", "X"))
+    return load_sailor_profile("X", os.path.dirname(path))
+
+
+JSON_FILES = [
+    ("plan file", "plan.json", read_plan_file),
+    ("profile", "profile.json", load_profile),
+    ("profile", "stages.json", jpipe.load_stage_profile),
+    ("Sailor plan file", "plan_config_N1_D1.json", jpipe.planner.load_sailor_plan),
+    ("Sailor file", "llm_info.json", _sailor_info),
+]
+JSON_IDS = ["plan", "profile", "stage profile", "Sailor plan", "Sailor"]
+
+
+@pytest.mark.parametrize("kind, name, read", JSON_FILES, ids=JSON_IDS)
+@pytest.mark.parametrize(
+    "text, place",
+    [
+        (b'{\n  "format": 2,\n}', r"is not JSON: Expecting property name .*: line 3 column 1 "),
+        (b'{\n  "format": "\xff"}', r"is not JSON: not UTF-8 text at line 2 column 14 \(byte 0xff"),
+        (b"", r"is not JSON: Expecting value: line 1 column 1 "),
+    ],
+    ids=["trailing comma", "not UTF-8", "empty"],
+)
+def test_a_file_that_is_not_json_is_refused_naming_kind_file_and_place(
+    tmp_path, kind, name, read, text, place
+):
+    path = tmp_path / name
+    path.write_bytes(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{kind} {str(path)!r}')} {place}") as e:
+        read(str(path))
+    _one_line(str(e.value))
+
+
+@pytest.mark.parametrize("kind, name, read", JSON_FILES, ids=JSON_IDS)
+def test_a_missing_file_is_refused_naming_kind_and_file(tmp_path, kind, name, read):
+    path = tmp_path / name
+    with pytest.raises(ValueError, match=f"^cannot read {re.escape(f'{kind} {str(path)!r}')}: "):
+        read(str(path))
+
+
+def test_a_json_file_may_start_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD_PLAN).encode())
+    assert read_plan_file(str(path)).pipe == 2

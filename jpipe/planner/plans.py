@@ -98,7 +98,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import json
 import math
 import statistics
 import time
@@ -115,6 +114,7 @@ from jpipe.planner.partition import (
     uniform_partition,
 )
 from jpipe.planner.profiles import Profile
+from jpipe.runtime.jsonfile import read_json
 from jpipe.schedule.actions import Schedule
 from jpipe.schedule.registry import get_schedule
 from jpipe.schedule.simulate import (
@@ -794,11 +794,7 @@ def plan_from_sailor(config: dict, schedule: str = "1f1b") -> ClusterPlan:
 
 def load_sailor_plan(path: str, schedule: str = "1f1b") -> tuple[ClusterPlan, dict]:
     """Reads a Sailor plan file; returns the plan and the raw JSON (with ``real``, ``max_mem``)."""
-    with open(path) as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
+    raw = read_json(path, "Sailor plan file")
     return plan_from_sailor(raw, schedule), raw
 
 
@@ -2282,14 +2278,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
     from jpipe.schedule.actions import MAX_RANKS, check_size
 
     if isinstance(source, str):
-        try:
-            with open(source) as f:
-                d = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read plan file {source!r}: {e.strerror}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"plan file {source!r} is not JSON: {e}") from None
-        where = source
+        d, where = read_json(source, "plan file"), source
     else:
         d, where = source, "the plan"
     if not isinstance(d, dict):

@@ -49,6 +49,7 @@ import statistics
 from collections.abc import Sequence
 
 from jpipe.planner.choices import SAILOR_SHAPES, MemoryChoice, ModelShape
+from jpipe.runtime.jsonfile import read_json
 
 FORMAT = "jpipe-profile/2"
 OLD_FORMATS = ("jpipe-profile/1",)
@@ -552,13 +553,7 @@ class Profile:
 
 def _sailor_json(path: str):
     """One of Sailor's JSON files, or one line naming it."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read Sailor file {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
+    d = read_json(path, "Sailor file")
     if not isinstance(d, dict):
         raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
     return d
@@ -1040,12 +1035,7 @@ def save_profile(profile: Profile, path: str) -> None:
 
 def load_profile(path: str) -> Profile:
     """Reads a jpipe profile file (strictly: `profile_from_json`)."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not JSON: {e}") from None
-    return profile_from_json(d, path)
+    return profile_from_json(read_json(path, "profile"), path)
 
 
 def profile_from_stage_times(

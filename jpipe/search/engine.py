@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import operator
 import os
@@ -94,6 +93,7 @@ from typing import NamedTuple
 
 from jpipe.lower.bytes import HeldBytes, RankBytes
 from jpipe.lower.interface import KINDS, MPMD, LoweringKind
+from jpipe.runtime.jsonfile import read_json
 from jpipe.schedule.actions import COMPUTE_KINDS, MEMORY_KINDS, Action, Overlap, Schedule
 from jpipe.schedule.registry import get_schedule
 from jpipe.schedule.simulate import (
@@ -998,14 +998,7 @@ def load_stage_profile(
                 have = sorted(f[:-5] for f in os.listdir(PROFILES_DIR) if f.endswith(".json"))
                 raise ValueError(f"no profile file {path!r} and none shipped by that name ({have})")
             path = shipped
-        name = path
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read profile {path!r}: {e.strerror}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
+        name, d = path, read_json(path, "profile")
     kind = d.get("format") if isinstance(d, dict) else None
     try:
         if kind == TRAINER_PROFILE_FORMAT:
