@@ -47,6 +47,7 @@ import argparse
 import json
 import sys
 
+from jpipe.lower.interface import lowering_kind
 from jpipe.runtime.console import run_main
 from jpipe.schedule.registry import add_option_argument, get_schedule, parse_options
 from jpipe.schedule.validate import ScheduleError
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
         )
         print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")
-        piece = " (the largest piece)" if result.lowering == "mpmd" else ""
+        piece = "" if lowering_kind(result.lowering).one_program else " (the largest piece)"
         print(
             f"compile {result.compile_seconds:.2f}s, per device{piece}: temp "
             f"{result.temp_bytes / 2**20:.2f} MiB, "

@@ -826,6 +826,7 @@ def check_schedule(
 
     import jax
 
+    from jpipe.lower.interface import lowering_kind
     from jpipe.lower.pipeline import Pipeline, make_mesh
 
     model = _model_to_check(
@@ -833,7 +834,7 @@ def check_schedule(
     )
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
-    if lowering == "mpmd":
+    if not lowering_kind(lowering).one_program:  # driven from each process's host
         _check_every_process_holds_a_rank(devices[:devices_needed], R)
     mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
     pipe = Pipeline(
