@@ -207,3 +207,36 @@ def test_the_per_rank_model_counts_transfers_on_the_safe_side(small, spec):
         model, compiled = _model_and_compiled(small, spec, None, kind.layout)
         for r, (want, got) in enumerate(zip(model.device, compiled["device"], strict=True)):
             assert got <= want * (1 + MARGIN), (spec, r, got, want)
+
+
+def test_per_piece_working_walks_the_events_once_and_keeps_the_live_peaks():
+    # With working memory per kind of piece, the per-rank model reads each
+    # rank's peak of live values from the same walk as its busiest moment
+    # (`_busy`); both must be what the live curves say, memory actions
+    # (recompute, evict, offload) and overlapped cells included.
+    from jpipe.search.engine import _busy, _curves
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_compiler_properties import random_schedule
+
+    names = [("zb_h1", None), ("dualpipev", 2), ("1f1b_bpipe", None), ("zb_h1_offload", None)]
+    schedules = [jpipe.get_schedule(n, 4, 8, c) for n, c in names]
+    schedules += [
+        random_schedule(s, 1 + s % 3, 1 + s % 3 + s % 2, 1 + s % 4, memory=True, overlap=s % 2)
+        for s in range(60)
+    ]
+    for schedule in schedules:
+        S = schedule.num_stages
+        figures = StageFigures(
+            sizes=jpipe.Sizes(activation=3.0, carry=2.0, params=1.0, input=1.5),
+            working=0.5,
+            num_stages=S,
+            working_by_kind=tuple({"F": 1.0, "I": 2.0, "W": 0.7} for _ in range(S)),
+        )
+        sim = jpipe.simulate(schedule, figures.costs)
+        busy, peaks = _busy(sim, figures)
+        curves = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
+        assert peaks == [max(0.0, v) for v in curves], schedule
+        assert all(b >= p for b, p in zip(busy, peaks, strict=True))
+        held = device_bytes(sim, figures, KINDS["mpmd"].layout)
+        assert list(held.values) == peaks

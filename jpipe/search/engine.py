@@ -1162,31 +1162,33 @@ def _curves(sim: Simulation, figures: StageFigures):
 _PIECES = frozenset(("F", "FC", "B", "I", "W", "RECOMPUTE"))
 
 
-def _busy(sim: Simulation, figures: StageFigures) -> list[float]:
+def _busy(sim: Simulation, figures: StageFigures) -> tuple[list[float], list[float]]:
     """Per rank, the most it holds while a piece runs: the live values when each piece
     starts (its own takes not yet counted) plus that piece's working memory
     (`StageFigures.working_by_kind`, the stage's `working` for a kind it lacks), or its
     peak of live values where that is more. What the per-rank lowering's account
-    counts (`jpipe.RankPrograms.account`)."""
+    counts (`jpipe.RankPrograms.account`). And, from the same walk, each rank's peak of
+    live values alone (at least 0), as `_curves` gives it."""
     rows, starts, events = _events(sim, figures)
     S = sim.schedule.num_stages
     by_kind, working = figures.working_by_kind, figures.working_table(S)
-    out = []
+    out, peaks = [], []
     for r, row in enumerate(events):
         # at a piece's start, before its own takes (`_live_events` keys a start (t, 1, i, 0))
         probes = [((starts[r][i], 1, i, -1), a) for i, a in enumerate(rows[r]) if a.kind in _PIECES]
         merged = sorted([(k, d, None) for k, d, _ in row] + [(k, 0.0, a) for k, a in probes],
                         key=operator.itemgetter(0))  # fmt: skip
-        live = most = 0.0
+        live = most = peak = 0.0
         for _, delta, a in merged:
             if a is None:
                 live += delta
-                most = max(most, live)
+                peak = max(peak, live)
             else:
                 kinds = by_kind[a.stage] if by_kind is not None else {}
                 most = max(most, live + kinds.get(a.kind, working[a.stage]))
-        out.append(most)
-    return out
+        out.append(max(most, peak))
+        peaks.append(peak)
+    return out, peaks
 
 
 def _starts_of(sim: Simulation, rows):
@@ -1282,18 +1284,21 @@ def device_bytes(
 def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
     """`device_bytes`, with `_rank_figures` at hand."""
     schedule = sim.schedule
+    # Working memory per kind of piece matters only where a device holds its own rank's
+    # working memory while a piece runs (the per-rank lowering), not a buffer sized once.
+    per_piece = (
+        figures.working_by_kind is not None and not layout_kind(layout).every_device_holds_busiest
+    )
+    busy = ()
+    if per_piece:  # one walk of the events gives the live values' peaks too
+        busy, peaks = _busy(sim, figures)
+        values = peaks if values is None else values
     if values is None:
         values = [max((live for _, live, _ in c), default=0.0) for c in _curves(sim, figures)]
     values = tuple(max(0.0, v) for v in values)
     model = layout_kind(layout).byte_model()
     size = figures.sizes.table(schedule.num_stages)
     buffers = model.buffers(schedule, size["activation"], size["carry"])
-    # Working memory per kind of piece matters only where a device holds its own rank's
-    # working memory while a piece runs (the per-rank lowering), not a buffer sized once.
-    per_piece = (
-        figures.working_by_kind is not None and not layout_kind(layout).every_device_holds_busiest
-    )
-    busy = _busy(sim, figures) if per_piece else ()
     held = model.device_bytes(_need(ranks, values, buffers, busy))
     working = tuple(h.working for h in held) if per_piece else tuple(ranks[2])
     return DeviceBytes(
