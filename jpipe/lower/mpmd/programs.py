@@ -101,82 +101,124 @@ def issue_ops(schedule: Schedule, fuse_cells: bool = True) -> OpList:
     needs only what its own rank issued before it.
 
     An `Overlap` cell is taken whole, as one program (`RankPrograms`), once
-    both its halves have their inputs: its backward may not wait on its own
-    forward. Where every rank waits and a cell's forward could go alone (its
-    backward needs what the forward starts, here or through other ranks),
-    that cell is split into its two halves, issued apart; a cell is split only
-    so. A validated schedule never stalls here; one that does is refused,
-    naming the actions that wait. With `fuse_cells` False every cell is
-    issued as its two halves (no `OpList.cells`).
+    both its halves have their inputs. A cell whose backward needs what its
+    own forward starts (on its rank, or through other ranks) cannot be one
+    program: where every rank waits and some cells' forwards could go alone,
+    the first cell whose backward its own forward alone unblocks (the walk
+    tried with that cell split reaches its backward before it stalls again)
+    is split into its two halves, issued apart; where none is, the first
+    ready one. A validated schedule never stalls here; one that does is
+    refused, naming the actions that wait. With `fuse_cells` False every cell
+    is issued as its two halves (no `OpList.cells`).
     """
-    S = schedule.num_stages
-    lists: list[list[Action]] = []
-    cell_starts: list[set[int]] = []  # per rank, where each Overlap cell starts in its list
-    for r in range(len(schedule.ranks)):
-        actions, starts = [], set()
-        for step in schedule.ranks[r]:
-            if isinstance(step, Overlap) and fuse_cells:
-                starts.add(len(actions))
-            actions += step.parts
-        lists.append(actions)
-        cell_starts.append(starts)
-    done: set[tuple[str, int, int]] = set()
-    at = [0] * len(lists)
-    order: list[tuple[int, Action]] = []
-    cells: set[int] = set()
+    walk = _Walk(schedule, fuse_cells)
+    while not walk.finished():
+        if walk.run():
+            continue
+        ready = walk.splittable()
+        if not ready:
+            waiting = ", ".join(
+                f"rank {r}: {x[walk.at[r]]}"
+                for r, x in enumerate(walk.lists)
+                if walk.at[r] < len(x)
+            )
+            raise ValueError(f"the schedule cannot proceed: every rank waits ({waiting})")
+        walk.split(next((r for r in ready if walk.unblocks_itself(r)), ready[0]))
+    return OpList(tuple(walk.order), frozenset(walk.cells))
 
-    def ready(a: Action) -> bool:
-        s, m = a.stage, a.microbatch
+
+class _Walk:
+    """The state of `issue_ops`' walk: what is issued, and where each rank stands."""
+
+    def __init__(self, schedule: Schedule, fuse_cells: bool):
+        self.S = schedule.num_stages
+        self.lists: list[list[Action]] = []
+        self.cell_starts: list[set[int]] = []  # per rank, where each cell starts in its list
+        for row in schedule.ranks:
+            actions, starts = [], set()
+            for step in row:
+                if isinstance(step, Overlap) and fuse_cells:
+                    starts.add(len(actions))
+                actions += step.parts
+            self.lists.append(actions)
+            self.cell_starts.append(starts)
+        self.done: set[tuple[str, int, int]] = set()
+        self.at = [0] * len(self.lists)
+        self.order: list[tuple[int, Action]] = []
+        self.cells: set[int] = set()
+
+    def copy(self) -> _Walk:
+        other = object.__new__(_Walk)
+        other.S, other.lists = self.S, self.lists
+        other.cell_starts = [set(s) for s in self.cell_starts]
+        other.done, other.at = set(self.done), list(self.at)
+        other.order, other.cells = list(self.order), set(self.cells)
+        return other
+
+    def finished(self) -> bool:
+        return all(at == len(x) for at, x in zip(self.at, self.lists, strict=True))
+
+    def ready(self, a: Action) -> bool:
+        s, m, done = a.stage, a.microbatch, self.done
         if a.kind in ("F", "FC"):
             return s == 0 or ("F", s - 1, m) in done
         if a.kind in ("I", "B"):
             if ("F", s, m) not in done:
                 return False
-            return s == S - 1 or ("I", s + 1, m) in done
+            return s == self.S - 1 or ("I", s + 1, m) in done
         if a.kind == "W":
             return ("I", s, m) in done
         return True  # a memory action: its rank's list order is all it needs
 
-    def issue(r: int, a: Action) -> None:
-        order.append((r, a))
-        done.add((a.kind, a.stage, a.microbatch))
+    def _issue(self, r: int, a: Action) -> None:
+        self.order.append((r, a))
+        self.done.add((a.kind, a.stage, a.microbatch))
         if a.kind == "B":  # a B is its I and its W
-            done.add(("I", a.stage, a.microbatch))
+            self.done.add(("I", a.stage, a.microbatch))
         if a.kind == "FC":  # a forward, whatever it keeps
-            done.add(("F", a.stage, a.microbatch))
-        at[r] += 1
+            self.done.add(("F", a.stage, a.microbatch))
+        self.at[r] += 1
 
-    total = sum(len(x) for x in lists)
-    while len(order) < total:
+    def run(self) -> bool:
+        """One round over the ranks, each as far as it can go; whether any moved."""
         progressed = False
-        for r, actions in enumerate(lists):
-            while at[r] < len(actions):
-                a = actions[at[r]]
-                if at[r] in cell_starts[r]:  # a cell: both halves at once, or wait
-                    b = actions[at[r] + 1]
-                    if not (ready(a) and ready(b)):
+        for r, actions in enumerate(self.lists):
+            while self.at[r] < len(actions):
+                a = actions[self.at[r]]
+                if self.at[r] in self.cell_starts[r]:  # a cell: both halves at once, or wait
+                    b = actions[self.at[r] + 1]
+                    if not (self.ready(a) and self.ready(b)):
                         break
-                    cells.add(len(order))
-                    issue(r, a)
-                    issue(r, b)
-                elif ready(a):
-                    issue(r, a)
+                    self.cells.add(len(self.order))
+                    self._issue(r, a)
+                    self._issue(r, b)
+                elif self.ready(a):
+                    self._issue(r, a)
                 else:
                     break
                 progressed = True
-        if progressed:
-            continue
-        split = next(
-            (r for r, x in enumerate(lists) if at[r] in cell_starts[r] and ready(x[at[r]])), None
-        )
-        if split is not None:  # its halves apart: the forward now, the backward when ready
-            cell_starts[split].discard(at[split])
-            continue
-        waiting = ", ".join(
-            f"rank {r}: {actions[at[r]]}" for r, actions in enumerate(lists) if at[r] < len(actions)
-        )
-        raise ValueError(f"the schedule cannot proceed: every rank waits ({waiting})")
-    return OpList(tuple(order), frozenset(cells))
+        return progressed
+
+    def splittable(self) -> list[int]:
+        """The ranks waiting at a cell whose forward could go alone."""
+        return [
+            r
+            for r, x in enumerate(self.lists)
+            if self.at[r] in self.cell_starts[r] and self.ready(x[self.at[r]])
+        ]
+
+    def split(self, r: int) -> None:
+        """Rank `r`'s waiting cell issued as its two halves."""
+        self.cell_starts[r].discard(self.at[r])
+
+    def unblocks_itself(self, r: int) -> bool:
+        """Whether splitting rank `r`'s waiting cell lets the walk reach its backward before
+        it next stalls: the cell waited on its own forward."""
+        trial, i = self.copy(), self.at[r] + 1
+        trial.split(r)
+        while trial.at[r] <= i and trial.run():
+            pass
+        return trial.at[r] > i
 
 
 # The compiled piece each kind runs (None: a transfer, not a program of its own).

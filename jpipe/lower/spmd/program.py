@@ -497,7 +497,7 @@ def plan_cells(plan: TickPlan) -> dict[tuple[int, int], tuple[int, int]]:
     """The `Overlap` cells whose two halves the plan puts in one tick on their rank.
 
     ``{(tick, rank): (forward's stage, backward's stage)}``, for the program
-    to run each as one branch (`_StepBuilder.cells_by_switch`). The packed
+    to run each as one branch (`_StepBuilder.run_cells`). The packed
     tick layout puts a cell's forward and its backward's I in one tick; the
     unit layout never does. A cell whose backward is of its own forward's
     stage and microbatch is left out: its I reads what its F writes.
