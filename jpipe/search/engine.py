@@ -1709,6 +1709,16 @@ class _Seen(NamedTuple):
 
 
 def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
+    """A walk over memory actions on `base` until it fits: ``(schedule, moves, figures)``,
+    or None where it gives up (out of time or simulations, no progress at the peak, or
+    nothing left that frees bytes on the fullest device).
+
+    Each step tries the moves on the pairs live at the fullest device's peak
+    (`_step_trials`) and takes the one that frees the most per second it costs
+    (`_choose_step`), or, where none frees anything, the least bad one as a short tabu
+    walk. Once it fits, moves not needed are taken back and each is tried as another
+    (`_polish`). `evaluate(schedule[, simulation])` gives ``(timeline, fit, bytes)``.
+    """
     if not allowed:
         return None
     R = base.num_ranks
@@ -1746,11 +1756,17 @@ def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
     if current is None:
         return None
 
-    def partners(r):
-        # BPipe's partner, and the rank whose device has the most room now
-        mem = current[2]
-        roomiest = min((q for q in range(R) if q != r), key=lambda q: mem.device[q], default=None)
-        return sorted({q for q in (R - 1 - r, roomiest) if q is not None and q != r})
+    def variants(figures, key, now=None):
+        """The moves of `key` other than `now`, with the partners as `figures` leave them."""
+
+        def partners(r):
+            # BPipe's partner, and the rank whose device has the most room now
+            mem = figures[2]
+            others = (q for q in range(R) if q != r)
+            roomiest = min(others, key=lambda q: mem.device[q], default=None)
+            return sorted({q for q in (R - 1 - r, roomiest) if q is not None and q != r})
+
+        return _variants(base, key, allowed, now, partners, laid_out)
 
     tau = 0.01 * current[0].makespan  # so that a free move is worth far more than a costly one
     steps = stalls = 0
@@ -1768,51 +1784,8 @@ def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
             lowest, since = fit.peak_over, 0
         elif (since := since + 1) > patience:
             return None
-        trials = []  # (pairs changed, moves)
-        keys = [k for k in fit.at_peak if base.stage_to_rank[k[0]] == fit.fullest or k in moves]
-        keys = keys or list(fit.at_peak)
-        for key in keys:
-            for mv in _variants(base, key, allowed, moves.get(key), partners, laid_out):
-                trials.append(({key}, {**moves, key: mv}))
-        # the same move for every microbatch of a stage at once (1F1B's plateaus: its
-        # first rank holds R microbatches through the whole steady state)
-        for s in sorted({k[0] for k in keys}):
-            shapes = {
-                dataclasses.replace(mv, microbatch=0)
-                for k in keys
-                if k[0] == s
-                for mv in _variants(base, k, allowed, None, partners, laid_out)
-            }
-            for shape in sorted(shapes):
-                # to the pairs of the stage not moved yet, and to all of them
-                fill, every = dict(moves), dict(moves)
-                for m in range(base.num_microbatches):
-                    mv = dataclasses.replace(shape, microbatch=m)
-                    if mv in _variants(base, (s, m), allowed, None, partners, laid_out):
-                        every[(s, m)] = mv
-                        if (s, m) not in moves:
-                            fill[(s, m)] = mv
-                if len(fill) > len(moves) + 1:
-                    trials.append((set(fill) - set(moves), fill))
-                changed = {k for k in every if every[k] != moves.get(k)}
-                if every != fill and len(changed) > 1:
-                    trials.append((changed, every))
-        best = least_bad = None
-        for changed, trial in trials:
-            got = run(trial)
-            if got is None:
-                continue
-            sim, new, _ = got
-            gain = (fit.area - new.area, fit.peak_over - new.peak_over)
-            if gain[0] > 0 or (gain[0] == 0 and gain[1] > 0):
-                cost = max(0.0, sim.makespan - current[0].makespan) + tau
-                score = (gain[0] / cost, gain[1] / cost)
-                if best is None or score > best[0]:
-                    best = (score, trial, got)
-            elif not changed & set(recent):
-                rank = (new.peak_over, new.area, sim.makespan)
-                if least_bad is None or rank < least_bad[0]:
-                    least_bad = (rank, trial, got, changed)
+        trials = _step_trials(base, fit, moves, functools.partial(variants, current))
+        best, least_bad = _choose_step(trials, run, fit, current, tau, recent)
         if best is not None:
             moves, current = best[1], best[2]
         elif least_bad is not None and stalls < 2 * base.num_ranks:
@@ -1830,7 +1803,77 @@ def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
                 f"    {base.name}: {len(moves)} pairs moved, "
                 f"{format_bytes(current[1].peak_over)} over, step {current[0].makespan:.4g}"
             )
-    # Take back what is not needed, then try each move as another.
+    moves, current = _polish(moves, current, run, variants, deadline, evaluate)
+    ordered = tuple(sorted(moves.values(), key=_MOVE_ORDER))
+    if ordered and isinstance(current[0], _Timeline):  # built in the walk: validated once
+        return current[0].schedule, ordered, current
+    return build(ordered), ordered, current
+
+
+def _step_trials(base, fit, moves, variants) -> list[tuple[set, dict]]:
+    """The local search's candidate steps from `moves`: ``(pairs changed, moves)``;
+    `variants(key[, now])` gives a pair's moves.
+
+    Each move on a pair live at the fullest device's peak (of that device's
+    stages, or moved already), and the same move for every microbatch of a
+    stage at once (1F1B's plateaus: its first rank holds R microbatches through
+    the whole steady state), to the pairs not moved yet and to all of them.
+    """
+    trials = []
+    keys = [k for k in fit.at_peak if base.stage_to_rank[k[0]] == fit.fullest or k in moves]
+    keys = keys or list(fit.at_peak)
+    for key in keys:
+        for mv in variants(key, moves.get(key)):
+            trials.append(({key}, {**moves, key: mv}))
+    for s in sorted({k[0] for k in keys}):
+        shapes = {
+            dataclasses.replace(mv, microbatch=0) for k in keys if k[0] == s for mv in variants(k)
+        }
+        for shape in sorted(shapes):
+            fill, every = dict(moves), dict(moves)
+            for m in range(base.num_microbatches):
+                mv = dataclasses.replace(shape, microbatch=m)
+                if mv in variants((s, m)):
+                    every[(s, m)] = mv
+                    if (s, m) not in moves:
+                        fill[(s, m)] = mv
+            if len(fill) > len(moves) + 1:
+                trials.append((set(fill) - set(moves), fill))
+            changed = {k for k in every if every[k] != moves.get(k)}
+            if every != fill and len(changed) > 1:
+                trials.append((changed, every))
+    return trials
+
+
+def _choose_step(trials, run, fit, current, tau, recent):
+    """``(best, least_bad)`` of the evaluated `trials`: the one that frees the most bytes
+    (area over the budget, then peak over it) per second it adds, as ``(score, moves,
+    figures)``; and, among those that free nothing and change no pair in `recent`, the
+    one least over, as ``(rank, moves, figures, pairs changed)``. Either may be None."""
+    best = least_bad = None
+    for changed, trial in trials:
+        got = run(trial)
+        if got is None:
+            continue
+        sim, new, _ = got
+        gain = (fit.area - new.area, fit.peak_over - new.peak_over)
+        if gain[0] > 0 or (gain[0] == 0 and gain[1] > 0):
+            cost = max(0.0, sim.makespan - current[0].makespan) + tau
+            score = (gain[0] / cost, gain[1] / cost)
+            if best is None or score > best[0]:
+                best = (score, trial, got)
+        elif not changed & set(recent):
+            rank = (new.peak_over, new.area, sim.makespan)
+            if least_bad is None or rank < least_bad[0]:
+                least_bad = (rank, trial, got, changed)
+    return best, least_bad
+
+
+def _polish(moves, current, run, variants, deadline, evaluate):
+    """Once the moves fit: each taken back where the step is no longer without it, then
+    each tried as another kind or placement (a recompute as a transfer, a transfer taken
+    early as a recompute that costs less) where that is faster; until nothing changes.
+    ``(moves, figures)``. `variants(figures, key, now)` as `_local_search`'s."""
     improved = True
     while improved and time.perf_counter() <= deadline and not evaluate.exhausted:
         improved = False
@@ -1840,19 +1883,14 @@ def _local_search(base, evaluate, allowed, deadline, log, base_simulation=None):
             got = run(trial)
             if got is not None and got[1].fits and got[0].makespan <= current[0].makespan:
                 moves, current, improved = trial, got, True
-        # Each move as another kind or placement: a recompute as a transfer, and a
-        # transfer taken early (when it freed the most) as a recompute that costs less.
         for key in list(moves):
-            for mv in _variants(base, key, allowed, moves[key], partners, laid_out):
+            for mv in variants(current, key, moves[key]):
                 trial = {**moves, key: mv}
                 got = run(trial)
                 if got is not None and got[1].fits and got[0].makespan < current[0].makespan:
                     moves, current, improved = trial, got, True
                     break
-    ordered = tuple(sorted(moves.values(), key=_MOVE_ORDER))
-    if ordered and isinstance(current[0], _Timeline):  # built in the walk: validated once
-        return current[0].schedule, ordered, current
-    return build(ordered), ordered, current
+    return moves, current
 
 
 # -- the search ----------------------------------------------------------------------------
