@@ -627,8 +627,27 @@ class Pipeline:
 
     @property
     def batch_sharding(self) -> NamedSharding:
+        """Where the batch goes in: split over the batch axes of the mesh (of the first
+        rank, with a mesh per rank); with a mesh per rank across processes, a whole copy
+        in each process (`processes_sharding`), which each rank takes its rows from."""
+        if self.rank_meshes is not None and jax.process_count() > 1:
+            return self.processes_sharding
         axes = self.batch_axes
         return NamedSharding(self.mesh, P(axes) if axes else P())
+
+    @property
+    def processes_sharding(self) -> NamedSharding:
+        """A value replicated once in each process of the pipeline's devices (on its first
+        device there): with a mesh per rank across processes, the batch, the step counter
+        and the sums every process needs (the gradients' norm) live on it."""
+        meshes = self.rank_meshes or (self.mesh,)
+        first = {}
+        for m in meshes:
+            for d in m.devices.flat:
+                if d.process_index not in first or d.id < first[d.process_index].id:
+                    first[d.process_index] = d
+        devices = np.array([first[p] for p in sorted(first)])
+        return NamedSharding(Mesh(devices, ("processes",)), P())
 
     # -- the step --------------------------------------------------------------
 

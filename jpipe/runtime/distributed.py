@@ -678,6 +678,33 @@ def num_processes() -> int:
     return int(distributed.global_state.num_processes)
 
 
+_agreed = {}  # how many times each name was used, so that every call has keys of its own
+
+
+def from_process_zero(name: str, text: str, timeout_seconds: float = 600) -> str:
+    """Process 0's `text`, in every process; also a barrier (every process waits for it).
+
+    Through the coordination service's key-value store, not a collective:
+    `jax.experimental.multihost_utils`' collectives lay the devices out as
+    processes x local devices, so they fail where processes hold different
+    numbers of devices (a mixed cluster's hosts). A no-op alone.
+    """
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return text
+    n = _agreed[name] = _agreed.get(name, 0) + 1
+    key = f"jpipe/from0/{name}/{n}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, text)
+    else:
+        text = client.blocking_key_value_get(key, int(timeout_seconds * 1000))
+    client.wait_at_barrier(key + "/read", int(timeout_seconds * 1000))
+    return text
+
+
 def process_label() -> str:
     """``"process I of N"`` for messages, without starting a backend."""
     import jax

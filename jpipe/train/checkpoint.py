@@ -53,15 +53,19 @@ import sys
 
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
+from jpipe.runtime.distributed import from_process_zero
+from jpipe.train import process_arrays
 from jpipe.train.config import ConfigError
 from jpipe.train.prepare import Prepared
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step
-# What every complete step of this trainer holds, besides `_METADATA_FILE`: orbax's
-# metadata of the state (without it the arrays cannot be read) and the `meta` record.
-_REQUIRED_FILES = ("state/_METADATA", "meta/metadata")
+# What every complete step of this trainer holds, besides `_METADATA_FILE`: the `meta`
+# record, and orbax's metadata of the state (without it the arrays cannot be read) or,
+# where every array lives on one process of several, the first process's list of its own.
+_REQUIRED_FILES = ("meta/metadata",)
+_STATE_INDEX = "state/_METADATA"
+_LOCAL_INDEX = "local/" + process_arrays.INDEX.format(0)
 FILES_RECORD = "jpipe_files.json"  # written by `save`: each file of the step and its size
 DAMAGED_SUFFIX = ".damaged"
 # How an error says the disk is full, where it is not an OSError (TensorStore's are not).
@@ -118,6 +122,9 @@ class Checkpoints:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2):
         self.directory = os.path.abspath(os.fspath(directory))
+        if jax.process_index() == 0:
+            os.makedirs(self.directory, exist_ok=True)
+        from_process_zero("checkpoint.directory", "")  # the others wait until it exists
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -125,6 +132,15 @@ class Checkpoints:
                 enable_async_checkpointing=False,
                 # A killed save leaves a tmp directory: remove it on start.
                 cleanup_tmp_directories=True,
+                create=False,  # made above: orbax will not with `active_processes`
+                # Naming the processes makes orbax wait for them through the coordination
+                # service, not `multihost_utils.sync_global_devices`, whose collective
+                # fails where processes hold different numbers of devices.
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    active_processes=set(range(jax.process_count()))
+                    if jax.process_count() > 1
+                    else None
+                ),
             ),
         )
 
@@ -154,7 +170,7 @@ class Checkpoints:
                 shutil.rmtree(os.path.join(self.directory, str(s)), ignore_errors=True)
             self.set_aside_damaged()
         if jax.process_count() > 1:  # nobody reads the directory before it is tidy
-            multihost_utils.sync_global_devices("jpipe.checkpoint.remove_incomplete")
+            from_process_zero("checkpoint.remove_incomplete", "")
         self._manager.reload()
         return broken
 
@@ -171,10 +187,20 @@ class Checkpoints:
             if not os.path.isfile(path):
                 return f"{path} is missing"
         try:
-            with open(os.path.join(root, "state", "_METADATA")) as f:
-                json.load(f)
+            with open(os.path.join(root, "meta", "metadata")) as f:
+                items = _items(json.load(f))
         except (OSError, ValueError) as e:
-            return f"{os.path.join(root, 'state', '_METADATA')} cannot be read ({_first_line(e)})"
+            return f"{os.path.join(root, 'meta', 'metadata')} cannot be read ({_first_line(e)})"
+        if "state" in items:
+            try:
+                with open(os.path.join(root, _STATE_INDEX)) as f:
+                    json.load(f)
+            except (OSError, ValueError) as e:
+                return f"{os.path.join(root, _STATE_INDEX)} cannot be read ({_first_line(e)})"
+        if "local" in items:
+            missing = process_arrays.missing_files(os.path.join(root, "local"), items["local"])
+            if missing is not None:
+                return missing
         try:
             with open(os.path.join(root, FILES_RECORD)) as f:
                 sizes = json.load(f)
@@ -280,15 +306,20 @@ class Checkpoints:
             the checkpoint needs and those free); the previous checkpoints are
             untouched and the unfinished one is removed.
         """
+        on_all, held_whole = _split(state)
+        items = {}
+        if held_whole:  # arrays each on one process: each process writes its own
+            metadata = {**metadata, "items": {"local": jax.process_count()}}
+            if on_all:
+                metadata["items"]["state"] = True
+                items["state"] = ocp.args.StandardSave(on_all)
+            items["local"] = process_arrays.ProcessArraysSave(held_whole)
+        else:
+            items["state"] = ocp.args.StandardSave(state)
+        items["meta"] = ocp.args.JsonSave(metadata)
         held = _HeldErrorLogs()
         try:
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(metadata)
-                ),
-                force=True,
-            )
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 (only a full disk is turned into one line)
             if not _says_no_space(e):
@@ -361,17 +392,60 @@ class Checkpoints:
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
         )
+        structure = jax.tree.structure(abstract)
+        items = _items(self.metadata(step))
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-            )
+            if "local" not in items:
+                restored = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )
+                return jax.tree.unflatten(structure, jax.tree.leaves(restored.state))
+            # Saved by several processes: read each array where it was written (by name),
+            # whichever process holds it now.
+            local = os.path.join(self.directory, str(step), "local")
+            written = process_arrays.ProcessArraysHandler().metadata(local)
+            named = _named(abstract)
+            args = {
+                "local": process_arrays.ProcessArraysRestore(
+                    {n: t for n, t in named.items() if n in written}
+                )
+            }
+            on_all = {n: t for n, t in named.items() if n not in written}
+            if on_all:
+                args["state"] = ocp.args.StandardRestore(on_all)
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 (any failure to read is said in one line)
             raise self._unreadable(step, e) from None
-        leaves = jax.tree.leaves(restored.state)
-        return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+        found = dict(restored.local)
+        if on_all:
+            found.update(restored.state)
+        return jax.tree.unflatten(structure, [found[n] for n in named])
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _named(tree) -> dict:
+    """`tree`'s leaves by their place in it (``params.1.float32``), in its order."""
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _split(state) -> tuple[dict, dict]:
+    """`state`'s leaves by name: those saved by orbax as global arrays, and those each
+    held by one process of several (`process_arrays.held_by_one_process`)."""
+    on_all, held_whole = {}, {}
+    for name, leaf in _named(state).items():
+        (held_whole if process_arrays.held_by_one_process(leaf) else on_all)[name] = leaf
+    return on_all, held_whole
+
+
+def _items(meta: dict) -> dict:
+    """The items a step holds, from its ``meta`` record: ``{"state": True}`` (orbax's global
+    arrays), and ``"local": processes`` where that many processes wrote their own arrays."""
+    return meta.get("items") or {"state": True}
 
 
 class _HeldErrorLogs(logging.Filter):

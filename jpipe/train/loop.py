@@ -37,13 +37,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe.models.registry import load_function
 from jpipe.planner import save_profile
-from jpipe.runtime.distributed import num_processes
+from jpipe.runtime.distributed import from_process_zero, num_processes
 from jpipe.schedule.chart import text_chart
 from jpipe.train.agreement import check_agreement
 from jpipe.train.checkpoint import Checkpoints, check_resumable, checkpoint_meta
@@ -237,7 +236,7 @@ def evaluate_fn(
 def make_workdir(workdir: str) -> str:
     """Creates the work directory on process 0; every process returns once it exists.
 
-    In a multi-process run the others wait (a collective) for process 0's
+    In a multi-process run the others wait for process 0's
     answer, so nobody opens the checkpoint manager before the directory is
     there, and all of them fail alike when it cannot be made; each then
     checks that it sees the directory (the hosts must share a filesystem).
@@ -252,10 +251,7 @@ def make_workdir(workdir: str) -> str:
             os.makedirs(workdir, exist_ok=True)
         except OSError as e:
             problem = e.strerror or str(e)
-    if jax.process_count() > 1:
-        code = np.frombuffer(problem.encode()[:200].ljust(200), np.uint8)
-        code = multihost_utils.broadcast_one_to_all(code)  # also the barrier
-        problem = bytes(np.asarray(code)).decode(errors="replace").strip()
+    problem = from_process_zero("workdir", problem)  # also the barrier
     if problem:
         raise ConfigError(f"--workdir={workdir}: cannot create the directory ({problem})")
     if not os.path.isdir(workdir):

@@ -224,7 +224,8 @@ def _checked_model(c: TrainConfig, S: int) -> models.StagedModel:
 
 
 def _check_batch(c: TrainConfig) -> None:
-    """Refuses a batch that does not split into the microbatches, replicas and processes, and
+    """Refuses a batch that does not split into the microbatches, replicas and processes
+    (those of a run with one mesh), and
     the text corpus for a model without an integer ``seq_len``."""
     M = c.num_microbatches
     rows = M * c.mesh.replicas
@@ -237,7 +238,8 @@ def _check_batch(c: TrainConfig) -> None:
             + f" = {rows}; "
             f"accepted: a multiple of {rows}, such as {max(rows, c.batch_size // rows * rows)}",
         )
-    if c.batch_size % jax.process_count():
+    # Processes share the batch's rows, but with a mesh per rank each loads it whole.
+    if c.batch_size % jax.process_count() and c.mesh.rank_tensors is None:
         raise config_error(
             "batch_size",
             c.batch_size,
@@ -275,15 +277,6 @@ def _make_mesh(c: TrainConfig, devices: list):
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
     if c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
-        if jax.process_count() > 1:
-            raise config_error(
-                "mesh.tensor_per_rank",
-                c.mesh.tensor_per_rank,
-                "trains in one process for now: each rank's parameters then live on one "
-                "process's devices, and orbax refuses to checkpoint such host-local arrays in "
-                "a multi-process run (jpipe.Pipeline itself runs ranks of different shapes "
-                "across processes); accepted: '' (one mesh) in a multi-process run",
-            )
         return jpipe.make_rank_meshes(
             [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
             devices,
@@ -379,7 +372,17 @@ def build(prepared: Prepared, *, shapes_only: bool = False) -> Built:
         )
     else:
         state = make_state(params)
-        state = jax.device_put(state, state_shardings(state, pipeline, zero1))
+        shardings = state_shardings(state, pipeline, zero1)
+        if pipeline.rank_meshes is not None and jax.process_count() > 1:
+            # The step counter has a copy in each process (`Pipeline.processes_sharding`):
+            # each places its own (`device_put` would compare them with a collective
+            # that fails where processes hold different numbers of devices).
+            zero = np.zeros((), np.int32)
+            count = jax.make_array_from_callback((), shardings.step, lambda _: zero)
+            rest = jax.device_put(state._replace(step=None), shardings._replace(step=None))
+            state = rest._replace(step=count)
+        else:
+            state = jax.device_put(state, shardings)
     return Built(pipeline, optimizer, lr, state)
 
 

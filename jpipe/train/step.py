@@ -143,10 +143,16 @@ def _rank_state_shardings(state: TrainState, pipeline, shard_over_data: bool) ->
     """`state_shardings` for ranks with meshes of their own: each rank's entries on its mesh.
 
     The parameters and optimizer state are one entry per rank (lists); the
-    step count sits with the batch, on the first rank's devices.
+    step count sits with the batch: on the first rank's devices, or across
+    processes a copy in each (`Pipeline.processes_sharding`).
     """
     layout = pipeline.layout
     data = pipeline.data_axis
+    counter = (
+        pipeline.processes_sharding
+        if jax.process_count() > 1
+        else NamedSharding(pipeline.rank_meshes[0], P())
+    )
 
     def rank_of(path) -> int:
         return path[1].idx  # (field, rank, ...): the rank's entry of the list
@@ -154,7 +160,7 @@ def _rank_state_shardings(state: TrainState, pipeline, shard_over_data: bool) ->
     def pick(path, leaf):
         field = getattr(path[0], "name", None)
         if field == "step":
-            return NamedSharding(pipeline.rank_meshes[0], P())
+            return counter
         mesh = pipeline.rank_meshes[rank_of(path)]
         key = path[-1]
         if isinstance(key, jax.tree_util.DictKey) and key.key in layout.buckets:
@@ -260,6 +266,11 @@ class _RankUpdates:
     ``grad_norm`` are those of every rank's gradients together, as under one
     mesh. Called as the jitted `apply_gradients` is:
     ``update(state, loss, grads) -> (state, metrics)``.
+
+    Across processes each process updates its own ranks (the others' entries
+    pass through, arrays with no shards here); the sums of squares are added
+    over the processes by one small program over a device of each
+    (`Pipeline.processes_sharding`), so every process clips by the same norm.
     """
 
     def __init__(self, pipeline, optimizers, lr, shardings: TrainState):
@@ -268,8 +279,23 @@ class _RankUpdates:
         self.meshes = pipeline.rank_meshes
         self.lr = lr
         scalars = [NamedSharding(m, P()) for m in self.meshes]
-        self._first = scalars[0]
         self._scalars = scalars
+        self._here = [
+            all(d.process_index == jax.process_index() for d in m.devices.flat) for m in self.meshes
+        ]
+        self._first = scalars[self._here.index(True)]
+        self._processes = None
+        if jax.process_count() > 1:
+            replicated = pipeline.processes_sharding
+            self._processes = NamedSharding(replicated.mesh, P("processes"))
+
+            def in_order(partials):  # rank order, as one process adds them: the same bits
+                total = partials[0]
+                for i in range(1, partials.shape[0]):
+                    total = total + partials[i]
+                return total
+
+            self._total = jax.jit(in_order, out_shardings=replicated)
 
         def squares(grads):
             return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
@@ -297,10 +323,20 @@ class _RankUpdates:
         ]
 
     def __call__(self, state: TrainState, loss, grads):
-        total = sum(jax.device_put(f(g), self._first) for f, g in zip(self._squares, grads))
+        total = sum(
+            jax.device_put(f(g), self._first)
+            for f, g, here in zip(self._squares, grads, self._here, strict=True)
+            if here
+        )
+        if self._processes is not None:
+            total = self._over_processes(total)
         norm = jnp.sqrt(total)
         params, opt_state = [], []
         for r, update in enumerate(self._updates):
+            if not self._here[r]:  # another process's rank: its entries pass through
+                params.append(state.params[r])
+                opt_state.append(state.opt_state[r])
+                continue
             p, o = update(
                 state.params[r],
                 state.opt_state[r],
@@ -315,3 +351,15 @@ class _RankUpdates:
             "lr": jnp.asarray(self.lr(state.step), jnp.float32),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _over_processes(self, partial):
+        """The sum over the processes of each one's `partial` (a scalar on its devices), here."""
+        mine = self._processes.addressable_devices_indices_map((jax.process_count(),))
+        (device,) = mine
+        pieces = jax.make_array_from_single_device_arrays(
+            (jax.process_count(),),
+            self._processes,
+            [jax.device_put(partial.reshape(1), device)],
+        )
+        total = self._total(pieces)
+        return jax.device_put(total.addressable_shards[0].data, self._first)

@@ -1325,6 +1325,9 @@ def _rank_view(a, sharding: NamedSharding):
             have = {s.device: s.index for s in a.addressable_shards if s.device in devices}
             if all(_same_index(want[d], have[d], a.shape) for d in want):
                 return _assemble(a.shape, sharding, held)
+        if not a.is_fully_addressable and a.is_fully_replicated and a.addressable_shards:
+            # A copy in each process (`Pipeline.processes_sharding`): this process's.
+            return jax.device_put(a.addressable_shards[0].data, sharding)
     return jax.device_put(a, sharding)
 
 

@@ -185,13 +185,24 @@ class Courier:
         it; the others pull it as `struct` (its shape, dtype and where to put
         it) under ``key + their index``, so `key` needs as many free ids
         after it as there are processes.
+
+        One copy crosses, from the owner's first device to the puller's
+        first device of `struct`, and is placed from there: a pull takes as
+        many buffers as its sharding has devices, which would not match the
+        offer where the two ranks' meshes differ in size.
         """
         owner = self.processes[r_from]
         if self.local[r_from]:
+            one = value.addressable_shards[0].data
             for p in range(jax.process_count()):
                 if p != owner:
-                    _server.await_pull(self._id(key + p), [value])
+                    _server.await_pull(self._id(key + p), [one])
                     self.transfers += 1
             return value
         self.transfers += 1
-        return _connection(owner).pull(self._id(key + self.here), [struct])[0]
+        first = next(iter(struct.sharding.addressable_devices_indices_map(struct.shape)))
+        one = jax.ShapeDtypeStruct(
+            struct.shape, struct.dtype, sharding=jax.sharding.SingleDeviceSharding(first)
+        )
+        pulled = _connection(owner).pull(self._id(key + self.here), [one])[0]
+        return jax.device_put(pulled, struct.sharding)
