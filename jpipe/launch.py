@@ -4,10 +4,13 @@ Usage::
 
     python -m jpipe.launch -n 2 [--cpu_devices 2] [--one_thread] -- train.py ARGS
     python -m jpipe.launch -n 2 --cpu_devices 2 -- -m jpipe.check 1f1b --ranks 4 -m 8
+    python -m jpipe.launch --plan plan.json -- train.py --config.plan=plan.json ARGS
 
 Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
 ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which train.py and the checker
-pass to `jax.distributed.initialize`. Output lines are prefixed with the
+pass to `jax.distributed.initialize`. With ``--plan``, a per-rank plan file's
+processes (its hosts) are started, each faking its own host's device count.
+Output lines are prefixed with the
 process index; the exit status is the first non-zero one, and when a process
 fails the others are stopped. See `jpipe.runtime.launch` and docs/multihost.md.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jpipe.planner import read_plan_file
 from jpipe.runtime.console import run_main
 from jpipe.runtime.launch import launch_local
 
@@ -36,9 +40,15 @@ def main(argv=None) -> int:
             " -- PROGRAM ARGS"
         ),
     )
-    parser.add_argument("-n", "--num_processes", type=int, required=True, help="processes (N)")
+    parser.add_argument("-n", "--num_processes", type=int, default=None, help="processes (N)")
     parser.add_argument(
         "--cpu_devices", type=int, default=None, help="fake K CPU devices in each process"
+    )
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="start a per-rank plan file's processes (python -m jpipe.plan --memory-layout mpmd "
+        "... --save FILE), each with its own host's count of fake CPU devices",
     )
     parser.add_argument(
         "--one_thread", action="store_true", help="one busy thread per process, each on one core"
@@ -55,11 +65,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(own)
     if not command:
         parser.error("give the program after --, e.g. -- train.py --workdir=runs/x")
+    devices = args.cpu_devices
+    if args.plan is not None:
+        if args.num_processes is not None or args.cpu_devices is not None:
+            parser.error("--plan gives the processes and their devices: drop -n and --cpu_devices")
+        try:
+            hosts = read_plan_file(args.plan).process_devices
+        except ValueError as e:
+            parser.error(str(e))
+        if hosts is None:
+            parser.error(
+                f"{args.plan} lists no processes: only a per-rank plan whose ranks each sit on "
+                "one host does (python -m jpipe.plan --memory-layout mpmd ... --save FILE)"
+            )
+        args.num_processes, devices = len(hosts), list(hosts)
+    elif args.num_processes is None:
+        parser.error("give -n N (the processes), or --plan FILE")
     try:
         return launch_local(
             command,
             args.num_processes,
-            cpu_devices=args.cpu_devices,
+            cpu_devices=devices,
             one_thread=args.one_thread,
             grace_seconds=args.grace,
             timeout_seconds=args.timeout,

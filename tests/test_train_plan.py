@@ -189,3 +189,94 @@ def test_profile_plan_train_reports_the_planned_footprint(tmp_path):
     line = next(x for x in done.stdout.splitlines() if x.startswith("memory: the compiled"))
     ratio = float(line.rsplit("= ", 1)[1].rstrip(")"))
     assert 0.95 <= ratio <= 1.05, line
+
+
+def _mixed_plan_file(tmp_path) -> Path:
+    """A per-rank plan over three hosts: ranks of tensor 1, 2 and 1, one per host."""
+    times = StageTimes((1.0, 1.0, 1.0), (1.0,) * 3, (1.0,) * 3, (2.0, 2.0, 2.0))
+    prof = profile_from_stage_times(times, "cpu", microbatch_size=1, blocks_per_stage=[1, 1, 1])
+    ranks = tuple((DeviceGroup("cpu", tensor_parallel=t, node=n),) for n, t in enumerate((1, 2, 1)))
+    ev = evaluate(ClusterPlan(ranks, ((0,), (1,), (2,)), 1, 4, "1f1b", memory_layout="mpmd"), prof)
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(plan_file(ev, prof)))
+    return path
+
+
+def test_a_per_rank_plan_says_which_ranks_each_host_runs(tmp_path):
+    plan = json.loads(_mixed_plan_file(tmp_path).read_text())
+    assert plan["processes"] == [
+        {"node": 0, "kind": "cpu", "ranks": [0], "devices": 1},
+        {"node": 1, "kind": "cpu", "ranks": [1], "devices": 2},
+        {"node": 2, "kind": "cpu", "ranks": [2], "devices": 1},
+    ]
+    assert jpipe.planner.read_plan_file(plan).process_devices == (1, 2, 1)
+    # Consecutive ranks on one host are one process; a host whose ranks are apart, two.
+    g = lambda node, t=1: (DeviceGroup("cpu", tensor_parallel=t, node=node),)  # noqa: E731
+    assert [p["ranks"] for p in jpipe.planner.plan_processes((g(0), g(0, 2), g(1)))] == [
+        [0, 1],
+        [2],
+    ]
+    assert [p["node"] for p in jpipe.planner.plan_processes((g(0), g(1), g(0)))] == [0, 1, 0]
+    # A rank whose replicas sit on two hosts cannot be one process's.
+    split = ((DeviceGroup("cpu", node=0), DeviceGroup("cpu", node=1)),)
+    assert jpipe.planner.plan_processes(split) is None
+    # Processes that do not match the mesh are refused, naming the field.
+    wrong = {**plan, "processes": [{**p, "devices": 2} for p in plan["processes"]]}
+    with pytest.raises(ValueError, match="processes gives process 0 2 devices, but its ranks"):
+        jpipe.planner.read_plan_file(wrong)
+    wrong = {**plan, "processes": [{**plan["processes"][0], "ranks": [0, 2]}]}
+    with pytest.raises(ValueError, match="a run of consecutive ranks, together 0 to 2"):
+        jpipe.planner.read_plan_file(wrong)
+    # jpipe.launch --plan needs a plan that lists its processes.
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({k: v for k, v in plan.items() if k != "processes"}))
+    done = subprocess.run(
+        [sys.executable, "-m", "jpipe.launch", "--plan", str(bare), "--", "train.py"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "lists no processes" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_per_rank_plan_launches_as_its_hosts_and_trains_as_one_process(tmp_path):
+    # `jpipe.launch --plan` starts the plan's three processes with 1, 2 and 1 fake
+    # devices; train.py gives each its ranks. The losses are the one-process run's of
+    # the same plan, bit for bit (each process holds one rank; the gradient norm is
+    # summed in rank order, as one process adds it).
+    plan = _mixed_plan_file(tmp_path)
+    flags = [
+        f"--config.plan={plan}",
+        "--config.steps=4",
+        "--config.eval_every=2",
+        "--config.log_every=1",
+        "--config.eval_batches=1",
+        "--config.checkpoint_every=2",
+        "--config.data.max_bytes=32768",
+        "--config.model.seq_len=16",
+        "--config.model.num_layers=3",
+        "--config.model.d_model=32",
+        "--config.model.d_ff=64",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as conftest's: faster compiles
+    runs = {}
+    for name, launcher in (
+        ("hosts", [sys.executable, "-m", "jpipe.launch", "--plan", str(plan), "--timeout", "400"]),
+        ("one", [sys.executable]),
+    ):
+        workdir = tmp_path / name
+        command = launcher + (["--"] if name == "hosts" else []) + ["train.py"]
+        done = subprocess.run(
+            command + [f"--workdir={workdir}"] + flags,
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=500,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+        runs[name] = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in runs[name]]
+        if name == "hosts":
+            assert "in 3 processes" in done.stdout
+            assert "tensor per rank 1,2,1" in done.stdout
+            held = sorted((workdir / "checkpoints" / "4" / "local").glob("_held_by_*.json"))
+            assert [p.name for p in held] == [f"_held_by_{i}.json" for i in range(3)]
+    assert runs["hosts"] == runs["one"]
+    assert [r[0] for r in runs["one"]] == [0, 1, 2, 3, 4]

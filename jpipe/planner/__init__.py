@@ -52,6 +52,7 @@ from jpipe.planner.plans import (
     plan,
     plan_file,
     plan_from_sailor,
+    plan_processes,
     read_plan_file,
     spmd_values,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "plan",
     "plan_file",
     "plan_from_sailor",
+    "plan_processes",
     "profile_from_json",
     "profile_from_stage_times",
     "profile_to_json",

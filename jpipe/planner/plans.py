@@ -2020,6 +2020,8 @@ class TrainerSettings:
       tensor_per_rank: each pipeline rank's tensor degree where they differ (the
         file's ``mesh.tensor_per_rank``; only with lowering ``"mpmd"``, one mesh per
         rank), `None` where every rank has ``tensor``.
+      process_devices: the devices of each process (host) that runs the plan, in
+        launch order (the file's ``processes``: per-rank plans), or `None`.
     """
 
     pipe: int
@@ -2032,6 +2034,7 @@ class TrainerSettings:
     batch_size: int
     lowering: str = "spmd"
     tensor_per_rank: tuple[int, ...] | None = None
+    process_devices: tuple[int, ...] | None = None
 
 
 def plan_file(ev: Evaluation, profile: Profile) -> dict:
@@ -2056,16 +2059,79 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
                 f"{[g.tensor_parallel for g in row]}; the trainer gives each rank one mesh of "
                 "data x tensor devices, so its replicas need one degree"
             )
+    processes = plan_processes(p.ranks) if layout_kind(p.memory_layout).meshes_per_rank else None
     return {
         "format": PLAN_FORMAT,
         "model": profile.model,
         **p.to_json(),
+        **({"processes": processes} if processes else {}),
         "blocks_per_stage": [sum(profile.blocks(l) for l in s) for s in p.stage_layers],
         "predicted_seconds": ev.step_seconds,
         "predicted_max_mem_bytes": ev.max_peak_bytes,
         "devices": [m.to_json() for m in ev.memory.devices(p.memory_layout)],
         **({"model_options": choice.to_json()} if choice is not None else {}),
     }
+
+
+def plan_processes(ranks) -> list[dict] | None:
+    """The processes that run a per-rank plan, one per host: ``[{"node", "kind", "ranks",
+    "devices"}, ...]`` in launch order (process 0 first), or None where the plan's ranks
+    cannot be split so.
+
+    Under the per-rank lowering each rank's devices (its data replicas x its
+    tensor group) belong to one process, and the processes hold the ranks in
+    order (`jpipe.make_rank_meshes` takes devices sorted by process). So a
+    process is a run of consecutive ranks on one node; a node whose ranks
+    are not consecutive runs one process per run. None where a rank's
+    replicas sit on different nodes.
+    """
+    processes: list[dict] = []
+    for r, row in enumerate(ranks):
+        nodes = {g.node for g in row}
+        if len(nodes) != 1:
+            return None
+        (node,) = nodes
+        devices = sum(g.tensor_parallel for g in row)
+        if processes and processes[-1]["node"] == node:
+            processes[-1]["ranks"].append(r)
+            processes[-1]["devices"] += devices
+        else:
+            processes.append({"node": node, "kind": row[0].kind, "ranks": [r], "devices": devices})
+    return processes
+
+
+def _read_processes(d: dict, pipe: int, per_rank: tuple[int, ...], data: int, where: str):
+    """A plan file's ``processes`` (`plan_processes`), checked against its mesh: the devices
+    of each process, or None where the file has none."""
+    given = d.get("processes")
+    if given is None:
+        return None
+    problem = None
+    if not isinstance(given, list) or not given or not all(isinstance(p, dict) for p in given):
+        problem = f"must be a list of objects {{node, kind, ranks, devices}}, got {given!r}"
+    else:
+        for i, p in enumerate(given):
+            _unknown(p, ("node", "kind", "ranks", "devices"), where, f"processes[{i}]")
+        ranks = [p.get("ranks") for p in given]
+        if not all(isinstance(r, list) and r for r in ranks) or [
+            x for r in ranks for x in r
+        ] != list(range(pipe)):
+            problem = (
+                f"must give each process a run of consecutive ranks, together 0 to {pipe - 1} "
+                f"in order, got {ranks!r}"
+            )
+        else:
+            for i, p in enumerate(given):
+                want = sum(per_rank[r] for r in p["ranks"]) * data
+                if _whole(p.get("devices"), where, f"processes[{i}].devices") != want:
+                    problem = (
+                        f"gives process {i} {p['devices']} devices, but its ranks {p['ranks']} "
+                        f"take {want} (mesh.data x each rank's tensor degree)"
+                    )
+                    break
+    if problem:
+        raise _plan_error(where, "processes", problem)
+    return tuple(p["devices"] for p in given)
 
 
 def _check_model_options(options, where: str) -> None:
@@ -2105,6 +2171,7 @@ _PLAN_FIELDS = {
     "predicted_max_mem_bytes": "the predicted footprint of the fullest device",
     "devices": "each device's predicted memory",
     "model_options": "the attention and remat the predicted memory assumes",
+    "processes": "per-rank plans: the process (host) of each run of ranks, in launch order",
 }
 _MESH_FIELDS = ("pipe", "data", "tensor", "tensor_per_rank")
 _GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceGroup))
@@ -2373,6 +2440,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
             f"!= global_batch {batch}"
         )
     _check_devices(d, pipe, data, stages, where)
+    processes = _read_processes(d, pipe, tensor_per_rank or (tensor,) * pipe, data, where)
     return TrainerSettings(
         pipe,
         data,
@@ -2384,6 +2452,7 @@ def read_plan_file(source: str | dict) -> TrainerSettings:
         batch,
         layout_kind(layout).name,
         tensor_per_rank,
+        processes,
     )
 
 

@@ -705,6 +705,16 @@ def from_process_zero(name: str, text: str, timeout_seconds: float = 600) -> str
     return text
 
 
+def process_index() -> int:
+    """This process's index, known after `initialize_distributed`, no backend started."""
+    import jax
+    from jax._src import distributed
+
+    if not jax.distributed.is_initialized():
+        return 0
+    return int(distributed.global_state.process_id)
+
+
 def process_label() -> str:
     """``"process I of N"`` for messages, without starting a backend."""
     import jax

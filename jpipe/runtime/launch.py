@@ -155,7 +155,7 @@ def launch_local(
     command: Sequence[str],
     num_processes: int,
     *,
-    cpu_devices: int | None = None,
+    cpu_devices: int | Sequence[int] | None = None,
     one_thread: bool = False,
     grace_seconds: float = 3.0,
     timeout_seconds: float | None = None,
@@ -168,7 +168,8 @@ def launch_local(
     Args:
       command: the program and its arguments (see `command_line`).
       num_processes: N, the processes to start.
-      cpu_devices: fake this many CPU devices in each process (and use the CPU).
+      cpu_devices: fake this many CPU devices in each process (and use the CPU), or
+        a count per process (hosts of a plan, `jpipe.planner.TrainerSettings.process_devices`).
       one_thread: one busy thread per process: each pinned to one core (see the
         module docstring).
       grace_seconds: after SIGTERM or SIGINT, how long a child has before SIGKILL.
@@ -186,8 +187,13 @@ def launch_local(
         raise ValueError(f"the time limit must be positive, got {timeout_seconds} s")
     if num_processes < 1:
         raise ValueError(f"-n must be at least 1, got {num_processes}")
-    if cpu_devices is not None and cpu_devices < 1:
-        raise ValueError(f"--cpu_devices must be at least 1, got {cpu_devices}")
+    counts = [cpu_devices] * num_processes if isinstance(cpu_devices, int) else cpu_devices
+    if counts is not None:
+        counts = list(counts)
+        if len(counts) != num_processes:
+            raise ValueError(f"{len(counts)} device counts for {num_processes} processes")
+        if min(counts) < 1:
+            raise ValueError(f"--cpu_devices must be at least 1, got {min(counts)}")
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     argv = command_line(command)
@@ -212,7 +218,7 @@ def launch_local(
                     i,
                     num_processes,
                     address,
-                    cpu_devices=cpu_devices,
+                    cpu_devices=None if counts is None else counts[i],
                     one_thread=one_thread,
                     base=env,
                 ),

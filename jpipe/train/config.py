@@ -26,7 +26,7 @@ import jpipe
 from jpipe.lower.interface import lowering_kind
 from jpipe.lower.spmd.ticks import LAYOUTS as TICK_LAYOUTS
 from jpipe.models import gpt
-from jpipe.runtime.distributed import num_processes
+from jpipe.runtime.distributed import num_processes, process_index
 from jpipe.train import data as data_lib
 
 
@@ -608,6 +608,16 @@ def _apply_plan(kwargs: dict) -> dict:
             f"splits {blocks} transformer blocks over its stages but config.model.num_layers="
             f"{model.get('num_layers')}; set config.model.num_layers={blocks} or plan this model",
         )
+    hosts, running = settings.process_devices, num_processes()
+    if hosts and running > 1 and running != len(hosts):
+        raise config_error(
+            "plan",
+            path,
+            f"runs as {len(hosts)} processes, one per host (with {list(hosts)} devices), but "
+            f"this run has {running}; start it with python -m jpipe.launch --plan {path} -- "
+            f"train.py --config.plan={path} on one machine, or one process per host in the "
+            "plan's order (docs/multihost.md)",
+        )
     mesh = dict(kwargs.get("mesh") or {})
     mesh.update(pipe=settings.pipe, data=settings.data, tensor=settings.tensor)
     if settings.tensor_per_rank is not None:  # a degree per rank (an mpmd plan)
@@ -660,7 +670,8 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
     `jpipe.initialize_distributed` in a multi-process run): it asks for
     ``config.cpu_devices`` CPU devices in this process or, when that is 0,
     the mesh's size (the plan file's mesh when ``config.plan``
-    names one) divided among the processes (see `jpipe.use_cpu_devices`).
+    names one) divided among the processes (see `jpipe.use_cpu_devices`), or
+    where the plan lists its processes (a per-rank plan), this process's.
 
     Returns:
       The CPU device count set, or None when JAX had already started (the
@@ -674,6 +685,10 @@ def use_cpu_devices(config: ml_collections.ConfigDict | Mapping) -> int | None:
             mesh = {"pipe": settings.pipe, "data": settings.data, "tensor": settings.tensor}
             if settings.tensor_per_rank:
                 mesh["tensor_per_rank"] = ",".join(map(str, settings.tensor_per_rank))
+            here = settings.process_devices
+            if not int(get("cpu_devices", 0) or 0) and here and len(here) == num_processes():
+                # The plan's hosts hold different numbers of devices: this process's.
+                return jpipe.use_cpu_devices(here[process_index()])
         per_rank = str(mesh.get("tensor_per_rank", "") or "")
         tensors = (
             [int(t) for t in per_rank.split(",")]
