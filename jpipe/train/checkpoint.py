@@ -15,6 +15,13 @@ writes it last, before the rename); such a step counts as incomplete too.
 Incomplete steps are removed when a run starts, since orbax would refuse to
 save over them later.
 
+Arrays that live on one process. With a mesh per rank in a run of several
+processes, a rank's state lives on one process's devices, which orbax's array
+handler refuses; such arrays are saved as a third item, ``local``
+(`jpipe.train.process_arrays`: each process writes those it holds, by name),
+the rest as ``state`` by name too, and ``meta`` records which items the step
+holds (``items``), so `restore` and `damage` know what to read and check.
+
 Saving is synchronous: `save` returns once the state is on disk, so the next
 train step may donate (overwrite) the arrays just saved, and a checkpoint that
 `latest_step` reports is whole. Every process calls `save` and `restore`;
