@@ -472,10 +472,9 @@ def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restart
     workdir = tmp_path / "run"
     command = [sys.executable, os.path.join(ROOT, "train.py")]
     command += _flags(workdir, 3, 1, **MIXED)
-    address = _free_address()
     logs = [open(tmp_path / f"stderr{i}", "w+") for i in range(3)]
 
-    def env(i):
+    def env(i, address):
         devices = (1, 2, 1)[i]
         return dict(
             _child_env(i, address, cache_env),
@@ -487,10 +486,12 @@ def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restart
     out = open(tmp_path / "stdout0", "w+")
 
     def start():  # each process fakes its own count of devices (as hosts of kinds differ)
+        # A new coordinator each time: the killed run's service may still be serving.
+        address = _free_address()
         return [
             subprocess.Popen(
                 command + [f"--cpu_devices={(1, 2, 1)[i]}"],
-                env=env(i),
+                env=env(i, address),
                 stdout=out if i == 0 else subprocess.DEVNULL,
                 stderr=logs[i],
             )

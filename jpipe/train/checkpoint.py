@@ -68,11 +68,10 @@ from jpipe.train.prepare import Prepared
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step
 # What every complete step of this trainer holds, besides `_METADATA_FILE`: the `meta`
-# record, and orbax's metadata of the state (without it the arrays cannot be read) or,
-# where every array lives on one process of several, the first process's list of its own.
+# record, and as its ``items`` say, orbax's metadata of the state (without it the arrays
+# cannot be read) and each process's list of the arrays it wrote itself (`process_arrays`).
 _REQUIRED_FILES = ("meta/metadata",)
 _STATE_INDEX = "state/_METADATA"
-_LOCAL_INDEX = "local/" + process_arrays.INDEX.format(0)
 FILES_RECORD = "jpipe_files.json"  # written by `save`: each file of the step and its size
 DAMAGED_SUFFIX = ".damaged"
 # How an error says the disk is full, where it is not an OSError (TensorStore's are not).
@@ -199,6 +198,8 @@ class Checkpoints:
         except (OSError, ValueError) as e:
             return f"{os.path.join(root, 'meta', 'metadata')} cannot be read ({_first_line(e)})"
         if "state" in items:
+            if not os.path.isfile(os.path.join(root, _STATE_INDEX)):
+                return f"{os.path.join(root, _STATE_INDEX)} is missing"
             try:
                 with open(os.path.join(root, _STATE_INDEX)) as f:
                     json.load(f)
