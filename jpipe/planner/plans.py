@@ -2059,7 +2059,10 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
                 f"{[g.tensor_parallel for g in row]}; the trainer gives each rank one mesh of "
                 "data x tensor devices, so its replicas need one degree"
             )
-    processes = plan_processes(p.ranks) if layout_kind(p.memory_layout).meshes_per_rank else None
+    # Only ranks of different degrees run a mesh per rank, whose processes these are.
+    degrees = {row[0].tensor_parallel for row in p.ranks}
+    per_rank = layout_kind(p.memory_layout).meshes_per_rank and len(degrees) > 1
+    processes = plan_processes(p.ranks) if per_rank else None
     return {
         "format": PLAN_FORMAT,
         "model": profile.model,

@@ -128,9 +128,18 @@ class Checkpoints:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2):
         self.directory = os.path.abspath(os.fspath(directory))
+        problem = ""
         if jax.process_index() == 0:
-            os.makedirs(self.directory, exist_ok=True)
-        from_process_zero("checkpoint.directory", "")  # the others wait until it exists
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                problem = e.strerror or str(e)
+        # The others wait until it exists, and fail alike when it cannot be made.
+        problem = from_process_zero("checkpoint.directory", problem)
+        if problem:
+            raise CheckpointError(
+                f"cannot create the checkpoint directory {self.directory} ({problem})"
+            )
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -435,10 +444,11 @@ class Checkpoints:
 
 def _named(tree) -> dict:
     """`tree`'s leaves by their place in it (``params.1.float32``), in its order."""
-    return {
-        jax.tree_util.keystr(path, simple=True, separator="."): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    named = {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in leaves}
+    if len(named) != len(leaves):  # two leaves of one name: one would not be saved
+        raise ValueError(f"the state has {len(leaves)} leaves but {len(named)} distinct names")
+    return named
 
 
 def _split(state) -> tuple[dict, dict]:

@@ -609,11 +609,11 @@ def _apply_plan(kwargs: dict) -> dict:
             f"{model.get('num_layers')}; set config.model.num_layers={blocks} or plan this model",
         )
     hosts, running = settings.process_devices, num_processes()
-    if hosts and running > 1 and running != len(hosts):
+    if hosts and settings.tensor_per_rank and running > 1 and running != len(hosts):
         raise config_error(
             "plan",
             path,
-            f"runs as {len(hosts)} processes, one per host (with {list(hosts)} devices), but "
+            f"runs as {len(hosts)} process(es), one per host (with {list(hosts)} devices), but "
             f"this run has {running}; start it with python -m jpipe.launch --plan {path} -- "
             f"train.py --config.plan={path} on one machine, or one process per host in the "
             "plan's order (docs/multihost.md)",

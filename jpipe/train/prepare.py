@@ -277,11 +277,33 @@ def _make_mesh(c: TrainConfig, devices: list):
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
     if c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
+        _check_hosts(c)
         return jpipe.make_rank_meshes(
             [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
             devices,
         )
     return jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
+
+
+def _check_hosts(c: TrainConfig) -> None:
+    """Refuses a process whose devices are not those its plan's host has.
+
+    The ranks take the devices in process order (`jpipe.make_rank_meshes`), so a
+    host started out of the plan's order, or with other devices, would put
+    ranks on the wrong kind of device or across two processes.
+    """
+    if not c.plan or jax.process_count() == 1:
+        return
+    hosts = jpipe.planner.read_plan_file(c.plan).process_devices
+    me, have = jax.process_index(), len(jax.local_devices())
+    if hosts and len(hosts) == jax.process_count() and hosts[me] != have:
+        raise config_error(
+            "plan",
+            c.plan,
+            f"gives process {me} {hosts[me]} devices (its 'processes' entry {me}), but this "
+            f"process has {have}; start process i on the host of the plan's processes[i], "
+            "with its devices",
+        )
 
 
 def check_row_keys(prepared: Prepared) -> None:

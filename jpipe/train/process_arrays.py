@@ -112,7 +112,8 @@ class ProcessArraysHandler(ocp.CheckpointHandler):
         restored = {}
         for name, target in sorted(args.targets.items()):
             sharding = target.sharding
-            if not _mine(target):  # another process's: an array with no shards here
+            indices = sharding.addressable_devices_indices_map(tuple(target.shape))
+            if not indices:  # another process's: an array with no shards here
                 restored[name] = jax.make_array_from_single_device_arrays(
                     target.shape, sharding, [], dtype=target.dtype
                 )
@@ -124,7 +125,6 @@ class ProcessArraysHandler(ocp.CheckpointHandler):
                     f"{os.path.join(root, name)} holds {saved}{list(store.shape)}, this run's "
                     f"state {wanted}{list(target.shape)}"
                 )
-            indices = sharding.addressable_devices_indices_map(tuple(target.shape))
             reads = {d: store[index].read() for d, index in indices.items()}
             restored[name] = jax.make_array_from_single_device_arrays(
                 target.shape,

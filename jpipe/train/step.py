@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -268,9 +269,15 @@ class _RankUpdates:
     ``update(state, loss, grads) -> (state, metrics)``.
 
     Across processes each process updates its own ranks (the others' entries
-    pass through, arrays with no shards here); the sums of squares are added
-    over the processes by one small program over a device of each
-    (`Pipeline.processes_sharding`), so every process clips by the same norm.
+    pass through, arrays with no shards here). Each publishes its ranks' sums
+    of squares (float32 scalars) in the coordination service's key-value
+    store, and every process adds all ranks' in rank order, as one process
+    adds them on its device: every process clips by the same norm, the one
+    process's run's to the bit. Not an XLA collective over a device of each
+    process: on jax 0.12.1 such a program read back from the persistent
+    compilation cache hung in its collective-permute (3 processes of 1, 2
+    and 1 devices, resumed from a checkpoint), and the host waits for the
+    step's gradients before the update anyway (`Courier.settle`).
     """
 
     def __init__(self, pipeline, optimizers, lr, shardings: TrainState):
@@ -284,18 +291,7 @@ class _RankUpdates:
             all(d.process_index == jax.process_index() for d in m.devices.flat) for m in self.meshes
         ]
         self._first = scalars[self._here.index(True)]
-        self._processes = None
-        if jax.process_count() > 1:
-            replicated = pipeline.processes_sharding
-            self._processes = NamedSharding(replicated.mesh, P("processes"))
-
-            def in_order(partials):  # rank order, as one process adds them: the same bits
-                total = partials[0]
-                for i in range(1, partials.shape[0]):
-                    total = total + partials[i]
-                return total
-
-            self._total = jax.jit(in_order, out_shardings=replicated)
+        self._steps = 0  # updates made, for the key-value store's keys
 
         def squares(grads):
             return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
@@ -323,13 +319,15 @@ class _RankUpdates:
         ]
 
     def __call__(self, state: TrainState, loss, grads):
-        total = sum(
-            jax.device_put(f(g), self._first)
-            for f, g, here in zip(self._squares, grads, self._here, strict=True)
-            if here
-        )
-        if self._processes is not None:
-            total = self._over_processes(total)
+        partials = {
+            r: f(g)
+            for r, (f, g) in enumerate(zip(self._squares, grads, strict=True))
+            if self._here[r]
+        }
+        if jax.process_count() > 1:
+            total = jax.device_put(self._over_processes(partials), self._first)
+        else:
+            total = sum(jax.device_put(p, self._first) for p in partials.values())
         norm = jnp.sqrt(total)
         params, opt_state = [], []
         for r, update in enumerate(self._updates):
@@ -352,14 +350,25 @@ class _RankUpdates:
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def _over_processes(self, partial):
-        """The sum over the processes of each one's `partial` (a scalar on its devices), here."""
-        mine = self._processes.addressable_devices_indices_map((jax.process_count(),))
-        (device,) = mine
-        pieces = jax.make_array_from_single_device_arrays(
-            (jax.process_count(),),
-            self._processes,
-            [jax.device_put(partial.reshape(1), device)],
-        )
-        total = self._total(pieces)
-        return jax.device_put(total.addressable_shards[0].data, self._first)
+    def _over_processes(self, partials: dict):
+        """Every rank's sum of squares added in rank order (float32, as on a device), from
+        this process's `partials` (``{rank: scalar}``) and the others' in the key-value store."""
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        self._steps += 1
+        base = f"jpipe/grad_squares/{self._steps}"
+        for r, p in partials.items():
+            client.key_value_set(f"{base}/{r}", np.asarray(p, np.float32).tobytes().hex())
+        total = np.float32(0)
+        for r in range(len(self.meshes)):
+            if r in partials:
+                value = np.asarray(partials[r], np.float32)
+            else:
+                text = client.blocking_key_value_get(f"{base}/{r}", 3_600_000)
+                value = np.frombuffer(bytes.fromhex(text), np.float32)[0]
+            total = np.float32(total + value)
+        if self._steps > 2:  # every process has read those: a step's barrier came since
+            for r in partials:
+                client.key_value_delete(f"jpipe/grad_squares/{self._steps - 2}/{r}")
+        return total
