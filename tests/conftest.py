@@ -117,3 +117,27 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
+@pytest.fixture(scope="session")
+def mixed_plan(tmp_path_factory):
+    """A per-rank plan file over three hosts: ranks of tensor 1, 2 and 1, one per host (with
+    1, 2 and 1 devices), three one-block stages, 1F1B over 4 microbatches of 1 sequence."""
+    import json
+    import types
+
+    from jpipe.planner import (
+        ClusterPlan,
+        DeviceGroup,
+        evaluate,
+        plan_file,
+        profile_from_stage_times,
+    )
+
+    times = types.SimpleNamespace(F=(1.0,) * 3, I=(1.0,) * 3, W=(1.0,) * 3, B=(2.0,) * 3)
+    prof = profile_from_stage_times(times, "cpu", microbatch_size=1, blocks_per_stage=[1, 1, 1])
+    ranks = tuple((DeviceGroup("cpu", tensor_parallel=t, node=n),) for n, t in enumerate((1, 2, 1)))
+    plan = ClusterPlan(ranks, ((0,), (1,), (2,)), 1, 4, "1f1b", memory_layout="mpmd")
+    path = tmp_path_factory.mktemp("plan") / "mixed.json"
+    path.write_text(json.dumps(plan_file(evaluate(plan, prof), prof)))
+    return path

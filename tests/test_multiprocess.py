@@ -449,49 +449,68 @@ def test_the_messages_of_a_lost_peer_are_recognized():
     assert not _says_peer_lost("ValueError: shapes (4, 8) and (3, 8) do not match")
 
 
-# Issue 37's mixed cluster on one machine: 3 processes of 1, 2 and 1 devices,
-# each holding one rank of the per-rank lowering with its own tensor degree.
-MIXED = {"lowering": "mpmd", "mesh.tensor_per_rank": "1,2,1", "model.num_layers": 3}
+# Issue 37's mixed cluster on one machine: the plan of conftest's `mixed_plan`, 3 processes
+# of 1, 2 and 1 devices, each holding one rank of the per-rank lowering with its own tensor
+# degree. The plan gives the mesh, the split and the batch (4 microbatches of 1 sequence).
+MIXED = {k: v for k, v in TINY.items() if k not in ("num_microbatches", "batch_size")}
+MIXED["model.num_layers"] = 3
+
+
+@pytest.fixture(scope="module")
+def mixed_references(tmp_path_factory, one_process_config, mixed_plan):
+    """Metrics of the mixed plan's model in one process: as the plan (4 of this process's
+    devices, a mesh per rank) and unpipelined (one device, the whole model)."""
+    from jpipe import train as trainer
+
+    runs = {}
+    for name in ("plan", "whole"):
+        config = one_process_config(1, 1)
+        config.model.num_layers = MIXED["model.num_layers"]
+        if name == "plan":
+            config.plan = str(mixed_plan)
+        else:
+            config.batch_size, config.num_microbatches = 4, 4
+        workdir = tmp_path_factory.mktemp(f"mixed_{name}")
+        trainer.train(config, str(workdir), progress=False)
+        runs[name] = _metrics(workdir)
+    return runs
 
 
 @pytest.mark.slow
-def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restarted(
-    tmp_path, cache_env, one_process_config
+@pytest.mark.parametrize("killed", [0, 2])
+def test_a_mixed_plan_in_three_processes_killed_and_restarted(
+    tmp_path, cache_env, mixed_plan, mixed_references, killed
 ):
-    """Ranks of tensor 1, 2 and 1, one per process (1, 2 and 1 devices): kill -9 process 2
-    after the first checkpoint, restart the three, and get one process's run bit for bit.
+    """`train.py --config.plan` of a plan of three hosts (ranks of tensor 1, 2 and 1, one
+    per process, each faking its host's device count from the plan): kill -9 process
+    `killed` (0, the coordinator's, or 2) after the first checkpoint, restart the three,
+    and get the one-process run of the plan bit for bit, and the unpipelined model's
+    losses within test_train's RTOL (1e-5; do not loosen it).
 
     Each process checkpoints the ranks it holds (`jpipe.train.process_arrays`:
     orbax refuses arrays that live on one process); the batch and the step
-    counter have a copy in each process, and the gradients' norm is summed
-    over the processes, so every rank clips alike. The one-process run (4 of
-    this process's devices) adds the same three sums in the same order:
-    measured on jax 0.10.2, every loss, gradient norm and held-out loss is
-    equal to the bit.
+    counter have a copy in each process, and the gradients' norm is added over
+    every rank in rank order, as one process adds it: measured on jax 0.10.2,
+    every loss, gradient norm and held-out loss is equal to the bit.
     """
     workdir = tmp_path / "run"
-    command = [sys.executable, os.path.join(ROOT, "train.py")]
-    command += _flags(workdir, 3, 1, **MIXED)
+    command = [sys.executable, os.path.join(ROOT, "train.py"), f"--config.plan={mixed_plan}"]
+    command += [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in MIXED.items()]
     logs = [open(tmp_path / f"stderr{i}", "w+") for i in range(3)]
+    out = open(tmp_path / "stdout", "w+")
 
-    def env(i, address):
-        devices = (1, 2, 1)[i]
-        return dict(
-            _child_env(i, address, cache_env),
-            JAX_NUM_PROCESSES="3",
-            JAX_NUM_CPU_DEVICES=str(devices),
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {CHILD_XLA_FLAGS}".strip(),
-        )
-
-    out = open(tmp_path / "stdout0", "w+")
-
-    def start():  # each process fakes its own count of devices (as hosts of kinds differ)
-        # A new coordinator each time: the killed run's service may still be serving.
+    def start():
+        # A new coordinator each time: the killed run's service may still be serving. No
+        # device count in the environment: train.py fakes each host's from the plan.
         address = _free_address()
+        env = {k: v for k, v in cache_env.items() if k != "JAX_NUM_CPU_DEVICES"}
+        env.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="3", JAX_PLATFORMS="cpu")
+        if CHILD_XLA_FLAGS:
+            env["XLA_FLAGS"] = CHILD_XLA_FLAGS
         return [
             subprocess.Popen(
-                command + [f"--cpu_devices={(1, 2, 1)[i]}"],
-                env=env(i, address),
+                command,
+                env=dict(env, JAX_PROCESS_ID=str(i)),
                 stdout=out if i == 0 else subprocess.DEVNULL,
                 stderr=logs[i],
             )
@@ -505,15 +524,19 @@ def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restart
         while not first.exists():
             assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint"
             time.sleep(0.01)
-        assert procs[2].poll() is None, "the run finished before it could be killed"
-        procs[2].send_signal(signal.SIGKILL)
-        for p in procs[:2]:
-            assert p.wait(timeout=90) != 0
+        assert procs[killed].poll() is None, "the run finished before it could be killed"
+        procs[killed].send_signal(signal.SIGKILL)
+        for i, p in enumerate(procs):
+            if i != killed:
+                assert p.wait(timeout=90) != 0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    logs[2 if killed == 0 else 0].seek(0)
+    said = logs[2 if killed == 0 else 0].read()
+    assert f"lost: process {killed}" in said, said[-3000:]
     done = sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
     assert done and done[-1] < TINY["steps"], f"checkpoints {done}: the kill came too late"
     held = sorted(os.listdir(workdir / "checkpoints" / str(done[-1]) / "local"))
@@ -521,6 +544,8 @@ def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restart
         "_held_by_0.json", "_held_by_1.json", "_held_by_2.json"
     ]  # fmt: skip
 
+    out.seek(0)
+    out.truncate()
     procs = start()
     try:
         statuses = [p.wait(timeout=LAUNCH_SECONDS) for p in procs]
@@ -531,15 +556,13 @@ def test_ranks_of_their_own_tensor_degrees_in_three_processes_killed_and_restart
                 p.wait()
     logs[0].seek(0)
     out.seek(0)
+    text = out.read()
     assert statuses == [0, 0, 0], logs[0].read()[-3000:]
-    assert f"resuming from the checkpoint of step {done[-1]}" in out.read()
+    assert "in 3 processes" in text and "tensor per rank 1,2,1" in text
+    assert f"resuming from the checkpoint of step {done[-1]}" in text
 
-    from jpipe import train as trainer
-
-    config = one_process_config(3, 1)
-    config.lowering = MIXED["lowering"]
-    config.mesh.tensor_per_rank = MIXED["mesh.tensor_per_rank"]
-    config.model.num_layers = MIXED["model.num_layers"]
-    alone = tmp_path / "one"
-    trainer.train(config, str(alone), progress=False)
-    assert _metrics(workdir) == _metrics(alone)
+    got = _metrics(workdir)
+    assert [m[0] for m in got] == list(range(TINY["steps"] + 1))
+    assert got == mixed_references["plan"]
+    for mine, whole in zip(got, mixed_references["whole"], strict=True):
+        _assert_record_close(mine, whole, rel=1e-5)

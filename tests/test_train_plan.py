@@ -191,19 +191,8 @@ def test_profile_plan_train_reports_the_planned_footprint(tmp_path):
     assert 0.95 <= ratio <= 1.05, line
 
 
-def _mixed_plan_file(tmp_path) -> Path:
-    """A per-rank plan over three hosts: ranks of tensor 1, 2 and 1, one per host."""
-    times = StageTimes((1.0, 1.0, 1.0), (1.0,) * 3, (1.0,) * 3, (2.0, 2.0, 2.0))
-    prof = profile_from_stage_times(times, "cpu", microbatch_size=1, blocks_per_stage=[1, 1, 1])
-    ranks = tuple((DeviceGroup("cpu", tensor_parallel=t, node=n),) for n, t in enumerate((1, 2, 1)))
-    ev = evaluate(ClusterPlan(ranks, ((0,), (1,), (2,)), 1, 4, "1f1b", memory_layout="mpmd"), prof)
-    path = tmp_path / "mixed.json"
-    path.write_text(json.dumps(plan_file(ev, prof)))
-    return path
-
-
-def test_a_per_rank_plan_says_which_ranks_each_host_runs(tmp_path):
-    plan = json.loads(_mixed_plan_file(tmp_path).read_text())
+def test_a_per_rank_plan_says_which_ranks_each_host_runs(tmp_path, mixed_plan):
+    plan = json.loads(mixed_plan.read_text())
     assert plan["processes"] == [
         {"node": 0, "kind": "cpu", "ranks": [0], "devices": 1},
         {"node": 1, "kind": "cpu", "ranks": [1], "devices": 2},
@@ -238,12 +227,12 @@ def test_a_per_rank_plan_says_which_ranks_each_host_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_per_rank_plan_launches_as_its_hosts_and_trains_as_one_process(tmp_path):
+def test_a_per_rank_plan_launches_as_its_hosts_and_trains_as_one_process(tmp_path, mixed_plan):
     # `jpipe.launch --plan` starts the plan's three processes with 1, 2 and 1 fake
     # devices; train.py gives each its ranks. The losses are the one-process run's of
     # the same plan, bit for bit (each process holds one rank; the gradient norm is
     # summed in rank order, as one process adds it).
-    plan = _mixed_plan_file(tmp_path)
+    plan = mixed_plan
     flags = [
         f"--config.plan={plan}",
         "--config.steps=4",
