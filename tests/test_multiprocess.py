@@ -372,6 +372,17 @@ def _assert_record_close(got: tuple, want: tuple, rel: float) -> None:
             assert abs(a - b) <= rel * abs(b), f"step {step}: {name} {a} != {b} (rel {rel})"
 
 
+def _kill_after_the_first_checkpoint(procs, killed: int, workdir, seconds: float) -> None:
+    """Waits (at most `seconds`) for the run's first checkpoint, then SIGKILLs process `killed`."""
+    first = workdir / "checkpoints" / str(TINY["checkpoint_every"]) / "_CHECKPOINT_METADATA"
+    deadline = time.monotonic() + seconds
+    while not first.exists():
+        assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint"
+        time.sleep(0.01)
+    assert procs[killed].poll() is None, "the run finished before it could be killed"
+    procs[killed].send_signal(signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lowering", ["spmd", "mpmd"])
 def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
@@ -403,13 +414,7 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
         for i in range(2)
     ]
     try:
-        first = workdir / "checkpoints" / str(TINY["checkpoint_every"]) / "_CHECKPOINT_METADATA"
-        deadline = time.monotonic() + 150
-        while not first.exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint"
-            time.sleep(0.01)
-        assert procs[1].poll() is None, "the run finished before it could be killed"
-        procs[1].send_signal(signal.SIGKILL)
+        _kill_after_the_first_checkpoint(procs, 1, workdir, 150)
         killed = time.monotonic()
         status = procs[0].wait(timeout=60)
         seconds = time.monotonic() - killed
@@ -519,13 +524,7 @@ def test_a_mixed_plan_in_three_processes_killed_and_restarted(
 
     procs = start()
     try:
-        first = workdir / "checkpoints" / str(TINY["checkpoint_every"]) / "_CHECKPOINT_METADATA"
-        deadline = time.monotonic() + 200
-        while not first.exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, "no checkpoint"
-            time.sleep(0.01)
-        assert procs[killed].poll() is None, "the run finished before it could be killed"
-        procs[killed].send_signal(signal.SIGKILL)
+        _kill_after_the_first_checkpoint(procs, killed, workdir, 200)
         for i, p in enumerate(procs):
             if i != killed:
                 assert p.wait(timeout=90) != 0
