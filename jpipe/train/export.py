@@ -44,10 +44,12 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jpipe import models
 from jpipe.models import registry
 from jpipe.stage.pack import ParamLayout  # the packed layout is a pure function of shapes
+from jpipe.train import process_arrays
 from jpipe.train.config import ConfigError, TrainConfig
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"  # orbax writes it into every complete step
@@ -224,30 +226,77 @@ def _checkpoint_params(workdir, config, step: int | None) -> list:
             manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         )
         layout = _layout(meta, config, f"the checkpoint of step {step} in {directory}")
-        device = jax.devices("cpu")[0]  # host memory: never one accelerator for the whole model
-        target = {
-            "params": {
-                name: jax.ShapeDtypeStruct(
-                    (layout.num_ranks,) + tuple(shape),
-                    dtype,
-                    sharding=jax.sharding.SingleDeviceSharding(device),
-                )
-                for name, (shape, dtype) in layout.buckets.items()
-            }
-        }
-        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=target, restore_args=restore_args, partial_restore=True
-                )
-            ),
-        )
+        where = os.path.join(directory, str(step))
+        saved = _saved_params(manager, step, where, meta)
     finally:
         manager.close()
-    packed = {name: np.asarray(a) for name, a in restored.state["params"].items()}
-    return layout.unpack_host(packed)
+    return layout.unpack_host(_packed(layout, saved, where))
+
+
+def _saved_params(manager, step: int, where: str, meta: dict) -> dict[str, np.ndarray]:
+    """Every parameter array the step holds, by its place in the state, on the host.
+
+    A run on one mesh saves ``params.<bucket>`` (every rank's rows); a run
+    with a mesh per rank saves ``params.<rank>.<bucket>`` (that rank's row).
+    In a run of several processes, the arrays one process held whole are in
+    the ``local`` item (`jpipe.train.process_arrays`), the others in ``state``,
+    there as a flat dict by name.
+    """
+    found: dict[str, np.ndarray] = {}
+    items = meta.get("items") or {"state": True}
+    if "local" in items:
+        local = os.path.join(where, "local")
+        for name in process_arrays.ProcessArraysHandler().metadata(local):
+            if name.startswith("params."):
+                found[name] = process_arrays.read_on_host(local, name)
+    if not items.get("state"):
+        return found
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "state").tree
+    device = jax.devices("cpu")[0]  # host memory: never one accelerator for the whole model
+
+    def target(m):
+        return jax.ShapeDtypeStruct(
+            tuple(m.shape), m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+        )
+
+    if "params" in tree:  # the state's own tree: keep its parameters' part
+        wanted = {"params": jax.tree.map(target, tree["params"])}
+    else:  # several processes' global arrays: a flat dict by name
+        wanted = {n: target(m) for n, m in tree.items() if n.startswith("params.")}
+    if not jax.tree.leaves(wanted):  # every parameter was in ``local``
+        return found
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), wanted)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=wanted, restore_args=restore_args, partial_restore=True
+            )
+        ),
+    ).state
+    for path, leaf in jax.tree_util.tree_leaves_with_path(restored):
+        found[jax.tree_util.keystr(path, simple=True, separator=".")] = np.asarray(leaf)
+    return found
+
+
+def _packed(layout: ParamLayout, saved: dict[str, np.ndarray], where: str) -> dict:
+    """``{bucket: [R, *row]}`` from the saved arrays, of either layout (`_saved_params`)."""
+    if all(f"params.{b}" in saved for b in layout.buckets):
+        return {b: saved[f"params.{b}"] for b in layout.buckets}
+    packed = {
+        b: np.zeros((layout.num_ranks,) + tuple(row), dtype)
+        for b, (row, dtype) in layout.buckets.items()
+    }
+    for s, r in enumerate(layout.stage_to_rank):
+        for b in layout.stage_buckets(s):
+            name = f"params.{r}.{b}"
+            if name not in saved:
+                raise ConfigError(
+                    f"{where} holds no array {name} (stage {s}'s parameters, on rank {r}): "
+                    "the checkpoint is incomplete or was written by another version of jpipe"
+                )
+            packed[b][r] = saved[name][0]
+    return packed
 
 
 def _layout(meta: dict, config, where: str) -> ParamLayout:

@@ -161,3 +161,10 @@ def missing_files(directory: str, processes: int) -> str | None:
             if not os.path.isfile(os.path.join(directory, name, ".zarray")):
                 return f"{os.path.join(directory, name, '.zarray')} is missing"
     return None
+
+
+def read_on_host(directory: str, name: str) -> np.ndarray:
+    """The whole array `name` of a saved item, read into this host's memory (by
+    `jpipe.train.load_params`, which needs no device of the run that wrote it)."""
+    store = ts.open(_spec(os.path.join(os.fspath(directory), name)), open=True).result()
+    return np.asarray(store.read().result())
