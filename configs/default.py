@@ -69,8 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.mesh.tensor = 1  # devices splitting each block Megatron-style (heads, MLP width)
     config.mesh.pipe_hosts = 0  # hosts (processes) the pipe axis spans; 0 = the default order
     config.mesh.data_hosts = 0  # hosts the data axis spans (docs/multihost.md says which)
-    # Each rank's own tensor degree, e.g. "1,2,2" (one mesh per rank; lowering="mpmd" only);
-    # "" gives every rank mesh.tensor.
+    # Each rank's own tensor degree, e.g. "1,2,2" (lowering="mpmd" only, which gives each
+    # rank a mesh of its own); "" gives every rank mesh.tensor.
     config.mesh.tensor_per_rank = ""
     config.cpu_devices = 0  # fake CPU devices per process on a CPU-only host; 0 = as the mesh needs
 

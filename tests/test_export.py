@@ -16,6 +16,7 @@ stage's order); do not loosen it.
 import dataclasses
 import importlib
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -23,7 +24,9 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 
 from jpipe import check, models, testing
 from jpipe import train as trainer
@@ -225,6 +228,43 @@ def test_init_from_starts_a_run_from_a_checkpoint_or_a_saved_file(trained, tmp_p
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
         np.testing.assert_array_equal(got, np.asarray(want))
+
+
+@pytest.mark.slow
+def test_weights_come_out_of_a_run_with_a_mesh_per_rank(user, trained, tmp_path):
+    """The per-rank lowering gives each rank a mesh of its own and saves each rank's own
+    arrays, ``params.<rank>.<bucket>`` of one row, not the packed ``[R, ...]`` buckets: they
+    come out as a one-mesh run's do, to the held-out loss evaluated outside jpipe, and
+    ``init_from`` starts a one-mesh run from them; resuming either checkpoint with the other
+    layout is refused before anything is compiled, saying how to resume it."""
+    config, one_mesh_dir, one_mesh = trained
+    config = config.copy_and_resolve_references()
+    config.lowering = "mpmd"
+    workdir = tmp_path / "run"
+    result = trainer.train(config, workdir, progress=False)
+    np.testing.assert_allclose(result.eval_losses[3], one_mesh.eval_losses[3], rtol=RTOL)
+    state = workdir / "checkpoints" / "3" / "state"
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state)).tree["params"]
+    assert isinstance(saved, list) and len(saved) == 2  # a dict of one row per bucket, per rank
+    params = trainer.load_params(workdir, config)
+    assert all(isinstance(stage, user.Stage) for stage in params)
+    own = np.mean([float(jax.jit(user.loss)(params, b)) for b in eval_batches(config, 2)])
+    np.testing.assert_allclose(own, result.eval_losses[3], rtol=RTOL)
+    again = config.copy_and_resolve_references()
+    again.lowering, again.steps, again.init_from = "spmd", 1, str(workdir)
+    resumed = trainer.train(again, tmp_path / "again", progress=False)
+    np.testing.assert_allclose(resumed.eval_losses[0], result.eval_losses[3], rtol=RTOL)
+    # Resumed under the other layout: refused, each saying which lowering resumes it.
+    longer = config.copy_and_resolve_references()
+    longer.steps, longer.lowering = 4, "spmd"
+    with pytest.raises(
+        trainer.ConfigError, match="each rank's on a mesh of its own.*lowering=mpmd"
+    ):
+        trainer.train(longer, workdir, progress=False)
+    shutil.copytree(one_mesh_dir, tmp_path / "one_mesh")
+    longer.lowering = "mpmd"
+    with pytest.raises(trainer.ConfigError, match="every rank's on one mesh.*lowering=spmd"):
+        trainer.train(longer, tmp_path / "one_mesh", progress=False)
 
 
 @pytest.mark.slow

@@ -399,8 +399,8 @@ def _per_rank_faster(profile, devices, global_batch, options, result):
     choice = other.memory_choice
     options_differ = choice is not None and choice != result.memory_choice
     line = (
-        f"the per-rank lowering (--memory-layout mpmd, lowering='mpmd' with a mesh per rank, "
-        f"mesh.tensor_per_rank) fits a plan "
+        f"the per-rank lowering (--memory-layout mpmd, lowering='mpmd', each rank on a mesh "
+        f"of its own) fits a plan "
         f"{faster:.1%} faster: {describe_shape(ev.plan)}, {ev.step_seconds:.4g} s/step, "
         f"{gib(ev.max_peak_bytes)} on its fullest device"
         + (f", with {choice}" if options_differ else "")

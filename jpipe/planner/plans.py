@@ -1202,7 +1202,7 @@ def _per_rank_advice(error, profile, devices, global_batch, attention, remat, kw
     choice = f", with {other.memory_choice}" if other.memory_choice is not None else ""
     text = (
         f"{error}; under the per-rank lowering's layout (--memory-layout mpmd, "
-        f"lowering='mpmd' with a mesh per rank, mesh.tensor_per_rank: each device holds its "
+        f"lowering='mpmd', each rank on a mesh of its own: each device holds its "
         f"own rank's) {describe_shape(ev.plan)} fits, "
         f"{gib(ev.memory.max_bytes(MPMD.layout))} on its fullest device, "
         f"{ev.step_seconds:.4g} s per step{choice}"
@@ -2059,7 +2059,7 @@ def plan_file(ev: Evaluation, profile: Profile) -> dict:
                 f"{[g.tensor_parallel for g in row]}; the trainer gives each rank one mesh of "
                 "data x tensor devices, so its replicas need one degree"
             )
-    # Only ranks of different degrees run a mesh per rank, whose processes these are.
+    # The hosts are listed where the ranks' degrees differ (hosts of different device counts).
     degrees = {row[0].tensor_parallel for row in p.ranks}
     per_rank = layout_kind(p.memory_layout).meshes_per_rank and len(degrees) > 1
     processes = plan_processes(p.ranks) if per_rank else None

@@ -590,6 +590,9 @@ def checkpoint_meta(pipeline, prepared: Prepared) -> dict:
         },
         "schedule": prepared.config.schedule,
         "mesh": dataclasses.asdict(prepared.config.mesh),
+        # Each rank's arrays on its own mesh (``params.<rank>.<bucket>``, one row), or every
+        # rank's rows of each bucket on one mesh (``params.<bucket>``).
+        "params_per_rank": prepared.config.rank_tensors is not None,
         "model_name": prepared.config.model_name,  # the builder's full path, for load_params
         # The optimizer's state has its own structure: resuming under another is refused.
         "optimizer": prepared.config.optimizer.name,
@@ -605,7 +608,27 @@ def check_resumable(checkpoints: Checkpoints, step: int, prepared: Prepared) -> 
         for key in wanted
         if saved.get(key) != wanted[key]
     ]
-    optimizer = checkpoints.metadata(step).get("optimizer")  # absent before it was recorded
+    meta = checkpoints.metadata(step)
+    # Recorded since the per-rank lowering gave each rank a mesh by default; before, only
+    # mesh.tensor_per_rank did.
+    saved_per_rank = meta.get("params_per_rank", bool(meta.get("mesh", {}).get("tensor_per_rank")))
+    per_rank = prepared.config.rank_tensors is not None
+    if saved_per_rank != per_rank:
+        how = {True: "each rank's on a mesh of its own", False: "every rank's on one mesh"}
+        resume = (
+            "--config.lowering=mpmd (without mesh.pipe_hosts or mesh.data_hosts)"
+            if saved_per_rank
+            else "--config.lowering=spmd, which keeps them on one mesh"
+        )
+        raise ConfigError(
+            f"the checkpoint of step {step} in {checkpoints.directory} holds the parameters and "
+            f"optimizer state {how[saved_per_rank]}, and this run lays them out "
+            f"{how[per_rank]} (the per-rank lowering gives each rank a mesh of its own, "
+            "unless mesh.pipe_hosts or mesh.data_hosts lays one mesh across hosts); resume "
+            f"with {resume}, or start from its weights in a new --workdir with "
+            f"--config.init_from={os.path.dirname(checkpoints.directory)}"
+        )
+    optimizer = meta.get("optimizer")  # absent before it was recorded
     if optimizer is not None and optimizer != prepared.config.optimizer.name:
         raise ConfigError(
             f"the checkpoint of step {step} in {checkpoints.directory} holds the state of "

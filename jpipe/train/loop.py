@@ -444,11 +444,10 @@ def _say_setup(prepared: Prepared, pipeline: jpipe.Pipeline) -> None:
     sim = jpipe.simulate(schedule)
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     meshes = mesh if isinstance(mesh, list) else [mesh]
-    tensor = (
-        f"tensor per rank {c.mesh.tensor_per_rank} (a mesh per rank)"
-        if c.mesh.rank_tensors
-        else f"tensor={c.mesh.tensor}"
-    )
+    if c.mesh.rank_tensors:
+        tensor = f"tensor per rank {c.mesh.tensor_per_rank} (a mesh per rank)"
+    else:
+        tensor = f"tensor={c.mesh.tensor}" + (" (a mesh per rank)" if c.rank_tensors else "")
     say(
         f"devices: {jpipe.describe_devices([d for m in meshes for d in m.devices.flat])}"
         f"{processes}; mesh pipe={c.mesh.pipe} x data={c.mesh.data} x fsdp={c.mesh.fsdp} x "

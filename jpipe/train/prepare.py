@@ -47,8 +47,9 @@ class Prepared(NamedTuple):
       config: the checked config.
       schedule: the validated schedule.
       layers_per_stage: blocks per stage (``schedule.num_stages`` entries).
-      mesh: the ``(pipe, data, fsdp, tensor)`` mesh, or with
-        ``mesh.tensor_per_rank`` one mesh per rank (`jpipe.make_rank_meshes`).
+      mesh: the ``(pipe, data, fsdp, tensor)`` mesh, or one mesh per rank
+        (`jpipe.make_rank_meshes`) under the per-rank lowering or with
+        ``mesh.tensor_per_rank`` (`TrainConfig.rank_tensors`).
       train_data, eval_data: the batches, served by step (`data.Batches`,
         `tokens.GrainBatches` or `sources.SourceBatches`).
       model: the model cut into the schedule's stages (`jpipe.models.build_model`;
@@ -60,7 +61,7 @@ class Prepared(NamedTuple):
     config: TrainConfig
     schedule: jpipe.Schedule
     layers_per_stage: tuple[int, ...]
-    mesh: jax.sharding.Mesh | list[jax.sharding.Mesh]  # a list: one per rank (tensor_per_rank)
+    mesh: jax.sharding.Mesh | list[jax.sharding.Mesh]  # a list: one per rank
     train_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     eval_data: data_lib.Batches | tokens.GrainBatches | sources.SourceBatches
     model: models.StagedModel | None = None
@@ -239,7 +240,7 @@ def _check_batch(c: TrainConfig) -> None:
             f"accepted: a multiple of {rows}, such as {max(rows, c.batch_size // rows * rows)}",
         )
     # Processes share the batch's rows, but with a mesh per rank each loads it whole.
-    if c.batch_size % jax.process_count() and c.mesh.rank_tensors is None:
+    if c.batch_size % jax.process_count() and c.rank_tensors is None:
         raise config_error(
             "batch_size",
             c.batch_size,
@@ -257,7 +258,7 @@ def _check_batch(c: TrainConfig) -> None:
 
 def _make_mesh(c: TrainConfig, devices: list):
     """The ``(pipe, data, fsdp, tensor)`` mesh over `devices`, or with
-    ``mesh.tensor_per_rank`` one mesh per rank."""
+    `TrainConfig.rank_tensors` one mesh per rank."""
     R = c.mesh.pipe
     if c.mesh.across_hosts is not None:
         try:
@@ -276,10 +277,10 @@ def _make_mesh(c: TrainConfig, devices: list):
                 f"{e} (mesh.pipe={R}, mesh.data={c.mesh.data}, pipe_hosts={c.mesh.pipe_hosts}, "
                 f"data_hosts={c.mesh.data_hosts})",
             ) from None
-    if c.mesh.rank_tensors is not None:  # one mesh per rank, each its own tensor degree
+    if c.rank_tensors is not None:  # one mesh per rank (the per-rank lowering's default)
         _check_hosts(c)
         return jpipe.make_rank_meshes(
-            [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.mesh.rank_tensors],
+            [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": t} for t in c.rank_tensors],
             devices,
         )
     return jpipe.make_mesh(R, c.mesh.data, devices, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
