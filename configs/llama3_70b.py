@@ -27,10 +27,11 @@ Measured with ``--config.compile_only=True`` (the step compiled from shapes on
 64 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2, 2026-12-06;
 docs/scale.md): 48.89 GB a device (45.5 GiB: 14.41 GB of arguments, 34.48
 GB of temp) under the SPMD lowering, which fits 80 GB; jpipe's byte model
-predicts 48.58 GB. With ``--config.lowering=mpmd``: 45.93 GB on the fullest
-rank (the last, the head's; 14.41 GB of arguments, 31.51 GB of its
-account), 40.8 to 45.0 GB on the others; predicted 45.92 GB (40.63 to
-44.84 on the others). Without the two splits it did
+predicts 48.58 GB. With ``--config.lowering=mpmd`` (each rank on a mesh of
+its own, 2026-12-07): 45.92 GB on the fullest rank (the last, the head's;
+14.41 GB of arguments, 31.51 GB of its account), 40.8 to 43.4 GB on the
+others (ranks 1 to 6 hold only their own 12.84 GB of arguments); predicted
+45.92 GB (40.63 to 43.26 on the others). Without the two splits it did
 not fit: 96.39 GB (SPMD) and 81.10 GB (per rank).
 
 Not yet run on accelerators.

@@ -29,9 +29,10 @@ Measured with ``--config.compile_only=True`` (the step compiled from shapes on
 8 fake CPU devices, XLA:CPU's buffer assignment, jax 0.10.2, 2026-12-06;
 docs/scale.md): 47.42 GB a device (44.2 GiB: 13.62 GB of arguments, 33.80 GB
 of temp) under the SPMD lowering, which fits 80 GB; jpipe's byte model
-predicts 48.00 GB. With ``--config.lowering=mpmd``: 43.17 GB on the fullest
-rank (the last; 13.62 GB of arguments, 29.55 GB of its account), 38.0 to
-39.1 GB on the others; predicted 43.17 GB.
+predicts 48.00 GB. With ``--config.lowering=mpmd`` (each rank on a mesh of
+its own, 2026-12-07): 43.17 GB on the fullest rank (the last; 13.62 GB of
+arguments, 29.55 GB of its account), 34.9 to 39.1 GB on the others (ranks 1
+and 2 hold only their own 10.47 GB of arguments); predicted 43.17 GB.
 
 Not yet run on accelerators. ``--config.model.num_layers=4
 --config.model.d_model=64 ...`` shrinks it to a model that compiles and

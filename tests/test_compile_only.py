@@ -137,7 +137,8 @@ def test_per_rank_prediction_follows_each_pieces_working_memory():
     """ZB-H1 per rank, where a rank's largest piece (an I) does not run at its peak of
     values (the deferred Ws' carries): jpipe's byte model, adding at each piece the values
     held when it starts to that piece's own working memory, is within 1% of every rank's
-    account (it leaves out only the batch and the packed buckets' padding rows)."""
+    account (it leaves out only the batch; each rank on a mesh of its own holds no padding
+    rows of other ranks' buckets)."""
     report = compile_only.compile_only(
         tiny(lowering="mpmd", schedule="zb_h1"), log=lambda line: None
     )

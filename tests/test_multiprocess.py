@@ -9,6 +9,7 @@ import _thread
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -311,6 +312,7 @@ def one_process(tmp_path_factory, one_process_config):
         key = (pipe, data, tuple(sorted(more.items())))
         if key not in runs:
             workdir = tmp_path_factory.mktemp(f"one_{pipe}x{data}")
+            run.workdirs[key] = workdir
             config = one_process_config(pipe, data)
             for name, value in more.items():
                 config[name] = value
@@ -318,6 +320,7 @@ def one_process(tmp_path_factory, one_process_config):
             runs[key] = _metrics(workdir)
         return runs[key]
 
+    run.workdirs = {}  # the run directory of each key
     return run
 
 
@@ -333,6 +336,7 @@ def two_processes(tmp_path_factory, cache_env):
         key = (pipe, data, tuple(sorted(more.items())))
         if key not in runs:
             workdir = tmp_path_factory.mktemp(f"two_{pipe}x{data}")
+            run.workdirs[key] = workdir
             command = [os.path.join(ROOT, "train.py")] + _flags(workdir, pipe, data, **more)
             status, out, err, _ = _run(command, env=cache_env)
             assert status == 0, err[-3000:]
@@ -340,6 +344,7 @@ def two_processes(tmp_path_factory, cache_env):
             runs[key] = _metrics(workdir)
         return runs[key]
 
+    run.workdirs = {}  # the run directory of each key
     return run
 
 
@@ -453,6 +458,69 @@ def test_pipe2_data2_killed_and_restarted_trains_as_one_process(
         assert _metrics(workdir) == one_process(2, 2, lowering="mpmd")
         for mine, spmd in zip(_metrics(workdir), one_process(2, 2), strict=True):
             _assert_record_close(mine, spmd, rel=1e-5)
+
+
+def _rolled_back(source, workdir) -> int:
+    """A copy of the run `source` in `workdir`, back to its checkpoint before the last (its
+    step, returned): the last checkpoint and the metrics after that step removed."""
+    shutil.copytree(source, workdir)
+    back_to = TINY["steps"] - TINY["checkpoint_every"]
+    shutil.rmtree(workdir / "checkpoints" / str(TINY["steps"]))
+    metrics = workdir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(x for x in lines if json.loads(x)["step"] <= back_to))
+    return back_to
+
+
+@pytest.mark.slow
+def test_a_per_rank_checkpoint_of_one_process_resumes_in_two(tmp_path, cache_env, one_process):
+    """The per-rank lowering's checkpoint written by one process (orbax's global arrays: one
+    process held every rank) resumes as 2 processes of 2 devices, where each rank's arrays
+    live on one process: each process reads the ranks it holds onto its host and places
+    them. From step 15 of the one-process run to its end: every loss, gradient norm and
+    held-out loss equal to the one-process run's, bit for bit."""
+    want = one_process(2, 2, lowering="mpmd")
+    workdir = tmp_path / "run"
+    back_to = _rolled_back(one_process.workdirs[2, 2, (("lowering", "mpmd"),)], workdir)
+    status, out, err, _ = _run(
+        [os.path.join(ROOT, "train.py")] + _flags(workdir, 2, 2, lowering="mpmd"), env=cache_env
+    )
+    assert status == 0, err[-3000:]
+    assert "in 2 processes" in out
+    assert f"resuming from the checkpoint of step {back_to}" in out
+    assert _metrics(workdir) == want
+
+
+def test_an_eval_fn_across_processes_of_the_per_rank_lowering_is_refused(tmp_path):
+    # No process holds the whole model to give it (each holds its own ranks): refused by
+    # name before anything is compiled, from every process.
+    flags = _flags(tmp_path / "run", 2, 2, lowering="mpmd", eval_fn="figures.py:figures")
+    status, _, err, _ = _run([os.path.join(ROOT, "train.py")] + flags)
+    assert status != 0
+    assert "config.eval_fn='figures.py:figures': runs on every process" in err, err[-3000:]
+    assert "accepted: eval_fn with lowering='spmd'" in err
+
+
+@pytest.mark.slow
+def test_a_per_rank_checkpoint_of_two_processes_resumes_in_one(
+    tmp_path, two_processes, one_process_config
+):
+    """The other way: the checkpoint two processes wrote (each rank's arrays in the
+    process's own ``local`` files) resumes in one process holding every rank, to the
+    two-process run's end, bit for bit."""
+    from jpipe import train as trainer
+
+    more = LOWERINGS["mpmd"]
+    want = two_processes(4, 1, **more)
+    workdir = tmp_path / "run"
+    back_to = _rolled_back(two_processes.workdirs[4, 1, tuple(sorted(more.items()))], workdir)
+    assert (workdir / "checkpoints" / str(back_to) / "local").is_dir()
+    config = one_process_config(4, 1)
+    for name, value in more.items():
+        config[name] = value
+    result = trainer.train(config, str(workdir), progress=False)
+    assert result.start_step == back_to
+    assert _metrics(workdir) == want
 
 
 def test_the_messages_of_a_lost_peer_are_recognized():

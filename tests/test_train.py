@@ -186,6 +186,24 @@ def test_ranks_of_their_own_tensor_degrees_train_the_same(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_the_per_rank_lowering_on_one_mesh_resumes_under_spmd(reference, tmp_path):
+    # The per-rank lowering on one mesh (what it ran on before each rank got a mesh of its
+    # own, and still with mesh.pipe_hosts) holds the packed layout the SPMD program holds:
+    # its checkpoint resumes under lowering="spmd" to the unbroken SPMD run's losses, and
+    # under the per-rank lowering's own default (a mesh per rank) it is refused, saying so.
+    result, _ = reference
+    workdir = tmp_path / "run"
+    train_until_killed(tiny_config(lowering="mpmd", **{"mesh.pipe_hosts": 1}), workdir, step=4)
+    with pytest.raises(trainer.ConfigError, match="every rank's on one mesh.*lowering=spmd"):
+        trainer.train(tiny_config(lowering="mpmd"), str(workdir), progress=False)
+    resumed = trainer.train(tiny_config(), str(workdir), progress=False)
+    assert resumed.start_step == 4
+    np.testing.assert_allclose(
+        [resumed.losses[s] for s in (5, 6)], [result.losses[s] for s in (5, 6)], rtol=RTOL
+    )
+
+
+@pytest.mark.slow
 def test_resumed_run_gives_the_same_losses(reference, interrupted, tmp_path):
     result, _ = reference
     workdir = tmp_path / "run"

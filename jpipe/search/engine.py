@@ -1105,17 +1105,20 @@ def _rank_figures(schedule: Schedule, figures: StageFigures):
     return own, grads, working
 
 
-def _need(ranks, values: Sequence[float], buffers=None, busy=()) -> RankBytes:
+def _need(
+    ranks, values: Sequence[float], buffers=None, busy=(), packed_everywhere: bool = True
+) -> RankBytes:
     """What each rank needs (`_rank_figures`, and its live `values`), for a byte model.
 
     The search's pipelines run on one mesh, so under the per-rank lowering every rank
     holds the packed parameters and the optimizer state on them whole
-    (`RankBytes.packed_everywhere`; docs/design.md, "not yet the rank's own").
+    (`RankBytes.packed_everywhere`; docs/design.md, "not yet the rank's own"); with a
+    mesh per rank (`train.py`'s per-rank lowering) each holds its own.
     """
     own, grads, working = ranks
     return RankBytes(
         params=own, values=values, working=working, grads=grads, tick_buffers=buffers,
-        packed_everywhere=True, busy=busy,
+        packed_everywhere=packed_everywhere, busy=busy,
     )  # fmt: skip
 
 
@@ -1269,7 +1272,12 @@ def _fit(curves, room: Sequence[float]) -> tuple[_Fit, list]:
 
 
 def device_bytes(
-    sim: Simulation, figures: StageFigures, layout: str, *, values: Sequence[float] | None = None
+    sim: Simulation,
+    figures: StageFigures,
+    layout: str,
+    *,
+    values: Sequence[float] | None = None,
+    packed_everywhere: bool = True,
 ) -> DeviceBytes:
     """Each rank's bytes and each device's under `layout`, as the layout's lowering's byte
     model counts them (`jpipe.lower.interface.LoweringKind.byte_model`; module docstring).
@@ -1277,11 +1285,15 @@ def device_bytes(
     `figures` must be for the simulated schedule's stages
     (`StageFigures.for_schedule`). `values`, when known, is each rank's peak
     of live values (the search passes what it computed already).
+    `packed_everywhere`: under the per-rank layout, whether the ranks share
+    one mesh (each holds the packed parameters of every rank, as the search's
+    pipelines do) or each has its own (`train.py`'s per-rank lowering).
     """
-    return _device_bytes(sim, figures, layout, values, _rank_figures(sim.schedule, figures))
+    ranks = _rank_figures(sim.schedule, figures)
+    return _device_bytes(sim, figures, layout, values, ranks, packed_everywhere)
 
 
-def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
+def _device_bytes(sim, figures, layout, values, ranks, packed_everywhere=True) -> DeviceBytes:
     """`device_bytes`, with `_rank_figures` at hand."""
     schedule = sim.schedule
     # Working memory per kind of piece matters only where a device holds its own rank's
@@ -1299,7 +1311,7 @@ def _device_bytes(sim, figures, layout, values, ranks) -> DeviceBytes:
     model = layout_kind(layout).byte_model()
     size = figures.sizes.table(schedule.num_stages)
     buffers = model.buffers(schedule, size["activation"], size["carry"])
-    held = model.device_bytes(_need(ranks, values, buffers, busy))
+    held = model.device_bytes(_need(ranks, values, buffers, busy, packed_everywhere))
     working = tuple(h.working for h in held) if per_piece else tuple(ranks[2])
     return DeviceBytes(
         layout, tuple(h.params for h in held), values, working,

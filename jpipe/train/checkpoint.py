@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import json
 import logging
@@ -57,9 +58,12 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jpipe.runtime.distributed import from_process_zero
 from jpipe.train import process_arrays
@@ -372,7 +376,7 @@ class Checkpoints:
         if jax.process_index() == 0:
             for name in os.listdir(self.directory):
                 if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                    _remove(os.path.join(self.directory, name))
         # The arrays' bytes, or what the last checkpoint takes on this disk if more
         # (orbax's metadata, the filesystem's blocks).
         needed = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
@@ -413,6 +417,8 @@ class Checkpoints:
         items = _items(self.metadata(step))
         try:
             if "local" not in items:
+                if any(map(process_arrays.held_by_one_process, jax.tree.leaves(abstract))):
+                    return jax.tree.unflatten(structure, self._into_processes(step, abstract))
                 restored = self._manager.restore(
                     step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
                 )
@@ -438,8 +444,78 @@ class Checkpoints:
             found.update(restored.state)
         return jax.tree.unflatten(structure, [found[n] for n in named])
 
+    def _into_processes(self, step: int, abstract) -> list:
+        """The leaves of a step saved as global arrays (by one process, or on one mesh) for a
+        state whose arrays now each live on one process of several (a run resumed in more
+        processes): each process reads the arrays it holds onto its host and places them,
+        skipping the others' (orbax's `PLACEHOLDER`: arrays this process's state holds
+        with no shards here, or not at all); the global ones as orbax reads them.
+
+        The request follows the saved tree (orbax keeps a NamedTuple as a dict of its
+        fields), its leaves matched to the state's by name."""
+        path = epath.Path(self.directory) / str(step) / "state"
+        saved = ocp.StandardCheckpointHandler().metadata(path).tree
+        named = _named(abstract)
+        key = functools.partial(jax.tree_util.keystr, simple=True, separator=".")
+
+        def skipped(t) -> bool:  # another process's rank: not in this state, or not here
+            if t is None:
+                return True
+            return process_arrays.held_by_one_process(t) and not process_arrays.is_mine(t)
+
+        def item(p, _):
+            t = named.get(key(p))
+            return ocp.PLACEHOLDER if skipped(t) else t
+
+        def how(p, _):
+            t = named.get(key(p))
+            if skipped(t):
+                return ocp.PLACEHOLDER
+            if not process_arrays.held_by_one_process(t):
+                return ocp.ArrayRestoreArgs(sharding=t.sharding)
+            return ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype)
+
+        # A checkpointer of its own: through the manager, the item would stay bound to the
+        # PyTree handler, and the manager's next save of it (a StandardSave) be refused. Its
+        # barrier through the coordination service, as the manager's (`__init__`).
+        processes = ocp.options.MultiprocessingOptions(
+            active_processes=set(range(jax.process_count()))
+        )
+        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=processes)
+        with ocp.Checkpointer(handler, multiprocessing_options=processes) as reader:
+            restored = reader.restore(
+                path,
+                args=ocp.args.PyTreeRestore(
+                    item=jax.tree_util.tree_map_with_path(item, saved),
+                    restore_args=jax.tree_util.tree_map_with_path(how, saved),
+                ),
+            )
+        found = {key(p): v for p, v in jax.tree_util.tree_leaves_with_path(restored)}
+        out = []
+        for name, t in named.items():
+            if not process_arrays.held_by_one_process(t):
+                out.append(found[name])
+            elif process_arrays.is_mine(t):
+                out.append(jax.device_put(np.asarray(found[name]), t.sharding))
+            else:  # another process's: an array with no shards here
+                out.append(
+                    jax.make_array_from_single_device_arrays(t.shape, t.sharding, [], dtype=t.dtype)
+                )
+        return out
+
     def close(self) -> None:
         self._manager.close()
+
+
+def _remove(folder: str, seconds: float = 10.0) -> None:
+    """Removes `folder`, again while orbax's writer threads of a failed save still add to
+    it (one pass can leave it: a file written during the walk keeps a folder from going,
+    seen under load in tests/test_checkpoint_damage.py); gives up after `seconds`."""
+    deadline = time.monotonic() + seconds
+    shutil.rmtree(folder, ignore_errors=True)
+    while os.path.exists(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _named(tree) -> dict:

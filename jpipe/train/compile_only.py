@@ -508,7 +508,10 @@ def _predicted(pipeline: jpipe.Pipeline, built: Built, keyed, log) -> tuple[floa
     )
     sim = jpipe.simulate(schedule)
     layout_name = pipeline.lowering_kind.layout
-    predicted = device_bytes(sim, figures, layout_name)
+    # Each rank holds only its own parameters where it has a mesh of its own.
+    predicted = device_bytes(
+        sim, figures, layout_name, packed_everywhere=pipeline.rank_meshes is None
+    )
     parts = predicted.parts(predicted.fullest)
     log(
         f"compile-only: jpipe's byte model ({layout_name}), rank {predicted.fullest}: "

@@ -2,7 +2,9 @@
 
 The trainer keeps the parameters packed (`jpipe.Pipeline.pack`): each
 rank's arrays of one size and dtype share a bucket, ``{"float32[4096]#3":
-[R, 4096]}`` (docs/checkpoints.md). A checkpoint holds them so. This
+[R, 4096]}`` (docs/checkpoints.md), or with a mesh per rank (the per-rank
+lowering in ``train.py``) one dict of ``[1, 4096]`` rows per rank. A
+checkpoint holds them so. This
 module turns them back into what the model's ``init`` made: one pytree per
 stage, in the model's own classes (an Equinox-style dataclass, an NNX
 state, a Flax dict), each leaf a `jax.Array`:

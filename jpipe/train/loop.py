@@ -411,10 +411,20 @@ def _eval_fn(c: TrainConfig):
     """``config.eval_fn``'s function, or None without one.
 
     Raises:
-      ConfigError: the file or the function is not there.
+      ConfigError: the file or the function is not there, or the run is the
+        per-rank lowering's in several processes.
     """
     if not c.eval_fn:
         return None
+    if c.rank_tensors is not None and jax.process_count() > 1:
+        raise config_error(
+            "eval_fn",
+            c.eval_fn,
+            "runs on every process with the whole model, which a run of the per-rank "
+            "lowering in several processes never gathers (each process holds only its own "
+            "ranks' parameters); accepted: eval_fn with lowering='spmd', or the per-rank "
+            "lowering in one process",
+        )
     try:
         return load_function(c.eval_fn, "config.eval_fn")
     except ValueError as e:

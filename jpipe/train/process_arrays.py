@@ -1,7 +1,7 @@
 """Arrays that live on one process's devices, each saved by the process holding it.
 
-In a run of several processes, a rank with a mesh of its own
-(``mesh.tensor_per_rank``, an mpmd plan) keeps its parameters and optimizer
+In a run of several processes, a rank with a mesh of its own (the
+per-rank lowering's, ``lowering="mpmd"`` in ``train.py``) keeps its parameters and optimizer
 state on its own devices only: every such array lives on one process. Orbax
 saves global arrays, whose shards it splits among the processes, and refuses
 an array that one process holds whole ("Cannot serialize host local
@@ -53,7 +53,7 @@ def held_by_one_process(x) -> bool:
     return len({d.process_index for d in sharding.device_set}) == 1
 
 
-def _mine(x) -> bool:
+def is_mine(x) -> bool:
     """Whether this process holds `x` (`held_by_one_process` arrays only)."""
     return next(iter(x.sharding.device_set)).process_index == jax.process_index()
 
@@ -84,7 +84,7 @@ class ProcessArraysHandler(ocp.CheckpointHandler):
         os.makedirs(root, exist_ok=True)
         writes, written = [], {}
         for name, x in sorted(args.arrays.items()):
-            if not _mine(x):
+            if not is_mine(x):
                 continue
             shard_shape = x.sharding.shard_shape(x.shape)
             store = ts.open(
