@@ -669,3 +669,22 @@ def test_a_mixed_plan_in_three_processes_killed_and_restarted(
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_mixed_plan_run_in_one_process_resumes_in_three(
+    tmp_path, cache_env, mixed_plan, mixed_references
+):
+    """The mixed plan's one-process run, from its checkpoint before the last, resumed as
+    the plan's three hosts of 1, 2 and 1 devices (`jpipe.launch_local`): each process
+    reads its own rank's arrays from orbax's global ones, waiting at barriers that hold
+    where hosts have different device counts; the one-process run's metrics, bit for bit."""
+    workdir = tmp_path / "run"
+    back_to = _rolled_back(mixed_references["plan_workdir"], workdir)
+    command = [os.path.join(ROOT, "train.py"), f"--config.plan={mixed_plan}"]
+    command += [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in MIXED.items()]
+    status, out, err, _ = _run(command, n=3, cpu_devices=[1, 2, 1], env=cache_env)
+    assert status == 0, err[-3000:]
+    assert "in 3 processes" in out
+    assert f"resuming from the checkpoint of step {back_to}" in out
+    assert _metrics(workdir) == mixed_references["plan"]
