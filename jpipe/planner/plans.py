@@ -1964,8 +1964,8 @@ def _reasons(
     if not p.uniform_tensor:
         out.append(
             f"tensor degree per rank {list(p.tensor_per_rank)}: one mesh per rank, "
-            "lowering='mpmd'; ranks of different degrees next to each other must share a "
-            "process (the lowering regroups values between shapes only within one)"
+            "lowering='mpmd' (values regroup between ranks of different degrees, within a "
+            "process or across processes)"
         )
     if found and ev is not found[0]:
         out.append(f"{(ev.step_seconds / found[0].step_seconds - 1) * 100:+.1f}% vs the best plan")
