@@ -276,7 +276,7 @@ def cache_env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process_config():
-    """configs/default.py with `TINY` and a ``(pipe, data)`` mesh."""
+    """configs/default.py with `TINY`, a ``(pipe, data)`` mesh and further settings by name."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -285,9 +285,9 @@ def one_process_config():
     default = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(default)
 
-    def make(pipe, data):
+    def make(pipe, data, **more):
         config = default.get_config()
-        for key, value in {**TINY, "mesh.pipe": pipe, "mesh.data": data}.items():
+        for key, value in {**TINY, "mesh.pipe": pipe, "mesh.data": data, **more}.items():
             node = config
             *path, last = key.split(".")
             for part in path:
@@ -313,10 +313,7 @@ def one_process(tmp_path_factory, one_process_config):
         if key not in runs:
             workdir = tmp_path_factory.mktemp(f"one_{pipe}x{data}")
             run.workdirs[key] = workdir
-            config = one_process_config(pipe, data)
-            for name, value in more.items():
-                config[name] = value
-            trainer.train(config, str(workdir), progress=False)
+            trainer.train(one_process_config(pipe, data, **more), str(workdir), progress=False)
             runs[key] = _metrics(workdir)
         return runs[key]
 
@@ -515,10 +512,7 @@ def test_a_per_rank_checkpoint_of_two_processes_resumes_in_one(
     workdir = tmp_path / "run"
     back_to = _rolled_back(two_processes.workdirs[4, 1, tuple(sorted(more.items()))], workdir)
     assert (workdir / "checkpoints" / str(back_to) / "local").is_dir()
-    config = one_process_config(4, 1)
-    for name, value in more.items():
-        config[name] = value
-    result = trainer.train(config, str(workdir), progress=False)
+    result = trainer.train(one_process_config(4, 1, **more), str(workdir), progress=False)
     assert result.start_step == back_to
     assert _metrics(workdir) == want
 

@@ -497,10 +497,8 @@ class Checkpoints:
                 out.append(found[name])
             elif process_arrays.is_mine(t):
                 out.append(jax.device_put(np.asarray(found[name]), t.sharding))
-            else:  # another process's: an array with no shards here
-                out.append(
-                    jax.make_array_from_single_device_arrays(t.shape, t.sharding, [], dtype=t.dtype)
-                )
+            else:
+                out.append(process_arrays.held_elsewhere(t))
         return out
 
     def close(self) -> None:
@@ -677,14 +675,14 @@ def checkpoint_meta(pipeline, prepared: Prepared) -> dict:
 
 def check_resumable(checkpoints: Checkpoints, step: int, prepared: Prepared) -> None:
     """Refuses a checkpoint whose parameters were laid out for another model or split."""
-    saved = checkpoints.metadata(step).get("layout", {})
+    meta = checkpoints.metadata(step)
+    saved = meta.get("layout", {})
     wanted = layout_record(prepared)
     differences = [
         f"{key}: {saved.get(key)!r} in the checkpoint, {wanted[key]!r} now"
         for key in wanted
         if saved.get(key) != wanted[key]
     ]
-    meta = checkpoints.metadata(step)
     # Recorded since the per-rank lowering gave each rank a mesh by default; before, only
     # mesh.tensor_per_rank did.
     saved_per_rank = meta.get("params_per_rank", bool(meta.get("mesh", {}).get("tensor_per_rank")))

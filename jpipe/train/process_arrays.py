@@ -58,6 +58,13 @@ def is_mine(x) -> bool:
     return next(iter(x.sharding.device_set)).process_index == jax.process_index()
 
 
+def held_elsewhere(target) -> jax.Array:
+    """Another process's array, as this process holds it: no shards here."""
+    return jax.make_array_from_single_device_arrays(
+        target.shape, target.sharding, [], dtype=target.dtype
+    )
+
+
 def _spec(folder: str) -> dict:
     return {"driver": "zarr", "kvstore": {"driver": "file", "path": folder}}
 
@@ -113,10 +120,8 @@ class ProcessArraysHandler(ocp.CheckpointHandler):
         for name, target in sorted(args.targets.items()):
             sharding = target.sharding
             indices = sharding.addressable_devices_indices_map(tuple(target.shape))
-            if not indices:  # another process's: an array with no shards here
-                restored[name] = jax.make_array_from_single_device_arrays(
-                    target.shape, sharding, [], dtype=target.dtype
-                )
+            if not indices:
+                restored[name] = held_elsewhere(target)
                 continue
             store = ts.open(_spec(os.path.join(root, name)), open=True).result()
             saved, wanted = store.dtype.numpy_dtype, np.dtype(target.dtype)
