@@ -53,6 +53,7 @@ from jpipe.runtime.console import run_main
 from jpipe.schedule.chart import chrome_trace, draw_gantt, text_chart
 from jpipe.schedule.registry import add_option_argument, get_schedule, parse_options
 from jpipe.schedule.simulate import Costs, Simulation, Sizes, simulate
+from jpipe.schedule.validate import replicas_text
 
 __all__ = ["chrome_trace", "draw_gantt", "main", "text_chart"]
 
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         sim = simulate(schedule, costs, sizes)  # validates first
         # The shape of the program `jpipe.make_tick_plan` would lay out, without its table.
-        program = program_shape(schedule, sim=sim)
+        # No lowering takes replicated stages yet: no program to describe.
+        program = None if schedule.replicated else program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -196,14 +198,20 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
-        moves = program.get("moves")
-        print(
-            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
-            f"{program['channels']} channel(s); {program['sent']} transfers between "
-            f"ranks, {program['exposed']} read the very next tick; "
-            f"{program['collectives']} collectives, {program['idle']} with nothing to send"
-            + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
-        )
+        if program is None:
+            print(
+                f"program: none; {replicas_text(sim.schedule)} (replicated stages, their "
+                "gradients summed over the copies) do not lower to a program yet"
+            )
+        else:
+            moves = program.get("moves")
+            print(
+                f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+                f"{program['channels']} channel(s); {program['sent']} transfers between "
+                f"ranks, {program['exposed']} read the very next tick; "
+                f"{program['collectives']} collectives, {program['idle']} with nothing to send"
+                + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
+            )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)

@@ -309,3 +309,67 @@ def test_unknown_options_are_refused_by_name():
 @jpipe.register_schedule("tests_warmup_option")
 def _with_an_option(num_ranks, num_microbatches, warmup=0):
     return jpipe.get_schedule("1f1b", num_ranks, num_microbatches)
+
+
+# -- Chimera: stages replicated on two (or more) ranks ----------------------------------
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 8, 13, 32))
+def test_chimera_meets_the_papers_bubble_with_two_pipelines(p, m):
+    """Two pipelines (down: stage s on rank s; up: on rank p-1-s), each stage on two
+    ranks once each pipeline has a microbatch; with F = B (the paper's unit slots) the
+    bubble is the paper's (p - 2)/(2m + p - 2) where m is even and at least p (the
+    paper's N >= D, split evenly), and the peak at m = p is within the paper's
+    [p/2 + 1, p] microbatches."""
+    schedule = get_schedule("chimera", p, m)
+    validate(schedule, num_stages=p, num_microbatches=m)
+    both = tuple(tuple(sorted({s, p - 1 - s})) for s in range(p))
+    assert schedule.stage_ranks == (both if m >= 2 else tuple((s,) for s in range(p)))
+    for _, _, a in schedule.all_actions():
+        assert a.kind in ("F", "B")
+    sim = simulate(schedule, Costs(F=1, I=1, W=0))
+    if m % 2 == 0 and m >= p:
+        assert sim.bubble_fraction == pytest.approx((p - 2) / (2 * m + p - 2), abs=1e-12)
+    if m == p:
+        assert min(sim.peak_activations) == p // 2 + 1 and max(sim.peak_activations) == p
+    # at B = 2F, still below 1F1B's (p - 1)/(m + p - 1) from m = p on (a rank has
+    # two stages' parameters instead)
+    if m >= p > 2:
+        assert simulate(schedule).bubble_fraction < (p - 1) / (m + p - 1)
+
+
+def test_chimera_with_four_pipelines_holds_four_replicas_of_each_stage():
+    schedule = get_schedule("chimera", 8, 16, pipelines=4)
+    validate(schedule)
+    assert all(len(ranks) == 4 for ranks in schedule.stage_ranks)
+    assert all(len(schedule.stages_of(r)) == 4 for r in range(8))
+    two = simulate(get_schedule("chimera", 8, 16), Costs(F=1, I=1, W=0))
+    assert simulate(schedule, Costs(F=1, I=1, W=0)).bubble_fraction < two.bubble_fraction
+
+
+@pytest.mark.parametrize(
+    "p,options,words",
+    [
+        (3, {}, "an even number of ranks"),
+        (4, {"pipelines": 3}, "an even number of pipelines"),
+        (4, {"pipelines": 8}, "at most R"),
+        (4, {"num_chunks": 2}, "one stage of each pipeline per rank"),
+    ],
+)
+def test_chimera_refuses_what_it_cannot_place(p, options, words):
+    with pytest.raises(ValueError, match=words):
+        get_schedule("chimera", p, 8, **options)
+
+
+def test_the_docs_chimera_table_is_what_the_simulator_gives_now():
+    """docs/schedules.md's block from `python -m bench.literature --write-docs` holds the
+    table the code gives today (pure Python: no figure there can go stale)."""
+    import os
+
+    from bench import literature
+
+    page = os.path.join(os.path.dirname(__file__), "..", "docs", "schedules.md")
+    with open(page) as f:
+        block = f.read().split("<!-- bench:literature -->\n")[1].split("\n\n`python")[0]
+    assert block == literature.table(literature.chimera_rows())

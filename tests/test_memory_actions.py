@@ -218,8 +218,14 @@ def test_other_misplaced_memory_actions_name_rank_position_and_action():
     assert refused(["0F0", "0EVICT0@1", "0EVICT0@1", "0F1", "0B0", "0B1"]).startswith(
         "rank 0, position 2 (EVICT(0,0,1)): duplicate"
     )
-    # a memory action on another rank than its stage's
-    assert "stage 0 is on two ranks" in refused(["0F0", "0F1", "0B0", "0B1"], DOWN + ["0FC0"])
+    # a memory action on another rank than its microbatch's forward
+    assert refused(["0F0", "0F1", "0B0", "0B1"], DOWN + ["0OFFLOAD_START0"]).startswith(
+        "rank 1, position 4 (OFFLOAD_START(0,0)): its forward, F(0,0), runs on rank 0 "
+        "(position 0); every action of (0,0) runs on the rank that runs its forward"
+    )
+    assert refused(["0F0", "0F1", "0B0", "0B1"], DOWN + ["0FC0"]).startswith(
+        "rank 1, position 4 (FC(0,0)): a second forward of (0,0)"
+    )
 
 
 def test_the_partners_holding_is_counted():

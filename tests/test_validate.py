@@ -50,14 +50,15 @@ BROKEN = [
         "rank 0, position 2 (F(0,1)): duplicate; F(0,1) already appears at rank 0, position 1",
     ),
     (
-        "stage_on_two_ranks",
-        Schedule.of([[F(0, 0), B(0, 0)], [F(0, 1), B(0, 1)]]),
+        # A stage may be on two ranks (replicas), a microbatch of it on one.
+        "backward_away_from_its_forward",
+        Schedule.of([[F(0, 0), F(0, 1), B(0, 1)], [B(0, 0)]]),
         {},
-        "rank 1, position 0 (F(0,1)): stage 0 is on two ranks, 0 and 1; "
-        "a stage must live on exactly one rank. Replicated stages, one stage on several "
-        "ranks with its gradients summed over them (Chimera, DeepSeek's full DualPipe), are "
-        "not in the schedule language yet (an open issue); DualPipe folded onto one copy of "
-        "the model is the built-in 'dualpipev' (rank r holds stages r and 2R-1-r)",
+        "rank 1, position 0 (B(0,0)): its forward, F(0,0), runs on rank 0 (position 0); "
+        "every action of (0,0) runs on the rank that runs its forward and holds its "
+        "residuals. A stage may run on several ranks (replicas, as in Chimera: each rank "
+        "keeps a copy of its parameters, their gradients summed over the copies), but one "
+        "microbatch of it runs on one of them",
     ),
     (
         "w_before_i_on_same_rank",
@@ -328,11 +329,10 @@ def test_swapping_two_actions_on_a_rank_is_rejected_exactly_when_it_cannot_run(s
             jpipe.validate(swapped)
 
 
-def test_a_chimera_is_refused_with_the_way_forward():
-    # Chimera as a user writes it (issue 33): even microbatches go down (stage
-    # s on rank s), odd ones up (stage s on rank R-1-s), each stage on two
-    # ranks. The refusal names what jpipe runs instead.
-    R, M = 4, 4
+def _users_chimera(R=4, M=4):
+    """Chimera as a user writes it (issue 39): even microbatches go down (stage s on
+    rank s), odd ones up (stage s on rank R-1-s), so each stage is on two ranks; each
+    rank runs its forwards, then its backwards."""
     rows = [[] for _ in range(R)]
     for m in range(M):
         for s in range(R):
@@ -340,8 +340,42 @@ def test_a_chimera_is_refused_with_the_way_forward():
     for m in range(M):
         for s in reversed(range(R)):
             rows[s if m % 2 == 0 else R - 1 - s].append(B(s, m))
+    return Schedule.of(rows)
+
+
+def test_a_users_chimera_validates_with_each_stage_on_two_ranks():
+    chimera = _users_chimera()
+    assert jpipe.validate(chimera) is chimera
+    assert chimera.replicated
+    assert chimera.stage_ranks == ((0, 3), (1, 2), (1, 2), (0, 3))
+    assert chimera.stages_of(0) == (0, 3) and chimera.stages_of(2) == (1, 2)
+    info = jpipe.schedule.validate.analyze(chimera)
+    M = info.num_microbatches
+    # each (stage, microbatch) on the rank its direction puts it
+    assert [info.key_rank[s * M + m] for s in range(4) for m in (0, 1)] == [0, 3, 1, 2, 2, 1, 3, 0]
+    # The simulator holds each copy of the parameters on its rank, and a transfer
+    # follows each microbatch's own ranks: with comm = 1, microbatch 1's forward
+    # reaches stage 3 (rank 0) three hops after it left rank 3.
+    sim = jpipe.simulate(chimera, jpipe.Costs(comm=1), jpipe.Sizes(params=10, activation=1))
+    assert sim.peak_bytes == (24.0, 24.0, 24.0, 24.0)
+    start = {(e.action.kind, e.action.stage, e.action.microbatch): e.start for e in sim.timeline}
+    assert start[("F", 3, 1)] - start[("F", 0, 1)] == 3 * (1 + 1)
+    # A replicated stage's gradients are summed once its last backward anywhere has run.
+    sim = jpipe.simulate(chimera, jpipe.Costs(sync=5))
+    last_b = {s: max(e.end for e in sim.timeline if e.action.stage == s) for s in range(4)}
+    assert [(x.stage, x.ranks, x.start, x.end) for x in sim.syncs] == [
+        (s, chimera.stage_ranks[s], last_b[s], last_b[s] + 5) for s in range(4)
+    ]
+    assert sim.makespan == max(x.end for x in sim.syncs)
+
+
+def test_a_replicated_stage_is_refused_by_name_where_it_cannot_run_yet():
+    from jpipe.schedule.validate import refuse_replicas
+
     with pytest.raises(ScheduleError) as info:
-        jpipe.validate(Schedule.of(rows))
-    message = str(info.value)
-    assert message.startswith("rank 2, position 0 (F(2,0)): stage 2 is on two ranks, 1 and 2")
-    assert "Chimera" in message and "'dualpipev'" in message and "not in the schedule" in message
+        refuse_replicas(_users_chimera(), "the pipeline")
+    assert str(info.value).startswith(
+        "the pipeline does not run replicated stages yet (stage 0 on ranks 0 and 3; stage 1 "
+        "on ranks 1 and 2; stage 2 on ranks 1 and 2; ...)"
+    )
+    refuse_replicas(Schedule.of([[F(0, 0), B(0, 0)]]), "the pipeline")  # one copy: fine

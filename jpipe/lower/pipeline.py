@@ -29,7 +29,7 @@ from jpipe.lower.microbatch import microbatches
 from jpipe.lower.spmd.program import CONTROLS, Program, trace_kernels
 from jpipe.lower.spmd.ticks import check_layout as check_tick_layout
 from jpipe.schedule.actions import Schedule
-from jpipe.schedule.validate import analyze
+from jpipe.schedule.validate import analyze, refuse_replicas
 from jpipe.stage.pack import ParamLayout
 from jpipe.stage.pieces import WeightedLoss
 
@@ -344,6 +344,7 @@ class Pipeline:
         lowering: str = "spmd",
     ):
         info = analyze(schedule)
+        refuse_replicas(schedule, "the pipeline")
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)

@@ -126,7 +126,7 @@ from jpipe.schedule.simulate import (
     live_peaks,
     simulate,
 )
-from jpipe.schedule.validate import analyze
+from jpipe.schedule.validate import analyze, refuse_replicas
 from jpipe.search.engine import StageFigures, layout_kind, runs_schedule, search_schedule
 
 PLAN_FORMAT = "jpipe-plan/1"
@@ -705,6 +705,7 @@ def evaluate(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
+    refuse_replicas(schedule, "the planner")
     S = schedule.num_stages
     if S != len(plan.stage_layers):
         raise ValueError(

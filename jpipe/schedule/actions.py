@@ -42,6 +42,11 @@ like ``SEND_F``, ``{stage}{KIND}{microbatch}``):
 
 A cell that is neither PyTorch's nor one of these is refused by name.
 
+A stage may appear on several ranks (replicas, as in Chimera: each rank keeps
+a copy of its parameters; `Schedule.stage_ranks`). The CSV writes such a
+schedule as any other, but PyTorch's runtime places each stage on one rank,
+so only jpipe reads it as meant.
+
 Sizes are bounded (`check_size`): at most `MAX_RANKS` ranks and
 `MAX_ACTIONS` actions, so that a typo such as 10^9 microbatches is refused
 at once, naming the limit, instead of building lists for minutes. Building,
@@ -368,16 +373,32 @@ class Schedule:
         return max(mbs) + 1 if mbs else 0
 
     @functools.cached_property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks that hold each stage, in increasing order: one rank, or several
+        where the stage is replicated (`replicated`)."""
+        held: list[set[int]] = [set() for _ in range(self.num_stages)]
+        for r, _, a in self.all_actions():
+            held[a.stage].add(r)
+        return tuple(tuple(sorted(ranks)) for ranks in held)
+
+    @functools.cached_property
+    def replicated(self) -> bool:
+        """Whether some stage runs on several ranks, each holding a copy of its
+        parameters (Chimera's two pipelines): its gradients are summed over the copies."""
+        return any(len(ranks) > 1 for ranks in self.stage_ranks)
+
+    @functools.cached_property
     def stage_to_rank(self) -> tuple[int, ...]:
-        """The rank of each stage (the first rank that mentions it)."""
+        """The rank of each stage (the first rank that mentions it; of a replicated
+        stage, the first of its ranks in list order; `stage_ranks` has them all)."""
         placement: dict[int, int] = {}
         for r, _, a in self.all_actions():
             placement.setdefault(a.stage, r)
         return tuple(placement.get(s, -1) for s in range(self.num_stages))
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages placed on `rank`, in increasing order."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+        """The stages placed on `rank` (replicas included), in increasing order."""
+        return tuple(s for s, ranks in enumerate(self.stage_ranks) if rank in ranks)
 
     @functools.cached_property
     def has_memory_actions(self) -> bool:

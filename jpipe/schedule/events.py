@@ -74,6 +74,8 @@ class Costs:
         (`None` for `load` means `evict`); they run beside the compute.
       offload, reload: copying them to the host and back (`None` for
         `reload` means `offload`); beside the compute too.
+      sync: summing a replicated stage's gradients over the ranks that hold
+        it (Chimera's all-reduce), once per step and stage, beside the compute.
     """
 
     F: PerStage = 1
@@ -86,8 +88,11 @@ class Costs:
     load: PerStage | None = None
     offload: PerStage = 0
     reload: PerStage | None = None
+    sync: PerStage = 0
 
-    _KEYS = ("F", "I", "W", "B", "comm", "recompute", "evict", "load", "offload", "reload")
+    _KEYS = (
+        "F", "I", "W", "B", "comm", "recompute", "evict", "load", "offload", "reload", "sync",
+    )  # fmt: skip
 
     def __post_init__(self):
         _check_values(self, self._KEYS, "cost", allow_none=True)
@@ -135,6 +140,10 @@ class Costs:
         b = tuple(x + y for x, y in zip(i, w)) if self.B is None else per_stage("B", self.B)
         return {"F": f, "I": i, "W": w, "B": b}
 
+    def sync_table(self, num_stages: int) -> tuple[float, ...]:
+        """Per stage, the time to sum its gradients over its replicas (`sync`)."""
+        return _per_stage("cost", "sync", self.sync, num_stages)
+
     def comm_table(self, num_stages: int) -> tuple[float, ...]:
         """Transfer latency across each boundary, stage ``s`` to ``s + 1`` (``S - 1`` values)."""
         if isinstance(self.comm, tuple):
@@ -147,12 +156,13 @@ class Costs:
         return (float(self.comm),) * max(num_stages - 1, 0)
 
 
-def _run(rows, order, S: int, M: int, owner, costs: Costs):
+def _run(rows, order, S: int, M: int, at, costs: Costs):
     """Times every action in `order` (a dependency order, `Analysis.order`).
 
     Returns `(starts, ends, issue, busy)`: per rank, each action's start and end
     (a transfer's span for the transfers), the time its rank reached it in its
-    list, and the rank's busy (compute) time. See the module docstring.
+    list, and the rank's busy (compute) time. `at` is the rank of each `(stage,
+    microbatch)` (`Analysis.key_rank`): a dependency on another rank adds the transfer.
     """
     cost = costs.table(S)
     comm = costs.comm_table(S)
@@ -181,7 +191,7 @@ def _run(rows, order, S: int, M: int, owner, costs: Costs):
         # when it can start, and what its end makes ready
         if kind == "F" or kind == "FC":
             if s > 0:
-                after = end_f[k - M] + (comm[s - 1] if owner[s - 1] != r else 0.0)
+                after = end_f[k - M] + (comm[s - 1] if at[k - M] != r else 0.0)
                 if after > ready:
                     ready = after
             finish = ready + duration
@@ -191,7 +201,7 @@ def _run(rows, order, S: int, M: int, owner, costs: Costs):
         elif kind == "B" or kind == "I":
             ready = max(ready, end_f[k], readable[k])
             if s < last:
-                ready = max(ready, end_g[k + M] + (comm[s] if owner[s + 1] != r else 0.0))
+                ready = max(ready, end_g[k + M] + (comm[s] if at[k + M] != r else 0.0))
             finish = ready + duration
             free[r] = finish
             busy[r] += duration

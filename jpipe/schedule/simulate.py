@@ -49,6 +49,13 @@ device copy at its ``OFFLOAD_END``, a reload takes it again when its copy begins
 What a rank holds for a partner is in its ``peak_bytes``;
 ``peak_bytes_without`` is the same figure for the schedule without its memory
 actions (`Schedule.without_memory_actions`). Host memory is not counted.
+
+Replicated stages (a stage on several ranks, as in Chimera): each rank that
+holds the stage holds its ``params`` bytes, and once every one of them has
+run its last backward of the stage (its last ``B`` or ``W``), the stage's
+gradients are summed over them in `Costs.sync` time, beside the compute
+(`Simulation.syncs`; each stage's sum on its own, none waiting for
+another's). The makespan runs to the last sum's end.
 """
 
 from __future__ import annotations
@@ -161,6 +168,16 @@ class Event:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sync:
+    """A replicated stage's gradients summed over the ranks that hold it."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Simulation:
     """What `simulate` reports (see the module docstring)."""
 
@@ -175,6 +192,7 @@ class Simulation:
     sizes: Sizes | None = None
     peak_bytes: tuple[float, ...] | None = None
     peak_bytes_without: tuple[float, ...] | None = None
+    syncs: tuple[Sync, ...] = ()
 
     @functools.cached_property
     def timeline(self) -> tuple[Event, ...]:
@@ -200,6 +218,8 @@ class Simulation:
         s = self.schedule
         peaks = list(self.peak_activations)
         held = {len(s.stages_of(r)) for r in range(s.num_ranks)} - {0}
+        if s.replicated:  # a rank's stages are copies of others': count a stage's share
+            held = {s.num_stages // s.num_ranks} if s.num_stages % s.num_ranks == 0 else held
         if held <= {1}:
             return f"peak live activations per rank {peaks} microbatches"
         text = f"peak live activations per rank {peaks} (stage, microbatch) pairs"
@@ -223,6 +243,11 @@ class Simulation:
             "bubble_fraction": self.bubble_fraction,
             "busy": list(self.busy),
             "peak_activations": list(self.peak_activations),
+            **(
+                {"syncs": [{**dataclasses.asdict(x), "ranks": list(x.ranks)} for x in self.syncs]}
+                if self.syncs
+                else {}
+            ),
             **(
                 {}
                 if self.peak_bytes is None
@@ -280,6 +305,7 @@ def _simulation(schedule: Schedule, costs: Costs, timed, sizes: Sizes | None = N
         sizes=sizes,
         peak_bytes=peaks,
         peak_bytes_without=plain,
+        syncs=_syncs(schedule, ends, costs),
     )
 
 
@@ -289,10 +315,31 @@ def _timed(schedule: Schedule, costs: Costs):
     search's walk read of a simulation."""
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
-    starts, ends, issue, busy = _run(info.rows, info.order, S, M, info.stage_to_rank, costs)
+    starts, ends, issue, busy = _run(info.rows, info.order, S, M, info.key_rank, costs)
     first_start = min((min(row) for row in starts if row), default=0.0)
     last_end = max((max(row) for row in ends if row), default=0.0)
+    if schedule.replicated:
+        last_end = max([last_end] + [x.end for x in _syncs(schedule, ends, costs)])
     return starts, ends, issue, busy, last_end - first_start
+
+
+def _syncs(schedule: Schedule, ends, costs: Costs) -> tuple[Sync, ...]:
+    """Each replicated stage's gradient sum: it starts when every rank that holds the
+    stage has ended its last backward of it (``B`` or ``W``), and takes `Costs.sync`."""
+    if not schedule.replicated:
+        return ()
+    info = analyze(schedule)
+    sync = costs.sync_table(info.num_stages)
+    done = [0.0] * info.num_stages
+    for r, row in enumerate(info.rows):
+        for i, a in enumerate(row):
+            if a.kind in ("B", "W") and ends[r][i] > done[a.stage]:
+                done[a.stage] = ends[r][i]
+    return tuple(
+        Sync(s, ranks, done[s], done[s] + sync[s])
+        for s, ranks in enumerate(schedule.stage_ranks)
+        if len(ranks) > 1
+    )
 
 
 def _peak_bytes_in_time(schedule: Schedule, sizes: Sizes, timed) -> tuple[float, ...]:
@@ -322,7 +369,7 @@ def _start_times(schedule: Schedule, costs: Costs) -> list[list[float]]:
     """`simulate(schedule, costs).starts` alone (the tick planner needs only these)."""
     info = analyze(schedule)
     S, M = info.num_stages, info.num_microbatches
-    return _run(info.rows, info.order, S, M, info.stage_to_rank, costs)[0]
+    return _run(info.rows, info.order, S, M, info.key_rank, costs)[0]
 
 
 def _peaks(events) -> list[float]:

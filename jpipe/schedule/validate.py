@@ -6,7 +6,8 @@ what is wrong:
 
 1. indices: stages and microbatches are non-negative (and below the expected
    counts, when given);
-2. placement: every stage lives on exactly one rank;
+2. placement: every `(stage, microbatch)` runs on one rank (a stage may run
+   on several: replicas, each with its copy of the parameters);
 3. duplicates: no action appears twice;
 4. completeness: every `(stage, microbatch)` has one `F` and either one `B` or
    one `I` and one `W`, and no stage or microbatch is missing;
@@ -50,17 +51,41 @@ from collections.abc import Callable, Sequence
 from jpipe.schedule.actions import MEMORY_KINDS, Action, Schedule
 from jpipe.schedule.events import Costs, _live_events, _run
 
-REPLICAS_NOT_YET = (
-    "Replicated stages, one stage on several ranks with its gradients summed over them "
-    "(Chimera, DeepSeek's full DualPipe), are not in the schedule language yet (an open "
-    "issue); DualPipe folded onto one copy of the model is the built-in 'dualpipev' "
-    "(rank r holds stages r and 2R-1-r)"
+ONE_RANK_A_KEY = (
+    "A stage may run on several ranks (replicas, as in Chimera: each rank keeps a copy "
+    "of its parameters, their gradients summed over the copies), but one microbatch of "
+    "it runs on one of them"
 )
-"""What the refusal of a stage on two ranks offers instead (step 2)."""
+"""What the refusal of a microbatch's actions on two ranks explains (step 2)."""
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message says where and why."""
+
+
+def replicas_text(schedule: Schedule) -> str:
+    """The replicated stages of `schedule` in words, such as ``stage 0 on ranks 0 and 3``."""
+    said = [
+        f"stage {s} on ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+        for s, ranks in enumerate(schedule.stage_ranks)
+        if len(ranks) > 1
+    ]
+    return "; ".join(said[:3]) + ("; ..." if len(said) > 3 else "")
+
+
+def refuse_replicas(schedule: Schedule, who: str) -> None:
+    """Raises `ScheduleError` if `schedule` replicates a stage, which `who` cannot take yet.
+
+    The schedule language, validation, simulation and charts take replicated stages;
+    the lowerings, the search and the planner do not yet (an open issue).
+    """
+    if schedule.replicated:
+        raise ScheduleError(
+            f"{who} does not run replicated stages yet ({replicas_text(schedule)}): "
+            "jpipe.validate, jpipe.simulate and the charts take them, training them is "
+            "still to come (an open issue). Place each stage on one rank to run it; "
+            "'dualpipev' is DualPipe folded onto one copy of the model"
+        )
 
 
 def _count(n: int, noun: str) -> str:
@@ -78,7 +103,10 @@ class Analysis:
 
     Attributes:
       num_stages, num_microbatches: the schedule's sizes.
-      stage_to_rank: the rank of each stage.
+      stage_to_rank: the rank of each stage (`Schedule.stage_to_rank`: of a
+        replicated stage, the first of its ranks).
+      key_rank: the rank that runs each `(stage, microbatch)`, at
+        ``stage * num_microbatches + microbatch`` (where its forward runs).
       order: every plain action as `(rank, index)` in an order that respects
         all dependencies, `index` counting the rank's plain actions
         (`Schedule.actions`).
@@ -94,6 +122,7 @@ class Analysis:
     num_stages: int
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
+    key_rank: tuple[int, ...]
     order: tuple[tuple[int, int], ...]
     rows: tuple[tuple[Action, ...], ...] = dataclasses.field(repr=False)
     # the peaks, or a function that computes them (`peak_live`)
@@ -175,11 +204,12 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     S, M = _check_indices(rows, cell_pos, num_stages, num_microbatches)
     # 2. placement, 3. duplicates
     memory = schedule.has_memory_actions
-    owner, where = _place(rows, cell_pos, S, M, memory)
+    at, where = _place(rows, cell_pos, S, M, memory)
+    owner = schedule.stage_to_rank
     # 4. completeness
     if num_microbatches is None:
         _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
-    _check_complete(owner, where, S, M)
+    _check_complete(at, owner, where, S, M)
     # 5. order on one rank
     _check_rank_order(rows, cell_pos, where, S, M)
     # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
@@ -187,24 +217,24 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
         _check_residual_places(rows, cell_pos, M)
 
     # 6. deadlock: walk the dependency graph
-    order, peak = _walk(rows, cell_pos, S, M, owner)
+    order, peak = _walk(rows, cell_pos, S, M, at)
     if memory:  # what a rank holds for a partner is placed in time
         if max_live is None:  # nothing to check: run in time only if the peaks are read
 
-            def peak_live(rows=rows, order=order, S=S, M=M, owner=owner):
-                return tuple(_held_in_time(rows, None, order, S, M, owner, None)[0])
+            def peak_live(rows=rows, order=order, S=S, M=M, at=at):
+                return tuple(_held_in_time(rows, None, order, S, M, at, None)[0])
 
-            return Analysis(S, M, tuple(owner), tuple(order), rows, peak_live)
+            return Analysis(S, M, owner, tuple(at), tuple(order), rows, peak_live)
         budgets = _budgets(max_live, len(rows))
-        peak, over = _held_in_time(rows, cell_pos, order, S, M, owner, budgets)
+        peak, over = _held_in_time(rows, cell_pos, order, S, M, at, budgets)
         if over:
             raise ScheduleError(over)
-        return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
+        return Analysis(S, M, owner, tuple(at), tuple(order), rows, tuple(peak))
 
     # 7. live-activation budget
     if max_live is not None:
         _check_budget(rows, cell_pos, _budgets(max_live, len(rows)))
-    return Analysis(S, M, tuple(owner), tuple(order), rows, tuple(peak))
+    return Analysis(S, M, owner, tuple(at), tuple(order), rows, tuple(peak))
 
 
 def _cell_positions(rows, schedule: Schedule) -> list:
@@ -296,47 +326,60 @@ def _check_all_scheduled(rows, cell_pos, S, M, stages_seen, mbs_seen) -> None:
 
 
 def _place(rows, cell_pos, S, M, memory: bool) -> tuple[list[int], dict[str, list]]:
-    """Steps 2 and 3: each stage on one rank, no action twice; `(owner, where)`.
+    """Steps 2 and 3: each `(stage, microbatch)` on one rank, no action twice; `(at, where)`.
 
-    `owner[s]` is the rank of stage `s`; ``where[kind][s * M + m]`` is the
-    `(rank, index)` of that action, or None. An ``FC`` is the key's forward (in
-    ``F``'s slot); each other memory kind has its own (with `memory`).
+    A stage may run on several ranks (replicas, each with its copy of the
+    parameters); each of its microbatches runs wholly on one of them, the one
+    that ran its forward, which holds its residuals. ``at[s * M + m]`` is that
+    rank; ``where[kind][s * M + m]`` is the `(rank, index)` of that action, or
+    None. An ``FC`` is the key's forward (in ``F``'s slot); each other memory
+    kind has its own (with `memory`).
     """
-    owner: list[int] = [-1] * S
+    at: list[int] = [-1] * (S * M)  # the first rank seen running each key
+    mixed = False  # some key seen on two ranks
     where: dict[str, list] = {kind: [None] * (S * M) for kind in ("F", "B", "I", "W")}
     if memory:
         where.update({kind: [None] * (S * M) for kind in MEMORY_KINDS if kind != "FC"})
     slots_of = {**where, "FC": where["F"]}
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
-            s = a.stage
-            o = owner[s]
-            if o == -1:
-                owner[s] = r
-            elif o != r:
-                raise ScheduleError(
-                    f"{_where(r, cell_pos[r][i], a)}: stage {s} is on two ranks, "
-                    f"{o} and {r}; a stage must live on exactly one rank. {REPLICAS_NOT_YET}"
-                )
             slots = slots_of[a.kind]
-            k = s * M + a.microbatch
+            k = a.stage * M + a.microbatch
             prev = slots[k]
             if prev is not None:
                 first = rows[prev[0]][prev[1]]
                 what = (
                     f"duplicate; {first!r}"
                     if first.kind == a.kind
-                    else f"a second forward of ({s},{a.microbatch}); {first!r}"
+                    else f"a second forward of ({a.stage},{a.microbatch}); {first!r}"
                 )
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: {what} already appears "
                     f"at rank {prev[0]}, position {cell_pos[prev[0]][prev[1]]}"
                 )
             slots[k] = (r, i)
-    return owner, where
+            if at[k] == -1:
+                at[k] = r
+            elif at[k] != r:
+                mixed = True
+    f_at = where["F"]
+    for k, f in enumerate(f_at if mixed else ()):
+        if f is not None:
+            at[k] = f[0]
+    for r, row in enumerate(rows if mixed else ()):  # raises at the first one away from its F
+        for i, a in enumerate(row):
+            f = f_at[a.stage * M + a.microbatch]
+            if f is not None and f[0] != r:
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], a)}: its forward, {rows[f[0]][f[1]]!r}, runs on "
+                    f"rank {f[0]} (position {cell_pos[f[0]][f[1]]}); every action of "
+                    f"({a.stage},{a.microbatch}) runs on the rank that runs its forward and "
+                    f"holds its residuals. {ONE_RANK_A_KEY}"
+                )
+    return at, where
 
 
-def _check_complete(owner, where, S, M) -> None:
+def _check_complete(at, owner, where, S, M) -> None:
     """Step 4: each key has its F and either a B or an I and a W.
 
     Checked at once, then key by key (which raises at the first wrong) only
@@ -348,9 +391,9 @@ def _check_complete(owner, where, S, M) -> None:
         for b, i, w in zip(b_at, i_at, w_at)
     )
     for s in range(0 if complete else S):
-        r = owner[s]
         for m in range(M):
             k = s * M + m
+            r = at[k] if at[k] >= 0 else owner[s]
             problem = None
             if f_at[k] is None:
                 problem = f"F({s},{m}) is missing"
@@ -538,13 +581,13 @@ def _misplaced(r, row, cell_pos, i, here, moved, made) -> str:
     return f"{where}: {verb} the residuals of {key} while they are {text}{tail}"
 
 
-def _held_in_time(rows, cell_pos, order, S, M, owner, budgets):
+def _held_in_time(rows, cell_pos, order, S, M, at, budgets):
     """Live activations per rank in time (unit costs), what it holds for a partner included.
 
     Returns `(peak per rank, message)`, the message naming where `budgets` are
     first exceeded (or `None`).
     """
-    starts, ends, issue, _ = _run(rows, order, S, M, owner, Costs())
+    starts, ends, issue, _ = _run(rows, order, S, M, at, Costs())
     ones = ((1.0,) * S, (0.0,) * S, (0.0,) * S)  # residuals count; inputs and carries do not
     peaks, message = [], None
     for r, events in enumerate(_live_events(rows, starts, ends, issue, S, M, len(rows), *ones)):
@@ -610,7 +653,7 @@ def _refuse_a_stray_microbatch(rows, cell_pos, S: int, M: int, where) -> None:
     )
 
 
-def _walk(rows, cell_pos, S, M, owner):
+def _walk(rows, cell_pos, S, M, at):
     """Runs every rank in list order as far as dependencies allow; O(actions)."""
     R = len(rows)
     # done[kind][s*M+m]; "G" marks the backward that sends a gradient upstream.
@@ -680,11 +723,12 @@ def _walk(rows, cell_pos, S, M, owner):
             i += 1
         pc[r] = i
     if len(order) != sum(len(row) for row in rows):
-        raise ScheduleError(_deadlock_message(rows, cell_pos, pc, S, M, owner))
+        raise ScheduleError(_deadlock_message(rows, cell_pos, pc, S, M, at))
     return order, peak
 
 
-def _deadlock_message(rows, cell_pos, pc, S, M, owner) -> str:
+def _deadlock_message(rows, cell_pos, pc, S, M, at) -> str:
+    """Each stuck rank's blocked action and what it waits for; `at` is each key's rank."""
     lines = ["deadlock: no rank can make progress."]
     for r, row in enumerate(rows):
         if pc[r] >= len(row):
@@ -695,13 +739,13 @@ def _deadlock_message(rows, cell_pos, pc, S, M, owner) -> str:
             deps = [Action("F", s - 1, m), Action("FC", s - 1, m)]
         elif a.kind == "W":
             deps = [Action("I", s, m)]
-        elif not _ran_before(rows, pc, owner[s], Action("F", s, m)) and not _ran_before(
-            rows, pc, owner[s], Action("FC", s, m)
+        elif not _ran_before(rows, pc, at[s * M + m], Action("F", s, m)) and not _ran_before(
+            rows, pc, at[s * M + m], Action("FC", s, m)
         ):
             deps = [Action("F", s, m), Action("FC", s, m)]
         else:
             deps = [Action("B", s + 1, m), Action("I", s + 1, m)]
-        dep_rank = owner[deps[0].stage]
+        dep_rank = at[deps[0].stage * M + m]
         dep_row = rows[dep_rank]
         dep_pos = next((i for i, b in enumerate(dep_row) if b in deps), None)
         dep = deps[0] if dep_pos is None else dep_row[dep_pos]

@@ -105,7 +105,7 @@ from jpipe.schedule.simulate import (
     _timed,
     simulate,
 )
-from jpipe.schedule.validate import ScheduleError, analyze
+from jpipe.schedule.validate import ScheduleError, analyze, replicas_text
 
 LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "mpmd")
 """The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
@@ -1538,6 +1538,7 @@ def _apply_moves(base: Schedule, laid_out, moves: Sequence[Move], name: str = ""
     out.__dict__.update(
         ranks=tuple(rows), name=name or base.name, num_stages=base.num_stages,
         num_microbatches=base.num_microbatches, stage_to_rank=owner,
+        stage_ranks=base.stage_ranks, replicated=base.replicated,
     )  # fmt: skip
     return out
 
@@ -2236,6 +2237,11 @@ def _why_no_candidate(spec, M: int, schedule: Schedule, terms: _SearchTerms) -> 
         return (
             f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
             f"{schedule.num_microbatches} microbatches"
+        )
+    if schedule.replicated:
+        return (
+            f"{spec}, M={M}: it replicates stages ({replicas_text(schedule)}), which the "
+            "search does not count yet"
         )
     if not runs_schedule(terms.layout, schedule):
         kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})

@@ -35,6 +35,7 @@ import numpy as np
 import jpipe
 from jpipe import models
 from jpipe.models import registry
+from jpipe.schedule.validate import refuse_replicas
 from jpipe.train import data as data_lib
 from jpipe.train import export, sources, tokens
 from jpipe.train.config import ConfigError, TrainConfig, config_error
@@ -188,6 +189,10 @@ def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
         raise config_error(
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
+    try:
+        refuse_replicas(schedule, "the trainer")
+    except ValueError as e:
+        raise config_error("schedule", c.schedule, str(e)) from None
     return schedule
 
 
