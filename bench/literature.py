@@ -2,17 +2,19 @@
 
     python -m bench.literature [--write-docs]
 
-For each built-in taken from a paper (so far `chimera`, Li and Hoefler,
-SC'21), at R = 4 and 8 ranks and M = 8 and 32 microbatches, the simulator's
-bubble fraction and each rank's peak live activations and parameters,
-beside what the paper's formula says and beside 1F1B on the same ranks.
-Pure Python (`jpipe.simulate`): no devices, a second or two.
+For the built-ins that replicate stages, taken from papers (`chimera`, Li
+and Hoefler, SC'21; `dualpipe`, DeepSeek-V3), at R = 4 and 8 ranks, the
+simulator's bubble (or idle time a rank) and each rank's peak live
+activations and parameters, beside what the paper's formula says and
+beside 1F1B (and ZB-H1) on the same ranks. Pure Python (`jpipe.simulate`):
+no devices, a second or two.
 
 Costs are the paper's unit slots (F = B = 1, where its formula holds) and
 the usual B = 2F (F = I = W = 1). Memory is in units of one stage's: a
 microbatch's residuals at one stage (activation = 1) and one stage's
 parameters (params = 1); a stage is 1/R of the model in both schedules.
-``--write-docs`` replaces block ``literature`` of docs/schedules.md.
+``--write-docs`` replaces blocks ``literature`` and ``literature-dualpipe``
+of docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -52,6 +54,53 @@ def chimera_rows(ranks=(4, 8), microbatches=(8, 32)) -> list[dict]:
     return rows
 
 
+def dualpipe_rows(ranks=(4, 8), microbatches=(8, 32)) -> list[dict]:
+    """One dict per (R, M): `dualpipe`'s idle time a rank at the usual costs (F = I =
+    W = 1), DeepSeek-V3's formula for it, and 1F1B's and ZB-H1's beside. An M below
+    dualpipe's least, 2R, is taken as 2R."""
+    F, I, W = USUAL.F, USUAL.I, USUAL.W
+    B = I + W
+    rows = []
+    for R in ranks:
+        for M in dict.fromkeys(max(M, 2 * R) for M in microbatches):
+            sims = {
+                name: jpipe.simulate(jpipe.get_schedule(name, R, M), USUAL, SIZES)
+                for name in ("dualpipe", "1f1b", "zb_h1")
+            }
+            idle = {k: max(s.makespan - b for b in s.busy) for k, s in sims.items()}
+            d = sims["dualpipe"]
+            rows.append(
+                {
+                    "R": R,
+                    "M": M,
+                    "idle": idle["dualpipe"],
+                    "idle_paper": (R / 2 - 1) * ((F + B) + B - 3 * W),
+                    "idle_1f1b": idle["1f1b"],
+                    "idle_zb_h1": idle["zb_h1"],
+                    "peak_live": max(d.peak_activations),
+                    "peak_live_paper": R + 1,
+                    "params": max(len(d.schedule.stages_of(r)) for r in range(R)),
+                }
+            )
+    return rows
+
+
+def dualpipe_table(rows: list[dict]) -> str:
+    """`dualpipe_rows` as the Markdown table docs/schedules.md shows."""
+    lines = [
+        "| R | M | idle a rank: simulated | DeepSeek-V3 (R/2-1)(F&B+B-3W) | 1F1B | ZB-H1 "
+        "| peak live a rank | DeepSeek-V3 (R+1) | parameters a rank |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['R']} | {r['M']} | {r['idle']:g} | {r['idle_paper']:g} | {r['idle_1f1b']:g} "
+            f"| {r['idle_zb_h1']:g} | {r['peak_live']} | {r['peak_live_paper']} "
+            f"| {r['params']} stages |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """The rows as the Markdown table docs/schedules.md shows."""
     lines = [
@@ -73,18 +122,23 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--write-docs", action="store_true", help="replace block 'literature' of docs/schedules.md"
+        "--write-docs",
+        action="store_true",
+        help="replace the blocks 'literature' and 'literature-dualpipe' of docs/schedules.md",
     )
     args = parser.parse_args(argv)
-    text = table(chimera_rows())
-    print(text)
-    if args.write_docs:
-        from bench import docs
+    tables = {
+        "literature": table(chimera_rows()),
+        "literature-dualpipe": dualpipe_table(dualpipe_rows()),
+    }
+    for name, text in tables.items():
+        print(text, end="\n\n")
+        if args.write_docs:
+            from bench import docs
 
-        docs.write(
-            "docs/schedules.md", "literature", text, docs.command_line("bench.literature", argv)
-        )
-        print("wrote block 'literature' of docs/schedules.md")
+            command = docs.command_line("bench.literature", argv)
+            docs.write("docs/schedules.md", name, text, command)
+            print(f"wrote block {name!r} of docs/schedules.md")
     return 0
 
 

@@ -362,8 +362,8 @@ def test_chimera_refuses_what_it_cannot_place(p, options, words):
         get_schedule("chimera", p, 8, **options)
 
 
-def test_the_docs_chimera_table_is_what_the_simulator_gives_now():
-    """docs/schedules.md's block from `python -m bench.literature --write-docs` holds the
+def test_the_docs_literature_tables_are_what_the_simulator_gives_now():
+    """docs/schedules.md's blocks from `python -m bench.literature --write-docs` holds the
     table the code gives today (pure Python: no figure there can go stale)."""
     import os
 
@@ -371,5 +371,40 @@ def test_the_docs_chimera_table_is_what_the_simulator_gives_now():
 
     page = os.path.join(os.path.dirname(__file__), "..", "docs", "schedules.md")
     with open(page) as f:
-        block = f.read().split("<!-- bench:literature -->\n")[1].split("\n\n`python")[0]
-    assert block == literature.table(literature.chimera_rows())
+        text = f.read()
+
+    def block(name):
+        return text.split(f"<!-- bench:{name} -->\n")[1].split("\n\n`python")[0]
+
+    assert block("literature") == literature.table(literature.chimera_rows())
+    assert block("literature-dualpipe") == literature.dualpipe_table(literature.dualpipe_rows())
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+@pytest.mark.parametrize("extra", (0, 2, 2 * 8))
+def test_dualpipe_feeds_both_ends_and_holds_two_copies(p, extra):
+    """Half the microbatches enter at rank 0, half at rank p-1; stages s and p-1-s are
+    each on ranks s and p-1-s; every rank peaks at p + 1 live microbatches (DeepSeek-V3's
+    PP + 1) and idles less than ZB-H1's (p - 1)(F + I - 2W) (default costs)."""
+    m = 2 * p + extra
+    schedule = get_schedule("dualpipe", p, m)
+    validate(schedule, num_stages=p, num_microbatches=m)
+    assert schedule.stage_ranks == tuple(tuple(sorted({s, p - 1 - s})) for s in range(p))
+    info = jpipe.schedule.validate.analyze(schedule)
+    entry = [info.key_rank[0 * m + mb] for mb in range(m)]
+    assert entry == [0] * (m // 2) + [p - 1] * (m // 2)
+    # each overlapped cell pairs a forward of one direction with a backward of the other
+    for row in schedule.ranks:
+        for step in row:
+            if isinstance(step, Overlap):
+                assert (step.forward.microbatch < m // 2) != (step.backward.microbatch < m // 2)
+    sim = simulate(schedule)
+    assert sim.peak_activations == (p + 1,) * p
+    zb = simulate(get_schedule("zb_h1", p, m))
+    assert max(sim.makespan - b for b in sim.busy) < max(zb.makespan - b for b in zb.busy)
+
+
+@pytest.mark.parametrize("p,m,words", [(3, 8, "even number of ranks"), (4, 6, "at least 2R")])
+def test_dualpipe_refuses_what_it_cannot_place(p, m, words):
+    with pytest.raises(ValueError, match=words):
+        get_schedule("dualpipe", p, m)

@@ -223,9 +223,14 @@ def _ready(action, done, num_stages):
     return F(s, m) in done and (s == num_stages - 1 or backward_done(s + 1))
 
 
-def _random_schedule(rng: random.Random, R: int, S: int, M: int) -> Schedule:
+def _random_schedule(rng: random.Random, R: int, S: int, M: int, replicas=False) -> Schedule:
+    """Every (stage, microbatch) in a random order that can run; each stage on one rank,
+    or (`replicas`) each microbatch on one of two placements, so stages have copies."""
     owner = list(range(R)) + [rng.randrange(R) for _ in range(S - R)]
     rng.shuffle(owner)
+    other = owner[:]
+    rng.shuffle(other)
+    placement = [other if replicas and rng.random() < 0.5 else owner for _ in range(M)]
     todo = []
     for s in range(S):
         for m in range(M):
@@ -237,7 +242,7 @@ def _random_schedule(rng: random.Random, R: int, S: int, M: int) -> Schedule:
         a = rng.choice(ready)
         todo.remove(a)
         done.add(a)
-        rows[owner[a.stage]].append(a)
+        rows[placement[a.microbatch][a.stage]].append(a)
     for row in rows:
         i = 0
         while i + 1 < len(row):
@@ -253,7 +258,7 @@ def valid_schedules(draw):
     S = draw(st.integers(R, 2 * R))
     M = draw(st.integers(1, 4))
     rng = draw(st.randoms(use_true_random=False))
-    return _random_schedule(rng, R, S, M)
+    return _random_schedule(rng, R, S, M, replicas=draw(st.booleans()))
 
 
 def _runs_to_the_end(schedule: Schedule) -> bool:
@@ -283,6 +288,23 @@ def test_random_valid_schedules_validate_and_simulate(schedule):
     assert sum(sim.busy) == pytest.approx(sum(cost[a.kind] for a in actions))
     assert sim.makespan >= max(sim.busy) - 1e-9
     assert 0 <= sim.bubble_fraction < 1
+    # Each microbatch is sent between the ranks it runs on: a forward starts no earlier
+    # than the one before it ends, plus the transfer where they are on two ranks.
+    info = jpipe.schedule.validate.analyze(schedule)
+    M = info.num_microbatches
+    rank = {(s, m): info.key_rank[s * M + m] for s in range(info.num_stages) for m in range(M)}
+    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in sim.timeline}
+    for e in sim.timeline:
+        a = e.action
+        assert rank[a.stage, a.microbatch] == e.rank
+        if a.kind == "F" and a.stage > 0:
+            hop = 0.5 if rank[a.stage - 1, a.microbatch] != e.rank else 0.0
+            assert e.start >= ends["F", a.stage - 1, a.microbatch].end + hop - 1e-9
+    # each rank holds the parameters of every stage it runs, copies included
+    held = jpipe.simulate(schedule, sizes=jpipe.Sizes(params=1)).peak_bytes
+    assert held == tuple(
+        float(len({a.stage for a in schedule.actions(r)})) for r in range(schedule.num_ranks)
+    )
 
 
 def _cells(schedule):
