@@ -362,3 +362,18 @@ def test_the_api_names_work_as_flags(capsys):
     assert main(["1f1b", "--num_ranks", "2", "--num_microbatches", "3", "--json"]) == 0
     out, _ = capsys.readouterr()
     assert json.loads(out)["ranks"] == 2
+
+
+def test_the_charts_show_a_replicated_stages_gradient_sum(tmp_path):
+    """Chimera: each stage's gradients summed over its two copies, on the transfers
+    thread of both ranks in the trace, and as a bar of its own in the Gantt chart."""
+    sim = jpipe.simulate(jpipe.get_schedule("chimera", 4, 8), jpipe.Costs(sync=2))
+    sums = [e for e in chrome_trace(sim)["traceEvents"] if e.get("cat") == "gradient sum"]
+    assert sorted((e["pid"], e["args"]["stage"]) for e in sums) == [
+        (0, 0), (0, 3), (1, 1), (1, 2), (2, 1), (2, 2), (3, 0), (3, 3)
+    ]  # fmt: skip
+    for e in sums:
+        x = sim.syncs[[y.stage for y in sim.syncs].index(e["args"]["stage"])]
+        assert e["dur"] == 2 * 1000 and e["ts"] == x.start * 1000 and e["tid"] == 4 + e["pid"]
+    draw_gantt(sim, tmp_path / "chimera.svg")
+    assert "gradient sum" in (tmp_path / "chimera.svg").read_text()

@@ -74,6 +74,7 @@ _GLYPHS = {
     "RELOAD_START": "D",
 }
 _TRANSFER_KINDS = ("EVICT", "LOAD", "OFFLOAD_START", "RELOAD_START")
+_SYNC_COLOR = "#c0c0c0"  # a replicated stage's gradient sum (`Simulation.syncs`)
 _LEGEND = "F forward, B backward, I input grad, W weight grad; '-' running, '.' idle"
 _MEMORY_LEGEND = (
     "f forward keeping only its input, R recompute; on a 'mem' row: E evict to the "
@@ -376,6 +377,18 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
                 linewidth=0.3,
                 hatch="///",
             )
+    for x in sim.syncs:  # a replicated stage's gradient sum, on each rank holding a copy
+        for r in x.ranks:
+            ax.barh(
+                r + 0.3,
+                max(x.end - x.start, span * 0.002),
+                left=x.start - t0,
+                height=0.22,
+                color=_SYNC_COLOR,
+                edgecolor="black",
+                linewidth=0.3,
+                hatch="...",
+            )
     for r, start, end in overlapped_spans:
         ax.add_patch(
             Rectangle(
@@ -407,6 +420,10 @@ def draw_gantt(sim: Simulation, path: str | os.PathLike, *, dpi: int = 150) -> N
     ]
     if overlapped:
         handles.append(Patch(fill=False, edgecolor="black", label="overlapped F and B (one cell)"))
+    if sim.syncs:
+        handles.append(
+            Patch(facecolor=_SYNC_COLOR, hatch="...", edgecolor="black", label="gradient sum")
+        )
     fig.legend(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
     )
@@ -484,7 +501,8 @@ def chrome_trace(
     overlapped = _overlapped(sim)
     R = schedule.num_ranks
     for r, (compute, moves) in enumerate(zip(_rank_events(sim), _transfer_events(sim))):
-        if moves:  # transfers run beside the compute: a thread of their own
+        syncs = [x for x in sim.syncs if r in x.ranks]
+        if moves or syncs:  # transfers and gradient sums run beside the compute
             events.append(
                 {
                     "name": "thread_name",
@@ -492,6 +510,19 @@ def chrome_trace(
                     "pid": r,
                     "tid": R + r,
                     "args": {"name": "transfers"},
+                }
+            )
+        for x in syncs:
+            events.append(
+                {
+                    "name": f"gradient sum s{x.stage}",
+                    "cat": "gradient sum",
+                    "ph": "X",
+                    "pid": r,
+                    "tid": R + r,
+                    "ts": (x.start - t0) * us_per_unit,
+                    "dur": (x.end - x.start) * us_per_unit,
+                    "args": {"stage": x.stage, "ranks": list(x.ranks)},
                 }
             )
         for e in compute + moves:
