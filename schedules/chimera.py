@@ -16,17 +16,19 @@ def chimera(num_ranks, num_microbatches, num_chunks=1, pipelines=2):
     two start together: the paper's merge.
 
     Placement: S = R stages, P replicas of each (P times 1F1B's parameters).
-    Time: with P = 2 and F = B, a bubble of (R - 2) / (2M + R - 2), the paper's
-      (docs/literature.md has the figures at B = 2F too).
-    Limits: R even; P even, dividing 2R, at most R.
+    Time: with P = 2, F = B and M even and at least R, a bubble of
+      (R - 2) / (2M + R - 2), the paper's (docs/schedules.md has the figures
+      at B = 2F too).
+    Limits: P even and a divisor of R (so that the pipelines' shifts, 2R/P,
+      are even and no two pipelines put a stage on one rank twice).
     """
     R, M, P = num_ranks, num_microbatches, pipelines
     if num_chunks != 1:
         raise ValueError(f"chimera places one stage of each pipeline per rank, got {num_chunks=}")
-    if R % 2 or P < 2 or P % 2 or (2 * R) % P or P > R:
+    if P < 2 or P % 2 or R % P:
         raise ValueError(
-            f"chimera needs an even number of ranks and an even number of pipelines "
-            f"dividing 2R, at most R; got R={R}, pipelines={P}"
+            f"chimera needs an even number of pipelines that divides the number of ranks; "
+            f"got R={R}, pipelines={P}"
         )
     timed = [[] for _ in range(R)]
     for p in range(min(P, M)):

@@ -19,8 +19,9 @@ def dualpipe(num_ranks, num_microbatches, num_chunks=1):
     overlapped cell pairs a forward of one direction with a backward of the other.
 
     Placement: S = R stages, each on two ranks (twice 1F1B's parameters).
-    Time: DeepSeek-V3's bubble (R/2 - 1)(F&B + B - 3W), where F&B is an
-      overlapped cell (the simulator charges it F + B).
+    Time: DeepSeek-V3 gives a bubble of (R/2 - 1)(F&B + B - 3W), F&B being an
+      overlapped cell; the simulator, which charges a cell F + B, gives half
+      of that at F = I = W = 1 (docs/schedules.md).
     Limits: R even, M even and M >= 2R (each direction at least R microbatches).
     """
     R, M = num_ranks, num_microbatches

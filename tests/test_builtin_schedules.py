@@ -339,11 +339,16 @@ def test_chimera_meets_the_papers_bubble_with_two_pipelines(p, m):
         assert simulate(schedule).bubble_fraction < (p - 1) / (m + p - 1)
 
 
-def test_chimera_with_four_pipelines_holds_four_replicas_of_each_stage():
-    schedule = get_schedule("chimera", 8, 16, pipelines=4)
+@pytest.mark.parametrize("p,pipelines", [(4, 4), (8, 4), (8, 8), (12, 4), (12, 6)])
+def test_chimera_with_more_pipelines_holds_that_many_replicas_of_each_stage(p, pipelines):
+    schedule = get_schedule("chimera", p, 2 * p, pipelines=pipelines)
     validate(schedule)
-    assert all(len(ranks) == 4 for ranks in schedule.stage_ranks)
-    assert all(len(schedule.stages_of(r)) == 4 for r in range(8))
+    assert all(len(ranks) == pipelines for ranks in schedule.stage_ranks)
+    assert all(len(schedule.stages_of(r)) == pipelines for r in range(p))
+
+
+def test_chimera_with_four_pipelines_has_less_bubble_than_with_two():
+    schedule = get_schedule("chimera", 8, 16, pipelines=4)
     two = simulate(get_schedule("chimera", 8, 16), Costs(F=1, I=1, W=0))
     assert simulate(schedule, Costs(F=1, I=1, W=0)).bubble_fraction < two.bubble_fraction
 
@@ -351,9 +356,10 @@ def test_chimera_with_four_pipelines_holds_four_replicas_of_each_stage():
 @pytest.mark.parametrize(
     "p,options,words",
     [
-        (3, {}, "an even number of ranks"),
+        (3, {}, "divides the number of ranks"),
         (4, {"pipelines": 3}, "an even number of pipelines"),
-        (4, {"pipelines": 8}, "at most R"),
+        (4, {"pipelines": 8}, "divides the number of ranks"),
+        (6, {"pipelines": 4}, "divides the number of ranks"),
         (4, {"num_chunks": 2}, "one stage of each pipeline per rank"),
     ],
 )

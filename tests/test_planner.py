@@ -995,3 +995,19 @@ def test_the_planner_starts_without_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_replicated_schedule_is_skipped_by_the_planner_with_its_reason():
+    """Chimera's stages have copies on two ranks, which the planner does not place
+    yet: each of its shapes is skipped saying so, and the other schedules plan."""
+    prof = _toy(F=[1.0] * 4, B=[1.0] * 4, memory=700, kinds=("fast",))
+    got = plan(
+        prof, [("fast", 4)], 32, gpus_per_node=4, schedules=("1f1b", "chimera"),
+        tensor_parallel=(1,),
+    )  # fmt: skip
+    assert got.best[0].evaluation.plan.schedule == "1f1b"
+    assert (
+        "chimera on 4 ranks x 32 microbatches: it replicates stages (stage 0 on ranks 0 and 3; "
+        "stage 1 on ranks 1 and 2; stage 2 on ranks 1 and 2; ...), which the planner does not "
+        "place yet"
+    ) in got.skipped

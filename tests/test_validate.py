@@ -401,3 +401,24 @@ def test_a_replicated_stage_is_refused_by_name_where_it_cannot_run_yet():
         "on ranks 1 and 2; stage 2 on ranks 1 and 2; ...)"
     )
     refuse_replicas(Schedule.of([[F(0, 0), B(0, 0)]]), "the pipeline")  # one copy: fine
+    # Every place that would lay a replicated stage out as one rank's refuses it.
+    from jpipe.lower.spmd.ticks import make_tick_plan, program_shape
+    from jpipe.search.engine import StageFigures, device_bytes
+
+    chimera = jpipe.get_schedule("chimera", 4, 8)
+    for call in (
+        lambda: make_tick_plan(chimera),
+        lambda: program_shape(chimera),
+        lambda: device_bytes(jpipe.simulate(chimera), StageFigures(num_stages=4), "mpmd"),
+    ):
+        with pytest.raises(ScheduleError, match=r"stages yet \(stage 0 on ranks 0 and 3"):
+            call()
+
+
+def test_a_missing_key_of_a_replicated_stage_names_every_rank_of_the_stage():
+    rows = [["0F0", "0F2", "1F1", "1B1", "0B0", "0B2"], ["0F1", "1F0", "1F3", "1B3", "1B0"]]
+    rows[1] += ["0B1"]
+    rows.append(["0F3", "0B3"])
+    with pytest.raises(ScheduleError) as info:
+        jpipe.validate(Schedule.of(rows))
+    assert str(info.value) == "ranks 0 and 1 (which hold stage 1): F(1,2) is missing"

@@ -126,7 +126,7 @@ from jpipe.schedule.simulate import (
     live_peaks,
     simulate,
 )
-from jpipe.schedule.validate import analyze, refuse_replicas
+from jpipe.schedule.validate import analyze, refuse_replicas, replicas_text
 from jpipe.search.engine import StageFigures, layout_kind, runs_schedule, search_schedule
 
 PLAN_FORMAT = "jpipe-plan/1"
@@ -435,6 +435,7 @@ def memory_footprint(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
+    refuse_replicas(schedule, "the planner")
     need = _device_needs(plan, profile, schedule)
     devices = [(r, d) for r in range(plan.pipe) for d in range(plan.data)]
     terms = profile.memory_terms
@@ -615,6 +616,7 @@ def _schedule_for(plan: ClusterPlan) -> Schedule:
         raise ValueError(
             f"schedule {plan.schedule!r} has {schedule.num_ranks} ranks, the plan {plan.pipe}"
         )
+    refuse_replicas(schedule, "the planner")
     return schedule
 
 
@@ -1488,6 +1490,12 @@ class _ShapeSearch:
             schedule, error, runs = self.schedule_of(spec, p, M)
             if error is not None:
                 self.skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
+                return
+            if schedule.replicated:
+                self.skipped.append(
+                    f"{spec} on {p} ranks x {M} microbatches: it replicates stages "
+                    f"({replicas_text(schedule)}), which the planner does not place yet"
+                )
                 return
             if not runs:
                 self.skipped.append(

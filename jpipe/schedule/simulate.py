@@ -218,8 +218,8 @@ class Simulation:
         s = self.schedule
         peaks = list(self.peak_activations)
         held = {len(s.stages_of(r)) for r in range(s.num_ranks)} - {0}
-        if s.replicated:  # a rank's stages are copies of others': count a stage's share
-            held = {s.num_stages // s.num_ranks} if s.num_stages % s.num_ranks == 0 else held
+        if s.replicated:  # a rank's stages include copies: no share of the model to count in
+            return f"peak live activations per rank {peaks} (stage, microbatch) pairs"
         if held <= {1}:
             return f"peak live activations per rank {peaks} microbatches"
         text = f"peak live activations per rank {peaks} (stage, microbatch) pairs"

@@ -209,7 +209,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     # 4. completeness
     if num_microbatches is None:
         _refuse_a_stray_microbatch(rows, cell_pos, S, M, where)
-    _check_complete(at, owner, where, S, M)
+    _check_complete(at, owner, schedule.stage_ranks, where, S, M)
     # 5. order on one rank
     _check_rank_order(rows, cell_pos, where, S, M)
     # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
@@ -379,7 +379,7 @@ def _place(rows, cell_pos, S, M, memory: bool) -> tuple[list[int], dict[str, lis
     return at, where
 
 
-def _check_complete(at, owner, where, S, M) -> None:
+def _check_complete(at, owner, held, where, S, M) -> None:
     """Step 4: each key has its F and either a B or an I and a W.
 
     Checked at once, then key by key (which raises at the first wrong) only
@@ -394,6 +394,10 @@ def _check_complete(at, owner, where, S, M) -> None:
         for m in range(M):
             k = s * M + m
             r = at[k] if at[k] >= 0 else owner[s]
+            who = f"rank {r} (which holds stage {s})"
+            if at[k] < 0 and len(held[s]) > 1:
+                *first, last = held[s]
+                who = f"ranks {', '.join(map(str, first))} and {last} (which hold stage {s})"
             problem = None
             if f_at[k] is None:
                 problem = f"F({s},{m}) is missing"
@@ -409,7 +413,7 @@ def _check_complete(at, owner, where, S, M) -> None:
                     f"and W({s},{m})"
                 )
             if problem:
-                raise ScheduleError(f"rank {r} (which holds stage {s}): {problem}")
+                raise ScheduleError(f"{who}: {problem}")
 
 
 def _check_rank_order(rows, cell_pos, where, S, M) -> None:

@@ -1289,6 +1289,11 @@ def device_bytes(
     one mesh (each holds the packed parameters of every rank, as the search's
     pipelines do) or each has its own (`train.py`'s per-rank lowering).
     """
+    if sim.schedule.replicated:
+        raise ScheduleError(
+            f"the search's byte model does not count replicated stages yet "
+            f"({replicas_text(sim.schedule)})"
+        )
     ranks = _rank_figures(sim.schedule, figures)
     return _device_bytes(sim, figures, layout, values, ranks, packed_everywhere)
 

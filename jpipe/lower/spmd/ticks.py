@@ -60,7 +60,7 @@ import numpy as np
 
 from jpipe.schedule.actions import Schedule
 from jpipe.schedule.simulate import Costs, _start_times
-from jpipe.schedule.validate import analyze
+from jpipe.schedule.validate import analyze, refuse_replicas
 
 # Phases inside one tick, in program order.
 (
@@ -529,6 +529,7 @@ def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
     actions it also counts the copies (``moves``: evictions and loads, which
     ride collectives between ranks, and offloads and reloads).
     """
+    refuse_replicas(schedule, "the SPMD tick plan")
     chosen = _choose_layout(schedule, layout, sim)
     owner = analyze(schedule).stage_to_rank
     channels = _channels(schedule, chosen)
@@ -841,6 +842,7 @@ def make_tick_plan(
     Memory actions (`TickPlan` says how they run) are laid out unit; asking
     for the packed layout then is refused.
     """
+    refuse_replicas(schedule, "the SPMD tick plan")
     if forward_only:
         return make_forward_tick_plan(schedule)
     check_layout(layout)
