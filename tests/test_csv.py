@@ -355,3 +355,26 @@ def test_a_bad_cell_in_a_file_names_the_file(tmp_path):
         ValueError, match=r"^bad\.csv row 2 column 2: cannot read schedule cell '1Q0'"
     ):
         Schedule.from_csv(path)
+
+
+def test_a_csv_for_pytorch_refuses_what_only_jpipe_reads():
+    """jpipe's CSV is a superset of PyTorch's: stages on several ranks and memory actions
+    are written and read back by jpipe, and refused by name for PyTorch's runtime."""
+    chimera = jpipe.get_schedule("chimera", 4, 8)
+    assert jpipe.Schedule.from_csv_text(chimera.to_csv()) == chimera
+    with pytest.raises(ValueError) as info:
+        chimera.to_csv(pytorch=True)
+    assert str(info.value) == (
+        "PyTorch's pipelining cannot run this schedule as written: stage 0 is on ranks 0 "
+        "and 3; PyTorch places a stage on one rank (and 3 more)"
+    )
+    recompute = jpipe.get_schedule("1f1b_recompute", 4, 8)
+    assert recompute.pytorch_gaps()[0].startswith(
+        "rank 0, position 1 (FC(0,1)) is a memory action, jpipe's own cell 0FC1"
+    )
+    with pytest.raises(ValueError, match="is a memory action"):
+        recompute.to_csv(pytorch=True)
+    # what PyTorch runs, overlapped cells included, is written as before
+    dualpipev = jpipe.get_schedule("dualpipev", 2, 8)
+    assert dualpipev.pytorch_gaps() == []
+    assert dualpipev.to_csv(pytorch=True) == dualpipev.to_csv()

@@ -435,12 +435,23 @@ class Schedule:
     def to_rows(self) -> list[list[str]]:
         return [[str(step) for step in row] for row in self.ranks]
 
-    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+    def to_csv(self, path: str | os.PathLike | None = None, *, pytorch: bool = False) -> str:
         """Writes PyTorch's CSV form to `path` (if given) and returns it as text.
 
         The form has no marker for a rank with no actions: such ranks at the
-        end of the schedule do not survive a round trip.
+        end of the schedule do not survive a round trip. jpipe writes its
+        superset of the form (memory actions, stages on several ranks; the
+        module docstring); with `pytorch`, for a file PyTorch's runtime is to
+        run, what only jpipe reads is refused by name instead
+        (`pytorch_gaps`).
         """
+        if pytorch:
+            gaps = self.pytorch_gaps()
+            if gaps:
+                raise ValueError(
+                    f"PyTorch's pipelining cannot run this schedule as written: {gaps[0]}"
+                    + (f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else "")
+                )
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(self.to_rows())
         text = buf.getvalue()
@@ -448,6 +459,23 @@ class Schedule:
             with open(path, "w", newline="") as f:
                 f.write(text)
         return text
+
+    def pytorch_gaps(self) -> list[str]:
+        """What of this schedule PyTorch's pipelining cannot run, one line each: stages
+        on several ranks (it places each stage on one) and memory actions (it has none)."""
+        gaps = [
+            f"stage {s} is on ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}; "
+            "PyTorch places a stage on one rank"
+            for s, ranks in enumerate(self.stage_ranks)
+            if len(ranks) > 1
+        ]
+        for r, pos, a in self.all_actions():
+            if a.kind in MEMORY_KINDS:
+                gaps.append(
+                    f"rank {r}, position {pos} ({a!r}) is a memory action, jpipe's own cell "
+                    f"{a}; PyTorch's schedules have none"
+                )
+        return gaps
 
     @classmethod
     def from_csv_text(cls, text: str, name: str = "") -> Schedule:
