@@ -6,9 +6,9 @@ what is wrong:
 
 1. indices: stages and microbatches are non-negative (and below the expected
    counts, when given);
-2. placement: every `(stage, microbatch)` runs on one rank (a stage may run
-   on several: replicas, each with its copy of the parameters);
-3. duplicates: no action appears twice;
+2. duplicates: no action appears twice;
+3. placement: every `(stage, microbatch)` runs on one rank, its forward's (a
+   stage may run on several: replicas, each with its copy of the parameters);
 4. completeness: every `(stage, microbatch)` has one `F` and either one `B` or
    one `I` and one `W`, and no stage or microbatch is missing;
 5. order on a rank: a backward after its own forward, a `W` after its `I`;
@@ -202,7 +202,7 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
 
     # 1. indices
     S, M = _check_indices(rows, cell_pos, num_stages, num_microbatches)
-    # 2. placement, 3. duplicates
+    # 2. duplicates, 3. placement
     memory = schedule.has_memory_actions
     at, where = _place(rows, cell_pos, S, M, memory)
     owner = schedule.stage_to_rank
@@ -326,7 +326,7 @@ def _check_all_scheduled(rows, cell_pos, S, M, stages_seen, mbs_seen) -> None:
 
 
 def _place(rows, cell_pos, S, M, memory: bool) -> tuple[list[int], dict[str, list]]:
-    """Steps 2 and 3: each `(stage, microbatch)` on one rank, no action twice; `(at, where)`.
+    """Steps 2 and 3: no action twice, each `(stage, microbatch)` on one rank; `(at, where)`.
 
     A stage may run on several ranks (replicas, each with its copy of the
     parameters); each of its microbatches runs wholly on one of them, the one
