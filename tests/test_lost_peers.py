@@ -190,3 +190,20 @@ def test_a_normal_exit_leaves_no_coordination_service_behind(tmp_path):
         assert _port_is_free(address, 0), "the coordination service still listens"
     finally:
         _stop_all(procs)
+
+
+def test_the_heartbeat_timeout_can_be_set_from_the_environment(monkeypatch):
+    """`JPIPE_HEARTBEAT_TIMEOUT` (seconds, at least 1) sets the heartbeat timeout for a
+    loaded host; the mixed plan's kill test in tests/test_multiprocess.py runs train.py
+    with 30 and reads "no heartbeat for 30 s" from a survivor."""
+    from jpipe.runtime import distributed
+
+    name = distributed.ENV_HEARTBEAT_TIMEOUT
+    monkeypatch.delenv(name, raising=False)
+    assert distributed._env_seconds(name) is None
+    monkeypatch.setenv(name, "30")
+    assert distributed._env_seconds(name) == 30
+    for bad, words in (("0", "must be at least 1 second"), ("ten", "is not an integer")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=words):
+            distributed._env_seconds(name)

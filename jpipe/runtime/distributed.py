@@ -71,6 +71,9 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
 
 HEARTBEAT_TIMEOUT_SECONDS = 10
+# JPIPE_HEARTBEAT_TIMEOUT (seconds) changes it, for hosts so loaded that a live process
+# may miss its heartbeats for 10 s (a lost process is then named that much later).
+ENV_HEARTBEAT_TIMEOUT = "JPIPE_HEARTBEAT_TIMEOUT"
 SHUTDOWN_TIMEOUT_SECONDS = 30
 # How long a process waits for all the others to join before it names who is missing;
 # JPIPE_JOIN_TIMEOUT (seconds) changes it, for clusters that start hosts minutes apart.
@@ -92,6 +95,14 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"the environment variable {name}={value!r} is not an integer") from None
+
+
+def _env_seconds(name: str) -> int | None:
+    """A positive number of seconds from environment variable `name`, or None if unset."""
+    seconds = _env_int(name)
+    if seconds is not None and seconds < 1:
+        raise ValueError(f"the environment variable {name}={seconds} must be at least 1 second")
+    return seconds
 
 
 def detected_cluster() -> str | None:
@@ -132,7 +143,7 @@ def initialize_distributed(
       local_device_ids: the accelerators this process uses (ints, or a
         comma-separated string), e.g. one GPU per process.
       heartbeat_timeout_seconds: a process silent this long counts as lost,
-        and the others stop.
+        and the others stop (the default, 10 s, or ``JPIPE_HEARTBEAT_TIMEOUT``).
       shutdown_timeout_seconds: how long a finishing process waits for the others.
       initialization_timeout: how long to wait for every process to connect
         before naming the missing one and exiting (the default, 30 s, or
@@ -184,6 +195,8 @@ def initialize_distributed(
                 f"{num_processes}, got {process_id}"
             )
     global _heartbeat_seconds
+    if heartbeat_timeout_seconds == HEARTBEAT_TIMEOUT_SECONDS:
+        heartbeat_timeout_seconds = _env_seconds(ENV_HEARTBEAT_TIMEOUT) or heartbeat_timeout_seconds
     _heartbeat_seconds = heartbeat_timeout_seconds
     if initialization_timeout == INITIALIZATION_TIMEOUT_SECONDS and _env_int(ENV_JOIN_TIMEOUT):
         initialization_timeout = _env_int(ENV_JOIN_TIMEOUT)
