@@ -40,7 +40,7 @@ def compile_seconds(workload, name: str, R: int, M: int, lowering: str) -> tuple
     compiled = pipe.compile(packed, batch)
     seconds = time.process_time() - start
     if isinstance(compiled, jpipe.RankPrograms):
-        return seconds, sum(len(c) for c in compiled.compiled if c is not None)
+        return seconds, sum(len(c) for c in compiled.compiled.values())
     return seconds, 1
 
 

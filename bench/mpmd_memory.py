@@ -74,7 +74,7 @@ def row(
     own = [0] * num_devices
     for s, b in enumerate(stage_bytes):
         own[schedule.stage_to_rank[s]] += b
-    texts = [exe.as_text() for by_kind in programs.compiled for exe in by_kind.values()]
+    texts = [exe.as_text() for by_kind in programs.compiled.values() for exe in by_kind.values()]
     conditionals = sum(text.count(" conditional(") for text in texts)
     out = {
         "schedule": name + "".join(f" {k}={v}" for k, v in options.items()),
@@ -82,7 +82,7 @@ def row(
         "devices": num_devices,
         "microbatches": M,
         "compile_seconds": compile_seconds,
-        "pieces": sum(len(k) for k in programs.compiled),
+        "pieces": sum(len(k) for k in programs.compiled.values()),
         "conditionals": conditionals,
         "peak_per_rank": [a.peak_bytes for a in accounts],
         "values_per_rank": [a.values_bytes for a in accounts],

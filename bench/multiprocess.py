@@ -192,11 +192,11 @@ def _per_rank_pieces(rank_programs, step_args, calls: int) -> list:
     from bench import measure
 
     captured, originals = {}, {}
-    for s, table in enumerate(rank_programs.compiled):
-        for kind, exe in (table or {}).items():
-            originals[(s, kind)] = exe
+    for (s, r), table in rank_programs.compiled.items():
+        for kind, exe in table.items():
+            originals[(s, r, kind)] = exe
 
-            def wrap(*a, exe=exe, key=(s, kind)):
+            def wrap(*a, exe=exe, key=(s, r, kind)):
                 if key not in captured:
                     captured[key] = jax.tree.map(
                         lambda x: x.copy() if isinstance(x, jax.Array) else x, list(a)
@@ -207,15 +207,15 @@ def _per_rank_pieces(rank_programs, step_args, calls: int) -> list:
     try:
         jax.block_until_ready(rank_programs.run(*step_args))
     finally:
-        for (s, kind), exe in originals.items():
-            rank_programs.compiled[s][kind] = exe
+        for (s, r, kind), exe in originals.items():
+            rank_programs.compiled[s, r][kind] = exe
     last = rank_programs.num_stages - 1
     rows = []
-    for (s, kind), a in sorted(captured.items()):
+    for (s, r, kind), a in sorted(captured.items()):
         if kind not in ("F", "I", "W"):
             continue
         donated, out = {"W": (5, -1), "F": (4, 2) if s == last else (None, 0)}.get(kind, (None, 0))
-        piece = _Piece(originals[(s, kind)], a, donated, out)
+        piece = _Piece(originals[(s, r, kind)], a, donated, out)
         rows.append(
             measure.Compiled(
                 f"per-rank {kind}",

@@ -674,16 +674,20 @@ class CheckResult:
     """What `check_schedule` found.
 
     Attributes:
-      passed: loss and every gradient within `rtol` of the reference.
-      max_abs_err: the largest absolute difference over loss and gradients.
+      passed: loss and every gradient within `rtol` of the reference, and
+        the copies of a replicated stage's gradients equal to the bit.
+      max_abs_err: the largest absolute difference over loss and gradients
+        (and between a replicated stage's copies of its gradients).
       max_rel_err: the largest per-array relative difference: for each array,
         the largest absolute difference over the reference's largest magnitude.
       loss, reference_loss: the two losses.
       compile_seconds: time to compile the pipelined step.
       temp_bytes, argument_bytes: per-device figures from `memory_analysis()`
         (under the per-rank lowering, the largest piece's).
-      ticks: the lock-step program's length.
-      tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``).
+      ticks: the lock-step program's length (None for a schedule with
+        replicated stages, which no lock-step program runs yet).
+      tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``; ``"none"``
+        where `ticks` is None).
       rtol: the tolerance used.
       lowering: the lowering the pipeline ran under (``"spmd"`` or ``"mpmd"``),
         as the `jpipe.Pipeline` built for the check reports it.
@@ -697,7 +701,7 @@ class CheckResult:
     compile_seconds: float
     temp_bytes: int
     argument_bytes: int
-    ticks: int
+    ticks: int | None
     tick_layout: str
     rtol: float
     schedule: str
@@ -849,17 +853,19 @@ def check_schedule(
     low = compute_dtype != "float32" or any(kind != "array" for kind in kinds)
     ref_loss, ref_grads = _reference_loss_and_grads(model, batch, devices[:tensor], M if low else 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
+    copies_err = _copies_err(pipe, grads)
+    plan = None if schedule.replicated else pipe.tick_plan
     return CheckResult(
-        passed=bool(math.isfinite(rel_err) and rel_err <= rtol),
-        max_abs_err=abs_err,
+        passed=bool(math.isfinite(rel_err) and rel_err <= rtol and copies_err == 0),
+        max_abs_err=max(abs_err, copies_err),
         max_rel_err=rel_err,
         loss=float(loss),
         reference_loss=float(ref_loss),
         compile_seconds=float(pipe.compile_seconds),
         temp_bytes=int(temp),
         argument_bytes=int(arguments),
-        ticks=pipe.tick_plan.num_ticks,
-        tick_layout=pipe.tick_plan.layout,
+        ticks=None if plan is None else plan.num_ticks,
+        tick_layout="none" if plan is None else plan.layout,
         rtol=rtol,
         schedule=schedule.name or str(spec),
         ranks=R,
@@ -871,6 +877,33 @@ def check_schedule(
         model=model.name,
         lowering=pipe.lowering,
     )
+
+
+def _copies_err(pipe, grads) -> float:
+    """The largest difference between two copies of a replicated stage's gradients
+    (0.0 where no stage is replicated, or every copy is the same to the bit).
+
+    Packed gradients spanning processes are gathered (a collective: every
+    process calls this alike); with one mesh per rank, copies in another
+    process are not compared.
+    """
+    import numpy as np
+
+    from jpipe.stage.pack import _to_host
+
+    layout, worst = pipe.layout, 0.0
+    for s, (first, *copies) in enumerate(layout.stage_ranks):
+        for b in layout.stage_buckets(s) if copies else ():
+            rows = _to_host(grads[b]) if isinstance(grads, dict) else None
+            for r in copies:
+                if rows is not None:
+                    here, there = rows[first], rows[r]
+                elif grads[first] is not None and grads[r] is not None:
+                    here, there = np.asarray(grads[first][b]), np.asarray(grads[r][b])
+                else:  # a copy in another process
+                    continue
+                worst = max(worst, float(np.max(np.abs(here - there), initial=0.0)))
+    return worst
 
 
 def _model_to_check(

@@ -14,6 +14,10 @@ with `jpipe.initialize_distributed` and then, by MODE:
   2 processes (ranks 0 and 1 of tensor 1 in process 0, rank 2 of tensor 2
   in process 1: stage 1's output is regrouped between the processes);
   prints the loss's and its ranks' gradients' error against the whole model.
+* ``replicas``: the checker's CLI on Chimera (4 ranks, 2 per process) under
+  the per-rank lowering: each stage's two copies are in different
+  processes, so the copies' gradient sums and the last stage's loss sums
+  cross between them; prints ``PASS`` from each process.
 * ``raise``: process 1 raises; the others wait in a collective.
 """
 
@@ -103,6 +107,10 @@ def main(mode: str) -> int:
     if mode == "rank_meshes":
         print("RESULT " + json.dumps(_rank_meshes()), flush=True)
         return 0
+    if mode == "replicas":
+        from jpipe import check
+
+        return check.main(["chimera", "-r", "4", "-m", "8", "--lowering", "mpmd"])
     if mode == "raise":
         jax.devices()
         if jax.process_index() == 1:

@@ -9,7 +9,9 @@ I-scan and a W-scan), with a random pytree of float32, bfloat16 and float16
 leaves passed across each stage boundary, and with or without a data axis of
 2 beside the pipe axis, under either lowering (`jpipe.LOWERINGS`), with
 residuals randomly recomputed, evicted to another rank or offloaded to the
-host; and with stages that write their own collectives
+host, with stages replicated on two ranks (each microbatch on one of them:
+the per-rank lowering runs them, the SPMD one refuses them by name); and with
+stages that write their own collectives
 over tensor, on meshes with tensor, fsdp and data axes. A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
@@ -32,8 +34,13 @@ def random_schedule(
     microbatches: int,
     memory: bool = False,
     overlap: bool = False,
+    replicas: bool = False,
 ) -> jpipe.Schedule:
     """A random valid schedule; with `memory`, residuals kept, recomputed, evicted, offloaded.
+
+    With `replicas`, about half of the stages get a second rank, and each of
+    their microbatches runs on one of the two, drawn (a stage may end up
+    with all of them on one).
 
     With `overlap`, about half of the places where a rank's F is followed by a
     B or I become `Overlap` cells (the rest of the schedule as without it).
@@ -41,10 +48,16 @@ def random_schedule(
     rng = random.Random(seed)
     owner = [rng.randrange(ranks) for _ in range(stages)]
     split = {(s, m): rng.random() < 0.5 for s in range(stages) for m in range(microbatches)}
+    second = [
+        rng.randrange(ranks) if replicas and ranks > 1 and rng.random() < 0.5 else owner[s]
+        for s in range(stages)
+    ]
+    # The rank of each (stage, microbatch): its stage's, or its stage's second.
+    at = {(s, m): rng.choice((owner[s], second[s])) for (s, m) in split}
     modes = ["keep", "recompute", "offload"] + (["evict"] * (ranks > 1))
     mode = {key: rng.choice(modes) if memory else "keep" for key in split}
     partner = {
-        (s, m): rng.choice([q for q in range(ranks) if q != owner[s]])
+        (s, m): rng.choice([q for q in range(ranks) if q != at[(s, m)]])
         for (s, m) in split
         if mode[(s, m)] == "evict"
     }
@@ -63,7 +76,7 @@ def random_schedule(
     while todo:
         choices = [(key, kinds[0]) for key, kinds in todo.items() if ready(*key, kinds[0])]
         (s, m), kind = rng.choice(choices)
-        row, how, A = rows[owner[s]], mode[(s, m)], jpipe.Action
+        row, how, A = rows[at[(s, m)]], mode[(s, m)], jpipe.Action
         if kind in "BI":  # the residuals back on the rank before their reader
             if how == "recompute":
                 row.append(A("RECOMPUTE", s, m))
@@ -155,17 +168,26 @@ activations = st.tuples(*[st.sampled_from(testing.ACTIVATIONS)] * 3)
     st.sampled_from(jpipe.LOWERINGS),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
 def test_random_valid_schedules_are_exact(
-    size, layout, scan_layers, kinds, data, lowering, memory, overlap
+    size, layout, scan_layers, kinds, data, lowering, memory, overlap, replicas
 ):
     # Memory actions (recompute, evict, offload) are drawn under both
     # lowerings; the SPMD one lays them out in unit ticks only. Overlap cells
     # too: the per-rank lowering runs each as one program where it can.
+    # Replicated stages: the per-rank lowering runs them; the SPMD one
+    # refuses them by name.
     seed, ranks, stages, microbatches = size
     assert ranks * data <= 8  # the fake devices of conftest.py
-    schedule = random_schedule(seed, ranks, stages, microbatches, memory=memory, overlap=overlap)
+    schedule = random_schedule(
+        seed, ranks, stages, microbatches, memory=memory, overlap=overlap, replicas=replicas
+    )
     jpipe.validate(schedule)
+    if schedule.replicated and lowering == "spmd":
+        with pytest.raises(jpipe.ScheduleError, match="run it with lowering='mpmd'"):
+            testing.check_schedule(schedule, data=data, lowering=lowering)
+        return
     if schedule.has_memory_actions and lowering == "spmd":
         layout = "unit"
     kinds = kinds[: stages - 1]
@@ -180,7 +202,17 @@ def test_random_valid_schedules_are_exact(
         activations=kinds,
         lowering=lowering,
     )
-    assert result.passed, (schedule, layout, scan_layers, kinds, data, lowering, overlap, result)
+    assert result.passed, (
+        schedule,
+        layout,
+        scan_layers,
+        kinds,
+        data,
+        lowering,
+        overlap,
+        replicas,
+        result,
+    )
 
 
 @pytest.mark.slow

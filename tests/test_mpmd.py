@@ -140,13 +140,13 @@ def test_a_cell_is_one_program_with_the_cells_halves_results():
     # Each kind of cell compiled once, as one executable with both halves' outputs.
     assert set(fused.compiled_cells) == {fused._cell_key(i) for i in fused.cells}
     assert not apart.compiled_cells
-    for (sf, sb, kind), exe in fused.compiled_cells.items():
+    for (r, sf, sb, kind), exe in fused.compiled_cells.items():
         outs = jax.tree.leaves(exe.out_info)
-        f_outs = jax.tree.leaves(fused.compiled[sf]["F"].out_info)
-        b_outs = jax.tree.leaves(fused.compiled[sb]["I"].out_info)
+        f_outs = jax.tree.leaves(fused.compiled[sf, r]["F"].out_info)
+        b_outs = jax.tree.leaves(fused.compiled[sb, r]["I"].out_info)
         if kind == "B":  # dx and the accumulators, the carry kept inside
             b_outs = b_outs[: len(b_outs) - len(fused.kernels[sb].carry_avals)]
-            b_outs += jax.tree.leaves(fused.compiled[sb]["W"].out_info)
+            b_outs += jax.tree.leaves(fused.compiled[sb, r]["W"].out_info)
         assert [(o.shape, o.dtype) for o in outs] == [(o.shape, o.dtype) for o in f_outs + b_outs]
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL)
     for b in grads:
@@ -154,8 +154,7 @@ def test_a_cell_is_one_program_with_the_cells_halves_results():
     # The account charges each cell's own program at its forward half, nothing
     # at its backward half, and the halves' pieces nowhere.
     for i in fused.cells:
-        sf, sb, kind = fused._cell_key(i)
-        m = fused.compiled_cells[sf, sb, kind].memory_analysis()
+        m = fused.compiled_cells[fused._cell_key(i)].memory_analysis()
         own = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
         assert fused.op_working_bytes(i) == own > 0
         assert fused.op_working_bytes(i + 1) == 0
@@ -169,8 +168,8 @@ def test_no_piece_holds_a_conditional(name, chunks):
     pipe, _, params, batch = _pipeline(name, chunks=chunks)
     packed = pipe.pack(params)
     compiled = pipe.compile(packed, batch).compiled
-    texts = [c.as_text() for pieces in compiled for c in pieces.values()]
-    assert len(texts) == pipe.schedule.num_stages * len(compiled[0])
+    texts = [c.as_text() for pieces in compiled.values() for c in pieces.values()]
+    assert len(texts) == pipe.schedule.num_stages * len(compiled[0, 0])
     assert all(re.search(r"\bconditional\(", t) is None for t in texts)
     # The SPMD program of the same schedule has them (the test can fail).
     spmd = jpipe.Pipeline(pipe.stages, pipe.schedule, pipe.mesh)

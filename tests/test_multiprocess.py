@@ -200,6 +200,16 @@ def test_checker_pack_and_unpack_across_two_processes():
 
 
 @pytest.mark.slow
+def test_replicated_stages_across_two_processes_are_exact():
+    # Chimera on 4 ranks, 2 per process: stage 0 on ranks 0 and 3, stage 1 on
+    # 1 and 2, ..., so every stage's copies are in two processes and their
+    # gradient sums (and the last stage's loss sums) cross between them.
+    status, out, err, _ = _run([WORKER, "replicas"])
+    assert status == 0, err[-3000:]
+    assert out.count("PASS") == 2, out[-3000:]
+
+
+@pytest.mark.slow
 def test_ranks_of_different_shapes_across_two_processes_are_exact():
     # Ranks 0 and 1 (tensor 1) in process 0, rank 2 (tensor 2) in process 1: the
     # activation and its gradient are regrouped between the shapes through the

@@ -344,10 +344,13 @@ class Pipeline:
         lowering: str = "spmd",
     ):
         info = analyze(schedule)
-        refuse_replicas(schedule, "the pipeline")
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)
+        if kind.one_program:
+            refuse_replicas(
+                schedule, "the SPMD lowering", instead="run it with lowering='mpmd', which does"
+            )
         if all_idle and not kind.one_program:
             raise ValueError(
                 "all_idle measures the SPMD program's control; it has no per-rank form"
@@ -386,6 +389,7 @@ class Pipeline:
             )
         self.num_microbatches = info.num_microbatches
         self.stage_to_rank = info.stage_to_rank
+        self.stage_ranks = schedule.stage_ranks  # several ranks for a replicated stage
         self.layout: ParamLayout | None = None
         self._specs = None
         # The stages' traced pieces, once per batch shape (the key of `_key`).
@@ -426,6 +430,7 @@ class Pipeline:
             specs=specs,
             axis_sizes=inner_axes,
             fsdp_axis=self.fsdp_axis,
+            stage_ranks=self.stage_ranks,
         )
         for m in self.rank_meshes or ():
             layout.on_axes(self._inner_axes(m))  # every rank's mesh splits the arrays it holds
@@ -471,7 +476,7 @@ class Pipeline:
                 continue
             rows = {}
             for s, stage_params in enumerate(params_list):
-                if layout.stage_to_rank[s] != r:
+                if r not in layout.stage_ranks[s]:
                     continue
                 for leaf, (name, _, _) in zip(jax.tree.leaves(stage_params), layout.leaves[s]):
                     row = np.asarray(leaf).reshape((1,) + layout.buckets[name][0])
@@ -556,8 +561,9 @@ class Pipeline:
         names = self.mesh.axis_names
         pipe = names.index(self.pipe_axis)
         stages_of = [set() for _ in range(self.schedule.num_ranks)]
-        for s, r in enumerate(self.stage_to_rank):
-            stages_of[r].add(s)
+        for s, ranks in enumerate(self.stage_ranks):
+            for r in ranks:
+                stages_of[r].add(s)
         programs = []
         for r in range(self.schedule.num_ranks):
             if self.rank_meshes is not None:  # its own mesh, its own buckets only
@@ -584,19 +590,21 @@ class Pipeline:
         """Per-stage parameter (or gradient) pytrees, as host numpy arrays."""
         if self.layout is None:
             raise ValueError("pack parameters first, so the pipeline knows their layout")
-        if self.rank_meshes is not None:  # None for stages whose rank is another process's
+        if self.rank_meshes is not None:  # None for stages whose ranks are other processes'
             layout = self.layout
+            # A replicated stage from the first of its ranks here (its copies are equal).
+            held = [next((r for r in rs if packed[r] is not None), None) for rs in self.stage_ranks]
             return [
                 None
-                if packed[layout.stage_to_rank[s]] is None
+                if r is None
                 else jax.tree.unflatten(
                     layout.trees[s],
                     [
-                        np.asarray(packed[layout.stage_to_rank[s]][name])[0].reshape(shape)
+                        np.asarray(packed[r][name])[0].reshape(shape)
                         for name, shape, _ in layout.leaves[s]
                     ],
                 )
-                for s in range(len(self.stages))
+                for s, r in enumerate(held)
             ]
         return self.layout.unpack_host(packed)
 

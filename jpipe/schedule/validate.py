@@ -73,18 +73,22 @@ def replicas_text(schedule: Schedule) -> str:
     return "; ".join(said[:3]) + ("; ..." if len(said) > 3 else "")
 
 
-def refuse_replicas(schedule: Schedule, who: str) -> None:
+def refuse_replicas(schedule: Schedule, who: str, instead: str | None = None) -> None:
     """Raises `ScheduleError` if `schedule` replicates a stage, which `who` cannot take yet.
 
-    The schedule language, validation, simulation and charts take replicated stages;
-    the lowerings, the search and the planner do not yet (an open issue).
+    The schedule language, validation, simulation, the charts and the per-rank
+    lowering take replicated stages; the SPMD lowering, the search and the
+    planner do not yet (an open issue). `instead`: what to do, if there is
+    a way that runs it.
     """
     if schedule.replicated:
+        way = instead or (
+            "the per-rank lowering (lowering='mpmd') runs them; jpipe.validate, "
+            "jpipe.simulate and the charts take them. Place each stage on one rank to run it "
+            "here; 'dualpipev' is DualPipe folded onto one copy of the model"
+        )
         raise ScheduleError(
-            f"{who} does not run replicated stages yet ({replicas_text(schedule)}): "
-            "jpipe.validate, jpipe.simulate and the charts take them, training them is "
-            "still to come (an open issue). Place each stage on one rank to run it; "
-            "'dualpipev' is DualPipe folded onto one copy of the model"
+            f"{who} does not run replicated stages yet ({replicas_text(schedule)}): {way}"
         )
 
 

@@ -89,7 +89,7 @@ class ParamLayout:
     Attributes:
       trees: per stage, the treedef of its parameters.
       leaves: per stage, one ``(bucket name, shape, dtype)`` per array.
-      stage_to_rank: the rank of each stage.
+      stage_to_rank: the rank of each stage (of a replicated stage, its first).
       num_ranks: the ranks (a rank may hold no stage).
       buckets: ``{name: (shape, dtype)}`` for every bucket (the shape of one
         rank's row: ``(size,)`` for a flat bucket).
@@ -97,6 +97,10 @@ class ParamLayout:
         axes other than ``pipe`` (a tuple as long as its shape).
       axis_sizes: the sizes of the mesh axes the specs may name.
       fsdp_axis: the axis every array is split over as well, if any.
+      stage_ranks: per stage, every rank that holds a copy of it (one rank,
+        or several for a replicated stage). A copy's arrays go into the same
+        buckets on each of its ranks, so a stage's leaves name one bucket
+        each wherever it runs.
     """
 
     trees: tuple
@@ -107,6 +111,11 @@ class ParamLayout:
     specs: dict = dataclasses.field(default_factory=dict, hash=False)
     axis_sizes: dict = dataclasses.field(default_factory=dict, hash=False)
     fsdp_axis: str | None = None
+    stage_ranks: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.stage_ranks:
+            object.__setattr__(self, "stage_ranks", tuple((r,) for r in self.stage_to_rank))
 
     @classmethod
     def of(
@@ -117,6 +126,7 @@ class ParamLayout:
         specs=None,
         axis_sizes: dict[str, int] | None = None,
         fsdp_axis: str | None = None,
+        stage_ranks=None,
     ) -> ParamLayout:
         """Lays out `params_list` (one pytree per stage) over `num_ranks` ranks.
 
@@ -129,6 +139,8 @@ class ParamLayout:
             other than ``pipe`` and ``data``.
           axis_sizes: the mesh's axis sizes, to check `specs` against.
           fsdp_axis: a mesh axis to split every array over as well (ZeRO-3).
+          stage_ranks: per stage, the ranks holding a copy of it (default:
+            `stage_to_rank`'s one each).
         """
         axis_sizes = dict(axis_sizes or {})
         if axis_sizes.get(fsdp_axis, 1) == 1:
@@ -151,7 +163,7 @@ class ParamLayout:
             with_paths, tree = jax.tree_util.tree_flatten_with_path(p)
             trees.append(tree)
             stage_specs = _stage_specs(s, specs[s], p, len(with_paths))
-            r = stage_to_rank[s]
+            ranks = tuple(stage_ranks[s]) if stage_ranks is not None else (stage_to_rank[s],)
             entries = []
             for (path, leaf), spec in zip(with_paths, stage_specs):
                 dtype = getattr(leaf, "dtype", None)
@@ -168,8 +180,11 @@ class ParamLayout:
                 row = (size,) if flat else shape
                 row_spec = split_over_fsdp(row, (None,) if flat else spec)
                 key = (dtype, size) if flat else (dtype, shape, row_spec)
-                n = counts.get((r, key), 0)
-                counts[(r, key)] = n + 1
+                # The first index free on every rank holding a copy, so
+                # that the copies share a bucket name.
+                n = max(counts.get((r, key), 0) for r in ranks)
+                for r in ranks:
+                    counts[(r, key)] = n + 1
                 if flat:
                     name = _bucket_name(dtype, size, n)
                 else:
@@ -187,6 +202,9 @@ class ParamLayout:
             bucket_specs,
             axis_sizes,
             fsdp_axis,
+            tuple(tuple(stage_ranks[s]) for s in range(len(params_list)))
+            if stage_ranks is not None
+            else (),
         )
 
     def _divided(self, name: str, skip: str | None = None) -> tuple:
@@ -259,8 +277,8 @@ class ParamLayout:
         return tuple(
             dict.fromkeys(
                 b
-                for s, rank in enumerate(self.stage_to_rank)
-                if rank == r
+                for s, ranks in enumerate(self.stage_ranks)
+                if r in ranks
                 for b in self.stage_buckets(s)
             )
         )
@@ -277,11 +295,29 @@ class ParamLayout:
                     )
         return dataclasses.replace(self, axis_sizes=dict(axis_sizes))
 
+    def counted_rows(self) -> dict[str, np.ndarray]:
+        """``{bucket: bool[R]}``: the rows a global norm counts, all but the copies.
+
+        A replicated stage's arrays sit in one row per rank that holds it;
+        a norm over every stage counts them once, from the stage's first
+        rank. Every row is True where no stage is replicated.
+        """
+        rows = {name: np.ones(self.num_ranks, bool) for name in self.buckets}
+        for s, (_, *copies) in enumerate(self.stage_ranks):
+            for name in self.stage_buckets(s):
+                rows[name][copies] = False
+        return rows
+
     @property
     def padding(self) -> dict:
-        """Elements held over all ranks, and those the stages actually use."""
+        """Elements held over all ranks, and those the stages actually use (a
+        replicated stage's copies each count as used)."""
         held = sum(self.num_ranks * math.prod(shape) for shape, _ in self.buckets.values())
-        used = sum(math.prod(sh) for entries in self.leaves for _, sh, _ in entries)
+        used = sum(
+            len(ranks) * math.prod(sh)
+            for entries, ranks in zip(self.leaves, self.stage_ranks, strict=True)
+            for _, sh, _ in entries
+        )
         return {"held": held, "used": used, "padding_fraction": 1 - used / held if held else 0.0}
 
     def pack_host(self, params_list) -> dict:
@@ -298,14 +334,14 @@ class ParamLayout:
                 raise ValueError(
                     f"stage {s}'s parameters changed structure: {tree} vs {self.trees[s]}"
                 )
-            r = self.stage_to_rank[s]
             for leaf, (name, shape, _) in zip(flat, self.leaves[s]):
                 a = np.asarray(leaf)
                 if a.shape != shape:
                     raise ValueError(
                         f"stage {s}: a parameter has shape {a.shape}, expected {shape}"
                     )
-                out[name][r] = a.reshape(self.buckets[name][0])
+                for r in self.stage_ranks[s]:
+                    out[name][r] = a.reshape(self.buckets[name][0])
         return out
 
     def unpack_host(self, packed: dict) -> list:
@@ -314,6 +350,7 @@ class ParamLayout:
         Arrays spread over several processes are gathered with
         `multihost_utils.process_allgather`, a collective: in a multi-process
         run every process must call this together, and each gets every stage.
+        A replicated stage is read from its first rank (its copies are equal).
         """
         host = {name: _to_host(v) for name, v in packed.items()}
         return [
@@ -351,7 +388,8 @@ class ParamLayout:
         contents: dict = {}  # (bucket, rank) -> (stage, leaf index)
         for s, entries in enumerate(self.leaves):
             for k, (name, _, _) in enumerate(entries):
-                contents[(name, self.stage_to_rank[s])] = (s, k)
+                for r in self.stage_ranks[s]:
+                    contents[(name, r)] = (s, k)
         flat = [jax.tree.leaves(p) for p in params_list]
         R = self.num_ranks
 
@@ -382,7 +420,7 @@ class ParamLayout:
         """
         rows = {name: jnp.zeros(row, dt) for name, (row, dt) in self.buckets.items()}
         for s, entries in enumerate(self.leaves):
-            if self.stage_to_rank[s] == r:
+            if r in self.stage_ranks[s]:
                 for leaf, (name, _, _) in zip(jax.tree.leaves(params_list[s]), entries):
                     rows[name] = jnp.reshape(leaf, self.buckets[name][0])
         return {name: row[None] for name, row in rows.items()}

@@ -527,14 +527,15 @@ def _compiled_working(programs, out, ins) -> list[dict[str, int]]:
     a B issued as its I and its W holds the I-to-W carry beside the W
     (`RankPrograms.piece_working_bytes`).
     """
-    issued = [set() for _ in programs.compiled]
+    issued = [set() for _ in range(programs.num_stages)]
     for _, a in programs.order:
         issued[a.stage].add(a.kind)
+    here = {s for s, _ in programs.compiled}
     return [
         {k: programs.piece_working_bytes(s, k) + out[s] + ins[s] for k in sorted(issued[s])}
-        if pieces
+        if s in here
         else {}
-        for s, pieces in enumerate(programs.compiled)
+        for s in range(programs.num_stages)
     ]
 
 

@@ -18,7 +18,8 @@ Weight decay is masked off norms and biases per bucket row (a bucket holds
 arrays of one size, whatever their shape), and `optax.clip_by_global_norm`
 runs first, over all the packed gradients. The packed arrays are sharded
 over ``pipe``, so that norm is taken over every stage's gradients together,
-not per stage; a bucket's padding rows (ranks without such an array) have
+not per stage, and a replicated stage's copies (whose gradients are equal)
+count once (`counted_norm`); a bucket's padding rows (ranks without such an array) have
 zero gradients, add nothing to the norm, and stay zero under every rule
 here (each maps a zero gradient on a zero row to a zero update). The
 optimizer state is laid out like the parameters, so each device holds only
@@ -97,8 +98,33 @@ def packed_decay_rows(pipeline: jpipe.Pipeline, mask_fn=gpt.weight_decay_mask) -
     for s in range(len(layout.leaves)):
         decays = jax.tree.leaves(mask_fn(layout.stage_avals(s)))
         for (bucket, _, _), decay in zip(layout.leaves[s], decays, strict=True):
-            rows[bucket][layout.stage_to_rank[s]] = bool(decay)
+            rows[bucket][list(layout.stage_ranks[s])] = bool(decay)  # each copy alike
     return rows
+
+
+def counted_norm(grads, counted_rows: dict | None = None):
+    """The global norm of packed `grads`, counting only the rows `counted_rows` marks
+    (`jpipe.stage.pack.ParamLayout.counted_rows`: a replicated stage's copies once).
+
+    `optax.tree.norm` where every row counts (None, or all True).
+    """
+    if counted_rows is None or all(rows.all() for rows in counted_rows.values()):
+        return optax.tree.norm(grads)
+    squares = []
+    for name, g in grads.items():
+        keep = counted_rows[name].reshape((-1,) + (1,) * (g.ndim - 1))
+        squares.append(jax.numpy.sum(jax.numpy.where(keep, jax.numpy.square(g), 0)))
+    return jax.numpy.sqrt(sum(squares))
+
+
+def clip_by_counted_norm(max_norm: float, counted_rows: dict) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` with the norm of `counted_norm`."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        return clip_by_norm(updates, counted_norm(updates, counted_rows), max_norm), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def decay_by_row(weight_decay: float, rows: dict) -> optax.GradientTransformation:
@@ -129,7 +155,11 @@ def decay_by_row(weight_decay: float, rows: dict) -> optax.GradientTransformatio
 
 
 def make_optimizer(
-    c: OptimizerConfig, steps: int, decay_rows: dict, clip: bool = True
+    c: OptimizerConfig,
+    steps: int,
+    decay_rows: dict,
+    clip: bool = True,
+    counted_rows: dict | None = None,
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then ``c.name``'s rule with `learning_rate_schedule`.
 
@@ -143,15 +173,18 @@ def make_optimizer(
       decay_rows: ``{bucket: bool[R]}`` from `packed_decay_rows`.
       clip: False leaves the clipping out (`per_rank_optimizers`: the
         global norm is then taken over every rank's gradients by the caller).
+      counted_rows: the rows the clipping's norm counts
+        (`ParamLayout.counted_rows`; None: all).
 
     Raises:
       ValueError: an unknown ``c.name`` or ``c.lr_schedule``, naming the choices.
     """
-    clip = (
-        optax.clip_by_global_norm(c.grad_clip_norm)
-        if c.grad_clip_norm and clip
-        else optax.identity()
-    )
+    if not (c.grad_clip_norm and clip):
+        clip = optax.identity()
+    elif counted_rows is None or all(rows.all() for rows in counted_rows.values()):
+        clip = optax.clip_by_global_norm(c.grad_clip_norm)
+    else:  # a replicated stage's copies counted once
+        clip = clip_by_counted_norm(c.grad_clip_norm, counted_rows)
     decay = decay_by_row(c.weight_decay, decay_rows)
     if c.name == "adamw":
         rule = [optax.scale_by_adam(b1=c.b1, b2=c.b2), decay]

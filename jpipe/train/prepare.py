@@ -34,6 +34,7 @@ import numpy as np
 
 import jpipe
 from jpipe import models
+from jpipe.lower.interface import lowering_kind
 from jpipe.models import registry
 from jpipe.schedule.validate import refuse_replicas
 from jpipe.train import data as data_lib
@@ -190,7 +191,12 @@ def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
     try:
-        refuse_replicas(schedule, "the trainer")
+        if lowering_kind(c.lowering).one_program:
+            refuse_replicas(
+                schedule,
+                "the SPMD lowering",
+                instead="train it with --config.lowering=mpmd, which does",
+            )
     except ValueError as e:
         raise config_error("schedule", c.schedule, str(e)) from None
     return schedule
@@ -383,7 +389,10 @@ def build(prepared: Prepared, *, shapes_only: bool = False) -> Built:
         optimizer = optimizer_lib.per_rank_optimizers(c.optimizer, c.steps, pipeline)
     else:
         optimizer = optimizer_lib.make_optimizer(
-            c.optimizer, c.steps, optimizer_lib.packed_decay_rows(pipeline)
+            c.optimizer,
+            c.steps,
+            optimizer_lib.packed_decay_rows(pipeline),
+            counted_rows=pipeline.layout.counted_rows(),
         )
     lr = optimizer_lib.learning_rate_schedule(c.optimizer, c.steps)
 

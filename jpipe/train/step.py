@@ -95,13 +95,19 @@ def train_step(
     return apply_gradients(state, loss, grads, optimizer=optimizer, lr=lr)
 
 
-def apply_gradients(state: TrainState, loss, grads, *, optimizer, lr):
-    """The optimizer's update of `state` from `grads`: ``(new_state, metrics)`` as `train_step`."""
+def apply_gradients(state: TrainState, loss, grads, *, optimizer, lr, counted_rows=None):
+    """The optimizer's update of `state` from `grads`: ``(new_state, metrics)`` as `train_step`.
+
+    `counted_rows`: the rows ``grad_norm`` counts (`ParamLayout.counted_rows`:
+    a replicated stage's copies once; None: all).
+    """
+    from jpipe.train.optimizer import counted_norm
+
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss.astype(jnp.float32),
-        "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
+        "grad_norm": counted_norm(grads, counted_rows).astype(jnp.float32),
         "lr": jnp.asarray(lr(state.step), jnp.float32),
     }
     return TrainState(state.step + 1, params, opt_state), metrics
@@ -233,7 +239,12 @@ class PerRankTrainStep:
         if pipeline.rank_meshes is not None:
             self._update = _RankUpdates(pipeline, optimizer, lr, shardings)
         else:
-            update = functools.partial(apply_gradients, optimizer=optimizer, lr=lr)
+            update = functools.partial(
+                apply_gradients,
+                optimizer=optimizer,
+                lr=lr,
+                counted_rows=pipeline.layout.counted_rows(),
+            )
             self._update = jax.jit(
                 update,
                 in_shardings=(shardings, replicated, pipeline.param_sharding),
@@ -293,10 +304,19 @@ class _RankUpdates:
         self._first = scalars[self._here.index(True)]
         self._steps = 0  # updates made, for the key-value store's keys
 
-        def squares(grads):
-            return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+        counted = pipeline.layout.counted_rows()  # a replicated stage's copies once
 
-        self._squares = [jax.jit(squares, out_shardings=sh) for sh in scalars]
+        def squares(grads, r):
+            return sum(
+                jnp.sum(jnp.square(g.astype(jnp.float32)))
+                for b, g in sorted(grads.items())
+                if counted[b][r]
+            )
+
+        self._squares = [
+            jax.jit(functools.partial(squares, r=r), out_shardings=sh)
+            for r, sh in enumerate(scalars)
+        ]
 
         def update(params, opt_state, grads, norm, optimizer):
             grads = clip_by_norm(grads, norm, optimizers.clip_norm)

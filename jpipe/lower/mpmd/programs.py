@@ -36,6 +36,15 @@ conditionals. This lowering runs the same validated schedule another way:
   (``{bucket: [R, ...]}`` over ``pipe``): each rank's row is taken from, and
   put back into, the packed arrays without a copy, so optimizers, checkpoints
   and the trainer see the same arrays under both lowerings.
+- **Replicated stages** (Chimera's two pipelines): a stage on several ranks
+  has its pieces jitted on each of them, and each rank holds a copy of its
+  parameters (`ParamLayout.stage_ranks`). A microbatch's pieces run on the
+  rank that runs its forward (`jpipe.Analysis.key_rank`), so every value is
+  sent to the rank of the microbatch that reads it. At the step's end each
+  copy's gradient sums go to the stage's first rank, are added there in rank
+  order, and the total is sent back, so every copy's gradient, and after the
+  optimizer every copy's parameters, are the same. The copies of the last
+  stage add their loss sums the same way.
 
 Each value a piece hands another one is stacked over the sub-mesh's devices:
 ``[n, *shape]`` split over every axis of the sub-mesh (``n`` its devices), the
@@ -68,6 +77,7 @@ from jpipe.lower.mpmd.transfer import Courier, process_of
 from jpipe.lower.spmd.program import axis_env
 from jpipe.lower.spmd.ticks import make_forward_tick_plan, make_tick_plan
 from jpipe.schedule.actions import Action, Overlap, Schedule
+from jpipe.schedule.validate import analyze
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.pack import ParamLayout
 from jpipe.stage.pieces import StageKernels, WeightedLoss, loss_seed
@@ -301,12 +311,17 @@ class RankPrograms:
         program (its forward half; its backward half is the next op).
         `fuse_cells=False` issues every cell as its two halves.
       kernels: the stages' traced pieces, shared with the SPMD lowering.
-      pieces: per stage, ``{"F", "I", "W", "B", "F_eval": jitted}`` on its
-        rank's sub-mesh (``F_eval``: the forward of `loss`, keeping nothing).
-      cell_pieces: ``{(forward's stage, backward's stage, "I" or "B"): jitted}``,
-        each kind of cell in `cells` as one program (`_cell_piece`).
-      compiled: per stage, the pieces' executables, once `compile` ran
-        (`run` compiles on its first call).
+      places: every ``(stage, rank)`` that runs a stage's pieces: one per
+        stage, several for a replicated one.
+      key_rank: the rank of each ``(stage, microbatch)``, at
+        ``stage * M + microbatch`` (`jpipe.Analysis.key_rank`).
+      pieces: per place ``(stage, rank)``, ``{"F", "I", "W", "B", "F_eval":
+        jitted}`` on the rank's sub-mesh (``F_eval``: the forward of `loss`,
+        keeping nothing).
+      cell_pieces: ``{(rank, forward's stage, backward's stage, "I" or "B"):
+        jitted}``, each kind of cell in `cells` as one program (`_cell_piece`).
+      compiled: per place of this process's ranks, the pieces' executables,
+        once `compile` ran (`run` compiles on its first call).
       compiled_cells: the cells' executables, keyed as `cell_pieces`.
       last_run: host figures of the latest `run`: ``host_ops`` (pieces,
         transfers and set-up calls issued) and ``seconds`` (to issue them
@@ -331,6 +346,9 @@ class RankPrograms:
         self.fused_backward = fused_backward
         self.kernels = tuple(kernels)
         self.stage_to_rank = tuple(stage_to_rank)
+        self.stage_ranks = layout.stage_ranks
+        self.places = tuple((s, r) for s, ranks in enumerate(self.stage_ranks) for r in ranks)
+        self.key_rank = analyze(schedule).key_rank
         self.data_axis = data_axis
         # Ranks with meshes of their own shapes hold their parameters as one
         # dict each (`shaped`); otherwise as rows of the packed [R, ...] arrays.
@@ -352,6 +370,7 @@ class RankPrograms:
         self.local = self.courier.local  # per rank: are its devices this process's?
         if self.shaped:
             _refuse_evictions_across_shapes(schedule, self.meshes)
+            _refuse_copies_across_shapes(self.stage_ranks, self.meshes)
         names = self.meshes[0].axis_names
         self.fsdp = layout.fsdp_axis
         self.batch_axes = tuple(a for a in (data_axis, self.fsdp) if a is not None)
@@ -385,7 +404,7 @@ class RankPrograms:
 
         self.order, self.cells = issue_ops(schedule, fuse_cells)
         self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
-        self.pieces = [self._stage_pieces(s) for s in range(S)]
+        self.pieces = {(s, r): self._stage_pieces(s, r) for s, r in self.places}
         self.cell_pieces = {
             key: self._cell_piece(*key) for key in sorted({self._cell_key(i) for i in self.cells})
         }
@@ -430,10 +449,11 @@ class RankPrograms:
             else None
             for r in range(R)
         ]
-        self.compiled: list = []
-        self.compiled_cells: dict = {}  # {(forward's stage, backward's stage, kind): compiled}
-        # seconds to lower and compile each piece, ``{(stage, kind): seconds}``
-        self.compile_seconds: dict[tuple[int, str], float] = {}
+        self._add = jax.jit(lambda xs, ys: [x + y for x, y in zip(xs, ys, strict=True)])
+        self.compiled: dict = {}
+        self.compiled_cells: dict = {}  # {(rank, forward's stage, backward's, kind): compiled}
+        # seconds to lower and compile each piece, ``{(stage, rank, kind): seconds}``
+        self.compile_seconds: dict[tuple[int, int, str], float] = {}
         self.last_run: dict = {}
 
     # -- the programs ------------------------------------------------------------
@@ -448,18 +468,23 @@ class RankPrograms:
             check_vma=False,  # the pieces are replayed jaxprs (see jpipe.lower.spmd.program)
         )
 
-    def _gathered(self, rows, s):
-        """Stage `s`'s arrays from the rank's rows, gathered over ``fsdp`` where it splits them."""
-        out, layout = {}, self.layouts[self.stage_to_rank[s]]
+    def rank_of(self, s: int, mb: int) -> int:
+        """The rank that runs microbatch `mb` of stage `s`."""
+        return self.key_rank[s * self.M + mb]
+
+    def _gathered(self, rows, s, r):
+        """Stage `s`'s arrays from rank `r`'s rows, gathered over ``fsdp`` where it splits them."""
+        out, layout = {}, self.layouts[r]
         for b in layout.stage_buckets(s):
             d = layout.fsdp_dim(b)
             v = rows[b][0]
             out[b] = v if d is None else lax.all_gather(v, self.fsdp, axis=d, tiled=True)
         return layout.stage_params(s, out)
 
-    def _scattered(self, b, g, s):
-        """A weight gradient of bucket `b`, summed over ``fsdp`` and cut to this device's block."""
-        layout = self.layouts[self.stage_to_rank[s]]
+    def _scattered(self, b, g, r):
+        """A weight gradient of bucket `b` on rank `r`, summed over ``fsdp`` and cut to this
+        device's block."""
+        layout = self.layouts[r]
         g = g.reshape(layout.gathered_shape(b))
         d = layout.fsdp_dim(b)
         return g if d is None else lax.psum_scatter(g, self.fsdp, scatter_dimension=d, tiled=True)
@@ -479,10 +504,10 @@ class RankPrograms:
             return [jnp.ones((), leaf.dtype) * (i == 0) for i, leaf in enumerate(self.loss_leaves)]
         return loss_seed(self.M, self.loss_dtype)
 
-    def _stage_pieces(self, s: int) -> dict:
-        """Stage `s`'s F, I, W, B and F_eval, jitted on its rank's sub-mesh."""
-        S, k, layout = self.num_stages, self.kernels[s], self.layouts[self.stage_to_rank[s]]
-        mesh = self.meshes[self.stage_to_rank[s]]
+    def _stage_pieces(self, s: int, r: int) -> dict:
+        """Stage `s`'s F, I, W, B and F_eval, jitted on rank `r`'s sub-mesh."""
+        S, k, layout = self.num_stages, self.kernels[s], self.layouts[r]
+        mesh = self.meshes[r]
         own = layout.stage_buckets(s)
         first, final = s == 0, s == S - 1
         loss_dtype, weighted = self.loss_dtype, self.weighted
@@ -491,7 +516,7 @@ class RankPrograms:
             xt = None
             if not first:
                 xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
-            y, res = k.forward(self._gathered(rows, s), xt, self._inputs_of(batch, mb))
+            y, res = k.forward(self._gathered(rows, s, r), xt, self._inputs_of(batch, mb))
             return y, [v[None] for v in res]
 
         def forward(rows, batch, mb, x, *loss_acc):
@@ -511,15 +536,15 @@ class RankPrograms:
 
         def input_grad(rows, batch, mb, res, g):
             g = self._seed() if final else [v[0] for v in g]
-            params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
+            params, inputs = self._gathered(rows, s, r), self._inputs_of(batch, mb)
             dx, kept = k.input_grad(params, inputs, [v[0] for v in res], g)
             return [v[None] for v in dx], [v[None] for v in kept]
 
         def weight_grad(rows, batch, mb, res, kept, acc):
-            params, inputs = self._gathered(rows, s), self._inputs_of(batch, mb)
+            params, inputs = self._gathered(rows, s, r), self._inputs_of(batch, mb)
             dp = k.weight_grad(params, inputs, [v[0] for v in res], [v[0] for v in kept])
             return {
-                b: acc[b] + self._scattered(b, g, s)[None] for b, g in zip(own, dp, strict=True)
+                b: acc[b] + self._scattered(b, g, r)[None] for b, g in zip(own, dp, strict=True)
             }
 
         def backward(rows, batch, mb, res, g, acc):
@@ -559,20 +584,22 @@ class RankPrograms:
             for kind, (fn, ins, outs) in specs.items()
         }
 
-    def _cell_key(self, i: int) -> tuple[int, int, str]:
-        """The fused cell at `order[i]`: ``(its forward's stage, its backward's, "I" or "B")``."""
-        return self.order[i][1].stage, self.order[i + 1][1].stage, self.order[i + 1][1].kind
+    def _cell_key(self, i: int) -> tuple[int, int, int, str]:
+        """The fused cell at `order[i]`: ``(its rank, its forward's stage, its backward's,
+        "I" or "B")``."""
+        r, f = self.order[i]
+        return r, f.stage, self.order[i + 1][1].stage, self.order[i + 1][1].kind
 
-    def _cell_piece(self, sf: int, sb: int, kind: str):
+    def _cell_piece(self, r: int, sf: int, sb: int, kind: str):
         """An `Overlap` cell's two halves as one program: stage `sf`'s F, then stage `sb`'s
-        I or B (its I and W), on their rank's sub-mesh.
+        I or B (its I and W), on rank `r`'s sub-mesh.
 
         Its arguments are the F's and then the backward's, as each piece takes
         them; it returns ``(F's outputs, the backward's)``. Nothing orders one
         half after the other inside it (neither reads the other's outputs), so
         XLA may interleave their work; a B's I-to-W carry never leaves it.
         """
-        f, b = self.pieces[sf], self.pieces[sb]
+        f, b = self.pieces[sf, r], self.pieces[sb, r]
         n_f = 5 if sf == self.num_stages - 1 else 4
 
         def cell(*args):
@@ -638,7 +665,7 @@ class RankPrograms:
                 loss = lax.pmean(loss, batch_axes)
             return loss, jnp.ones((), self.loss_dtype)
 
-        mesh = self.meshes[self.stage_to_rank[-1]]
+        mesh = self.meshes[self.stage_ranks[-1][0]]
         return jax.jit(self._shmap(finish, mesh, (self.every,), (P(), P())))
 
     # -- compiling -----------------------------------------------------------------
@@ -651,9 +678,9 @@ class RankPrograms:
             for a in avals
         ]
 
-    def _piece_args(self, s: int, kind: str, batch) -> tuple:
-        """Shape structs of stage `s`'s piece `kind`'s arguments, to compile it alone."""
-        r, k, layout = self.stage_to_rank[s], self.kernels[s], self.layout
+    def _piece_args(self, s: int, r: int, kind: str, batch) -> tuple:
+        """Shape structs of stage `s`'s piece `kind`'s arguments on rank `r`, to compile alone."""
+        k, layout = self.kernels[s], self.layout
         rows = {
             b: jax.ShapeDtypeStruct(
                 (1,) + tuple(layout.buckets[b][0]),
@@ -689,34 +716,31 @@ class RankPrograms:
     def compile(self, packed, batch) -> list:
         """Compiles every piece the step issues for these shapes (arrays or structs).
 
-        ``compiled[s][kind]``, only for the stages of this process's ranks
-        (the others' entries are None). ``F_eval``, `loss`'s forward, is
-        compiled by the first `loss` call unless the schedule issues it (FC).
+        ``compiled[s, r][kind]``, only for the places of this process's ranks.
+        ``F_eval``, `loss`'s forward, is compiled by the first `loss` call
+        unless the schedule issues it (FC).
         """
         del packed  # the layout says the shapes
         kinds = {_PIECE_OF.get(a.kind, a.kind) for _, a in self.order}
         if "B" in kinds and not self.fused_backward:
             kinds = (kinds - {"B"}) | {"I", "W"}
         kinds = sorted(kinds - {None})
-        local = [s for s in range(self.num_stages) if self.local[self.stage_to_rank[s]]]
-        compiled = self._compile_pieces([(s, kind) for s in local for kind in kinds], batch)
-        self.compiled = [
-            {kind: compiled[s, kind] for kind in kinds} if s in local else None
-            for s in range(self.num_stages)
-        ]
+        local = [(s, r) for s, r in self.places if self.local[r]]
+        compiled = self._compile_pieces([(s, r, kind) for s, r in local for kind in kinds], batch)
+        self.compiled = {(s, r): {kind: compiled[s, r, kind] for kind in kinds} for s, r in local}
         self.compiled_cells = {}
         for key, piece in self.cell_pieces.items():
-            sf, sb, kind = key
-            if sf not in local:
+            r, sf, sb, kind = key
+            if not self.local[r]:
                 continue
             start = time.perf_counter()
-            args = self._piece_args(sf, "F", batch) + self._piece_args(sb, kind, batch)
+            args = self._piece_args(sf, r, "F", batch) + self._piece_args(sb, r, kind, batch)
             self.compiled_cells[key] = piece.lower(*args).compile()
-            self.compile_seconds[sf, f"F{sf}+{kind}{sb}"] = time.perf_counter() - start
+            self.compile_seconds[sf, r, f"F{sf}+{kind}{sb}"] = time.perf_counter() - start
         return self.compiled
 
     def _compile_pieces(self, keys, batch) -> dict:
-        """``{(stage, kind): compiled}`` for these shapes.
+        """``{(stage, rank, kind): compiled}`` for these shapes.
 
         One after another: compiling them in threads side by side measured no
         faster on XLA:CPU (Llama-3-70B widths, 8 blocks on pipe 8 x tensor 8:
@@ -731,18 +755,17 @@ class RankPrograms:
         constants as arguments the text shows only by shape.
         """
         out = {}
-        for s, k in keys:
+        for s, r, k in keys:
             start = time.perf_counter()
-            out[s, k] = self.pieces[s][k].lower(*self._piece_args(s, k, batch)).compile()
-            self.compile_seconds[s, k] = time.perf_counter() - start
+            out[s, r, k] = self.pieces[s, r][k].lower(*self._piece_args(s, r, k, batch)).compile()
+            self.compile_seconds[s, r, k] = time.perf_counter() - start
         return out
 
     def rank_compile_seconds(self) -> list[float | None]:
         """Per rank, the seconds its pieces took to lower and compile (None for another
         process's rank): what each process compiles where every rank has its own."""
         out: list[float | None] = [None] * self.num_ranks
-        for (s, _), seconds in self.compile_seconds.items():
-            r = self.stage_to_rank[s]
+        for (_, r, _), seconds in self.compile_seconds.items():
             out[r] = (out[r] or 0.0) + seconds
         return out
 
@@ -830,10 +853,61 @@ class RankPrograms:
             for index in np.ndindex(dst.devices.shape)
         ]
 
-    def _loss_zero(self):
-        r = self.stage_to_rank[-1]
+    def _loss_zero(self, r: int):
         shape = (self.n_dev[r],) + self.loss_shape
         return jax.device_put(jnp.zeros(shape, self.loss_dtype), self.rank_every[r])
+
+    def _loss_sums(self, loss_acc: dict, key: int):
+        """The last stage's loss sums on its first rank: each copy's (`loss_acc`, per local
+        rank holding the last stage) sent there and added in rank order; None where that
+        rank is another process's. Transfer ids from `key` on, one per copy."""
+        first, *copies = self.stage_ranks[-1]
+        total = loss_acc.get(first)
+        shape = (self.n_dev[first],) + self.loss_shape
+        struct = jax.ShapeDtypeStruct(shape, self.loss_dtype, sharding=self.rank_every[first])
+        for j, r in enumerate(copies):
+            moved = self.courier.move(
+                [loss_acc[r]] if self.local[r] else None, r, first, key + j, [struct]
+            )
+            if moved is not None:
+                (total,) = self._add([total], moved)
+        return total
+
+    def _summed_copies(self, acc: list, key: int) -> None:
+        """Each replicated stage's gradient sums, added over its copies and the total put
+        back in every copy's accumulators (`acc`, per rank, in place).
+
+        The copies' sums go to the stage's first rank, are added there in rank
+        order, and the total goes back to each copy, so the copies' gradients
+        are equal to the bit. Transfer ids from `key` on, two per copy.
+        """
+        layout = self.layout
+        for s, (first, *copies) in enumerate(self.stage_ranks):
+            own = layout.stage_buckets(s)
+
+            def structs(r, own=own):
+                return [
+                    jax.ShapeDtypeStruct(
+                        (1,) + tuple(layout.buckets[b][0]),
+                        layout.buckets[b][1],
+                        sharding=self.rank_param_sharding[r][b],
+                    )
+                    for b in own
+                ]
+
+            for r in copies:
+                held = [acc[r][b] for b in own] if self.local[r] else None
+                moved = self.courier.move(held, r, first, key, structs(first))
+                key += 1
+                if moved is not None:
+                    total = self._add([acc[first][b] for b in own], moved)
+                    acc[first].update(zip(own, total, strict=True))
+            for r in copies:
+                held = [acc[first][b] for b in own] if self.local[first] else None
+                back = self.courier.move(held, first, r, key, structs(r))
+                key += 1
+                if back is not None:
+                    acc[r].update(zip(own, back, strict=True))
 
     def _replicated(self, x):
         """A scalar held on this process's devices as one array replicated over the whole mesh.
@@ -855,7 +929,7 @@ class RankPrograms:
         Where the last rank is another process's, pulled onto this process's
         first rank.
         """
-        last = self.stage_to_rank[-1]
+        last = self.stage_ranks[-1][0]
         mesh = self.meshes[self.local.index(True)]
         struct = jax.ShapeDtypeStruct((), self.loss_dtype, sharding=NamedSharding(mesh, P()))
         return self.courier.share(value, last, key, struct)
@@ -872,7 +946,7 @@ class RankPrograms:
             self.compile(packed, batch)
         start = time.perf_counter()
         self.courier.begin()
-        here, last = self.local, self.stage_to_rank[-1]
+        here, last = self.local, self.stage_ranks[-1][0]
         # Each rank's accumulators are made just before its first weight
         # gradient (`accumulators_made`), not at the start: the rank waits for
         # its first output gradient then, so making them costs no time.
@@ -880,8 +954,8 @@ class RankPrograms:
             rows=self._rank_rows(packed),
             batches=self._rank_batches(batch),
             acc=[None] * self.num_ranks,
-            loss_acc=self._loss_zero() if here[last] else None,
-            ops=sum(here) + here[last],
+            loss_acc={r: self._loss_zero(r) for r in self.stage_ranks[-1] if here[r]},
+            ops=sum(here) + len(self.stage_ranks[-1]),
         )
         for i, (r, a) in enumerate(self.order):
             if not here[r]:  # another process's op: only what it sends here
@@ -904,14 +978,18 @@ class RankPrograms:
                 self._issue_memory_action(step, i, r, a)
             if after_op is not None:
                 after_op(i)
+        # Transfer ids past the op list's: the loss copies', the loss's and
+        # the weight's shares, then the gradient copies'.
+        end, P = len(self.order), jax.process_count()
         loss = weight = None
+        loss_acc = self._loss_sums(step.loss_acc, end)
         if here[last]:
-            loss, weight = self._end_loss(step.loss_acc)
-        end = len(self.order)
+            loss, weight = self._end_loss(loss_acc)
+        end += self.num_ranks
         loss = self._shared(loss, end)
         if self.weighted:
-            weight = self._shared(weight, end + jax.process_count())
-        grads = self._finished_grads(step, packed, weight)
+            weight = self._shared(weight, end + P)
+        grads = self._finished_grads(step, packed, weight, end + 2 * P)
         self.last_run = {
             "host_ops": step.ops + 1,
             "transfers_between_processes": self.courier.transfers,
@@ -935,18 +1013,12 @@ class RankPrograms:
 
     def _receive(self, step: _Step, i: int, r: int, a) -> None:
         """Another process's op `i` (of rank `r`): what it sends to this process's ranks."""
-        s, mb, here, rank_of, k = (
-            a.stage,
-            a.microbatch,
-            self.local,
-            self.stage_to_rank,
-            self.kernels,
-        )
+        s, mb, here, rank_of, k = a.stage, a.microbatch, self.local, self.rank_of, self.kernels
         y = self._y_avals
-        if a.kind in ("F", "FC") and s < self.num_stages - 1 and here[rank_of[s + 1]]:
-            step.x_in[(s + 1, mb)] = self._move(None, r, rank_of[s + 1], i, y[s])
-        elif a.kind in ("I", "B") and s > 0 and here[rank_of[s - 1]]:
-            step.g_in[(s - 1, mb)] = self._move(None, r, rank_of[s - 1], i, y[s - 1])
+        if a.kind in ("F", "FC") and s < self.num_stages - 1 and here[rank_of(s + 1, mb)]:
+            step.x_in[(s + 1, mb)] = self._move(None, r, rank_of(s + 1, mb), i, y[s])
+        elif a.kind in ("I", "B") and s > 0 and here[rank_of(s - 1, mb)]:
+            step.g_in[(s - 1, mb)] = self._move(None, r, rank_of(s - 1, mb), i, y[s - 1])
         elif a.kind == "EVICT" and here[a.partner]:
             step.res[(s, mb)] = self._move(None, r, a.partner, i, k[s].res_avals)
         elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
@@ -958,7 +1030,7 @@ class RankPrograms:
         x = [] if s == 0 else step.x_in.pop((s, mb))
         if a.kind == "FC":
             step.inputs[(s, mb)] = x  # kept for its RECOMPUTE
-        loss = (step.loss_acc,) if s == self.num_stages - 1 else ()
+        loss = (step.loss_acc[r],) if s == self.num_stages - 1 else ()
         return (*self._head(step, r, s, mb), x, *loss)
 
     def _forward_done(self, step: _Step, i: int, r: int, a, out) -> None:
@@ -968,15 +1040,15 @@ class RankPrograms:
         if a.kind == "F":
             step.res[(s, mb)] = out[1]
         if s == self.num_stages - 1:
-            step.loss_acc = out[-1]
+            step.loss_acc[r] = out[-1]
         else:
-            to = self.stage_to_rank[s + 1]
+            to = self.rank_of(s + 1, mb)
             _keep(step.x_in, (s + 1, mb), self._move(out[0], r, to, i, self._y_avals[s]))
             step.ops += to != r
 
     def _issue_forward(self, step: _Step, i: int, r: int, a) -> None:
         """F: (y, residuals[, loss sums]); FC, the forward-only piece: (y[, loss sums])."""
-        piece = self.compiled[a.stage][_PIECE_OF.get(a.kind, a.kind)]
+        piece = self.compiled[a.stage, r][_PIECE_OF.get(a.kind, a.kind)]
         self._forward_done(step, i, r, a, piece(*self._forward_args(step, r, a)))
 
     def _backward_args(self, step: _Step, r: int, a) -> tuple:
@@ -999,14 +1071,14 @@ class RankPrograms:
             step.acc[r].update(second)
         del out, second  # dropped before the send, as the step's memory is counted
         if s > 0:
-            to = self.stage_to_rank[s - 1]
+            to = self.rank_of(s - 1, mb)
             _keep(step.g_in, (s - 1, mb), self._move(dx, r, to, i, self._y_avals[s - 1]))
             step.ops += to != r
 
     def _issue_backward(self, step: _Step, i: int, r: int, a) -> None:
         """W into the accumulators; I (its carry kept for its W) or B, sending the input
         gradient to the stage before."""
-        s, mb, exe = a.stage, a.microbatch, self.compiled[a.stage]
+        s, mb, exe = a.stage, a.microbatch, self.compiled[a.stage, r]
         if a.kind == "W":
             head, own_acc = self._head(step, r, s, mb), self._own_acc(step, r, s)
             kept = step.kept.pop((s, mb))
@@ -1028,7 +1100,7 @@ class RankPrograms:
     def _issue_cell(self, step: _Step, i: int, r: int, f, b) -> None:
         """An `Overlap` cell issued as one program (`_cell_piece`): its forward `f` is op
         `i`, its backward `b` op ``i + 1``."""
-        program = self.compiled_cells[f.stage, b.stage, b.kind]
+        program = self.compiled_cells[r, f.stage, b.stage, b.kind]
         f_args, b_args = self._forward_args(step, r, f), self._backward_args(step, r, b)
         f_out, b_out = program(*f_args, *b_args)
         del f_args, b_args
@@ -1039,7 +1111,7 @@ class RankPrograms:
         """RECOMPUTE, EVICT and LOAD, and the host copies (OFFLOAD_*, RELOAD_*)."""
         s, mb, res, avals = a.stage, a.microbatch, step.res, self.kernels[a.stage].res_avals
         if a.kind == "RECOMPUTE":
-            res[(s, mb)] = self.compiled[s]["RECOMPUTE"](
+            res[(s, mb)] = self.compiled[s, r]["RECOMPUTE"](
                 *self._head(step, r, s, mb), step.inputs.pop((s, mb))
             )
         elif a.kind == "EVICT":
@@ -1055,9 +1127,15 @@ class RankPrograms:
             res[(s, mb)] = [jax.device_put(v, self.rank_every[r]) for v in step.host.pop((s, mb))]
         # RELOAD_END: the reader waits for the copy as for any input
 
-    def _finished_grads(self, step: _Step, packed, weight):
-        """The accumulated gradients, finished (averaged or weighted) and laid out as the
-        parameters are: one dict per rank (``shaped``) or the packed buckets."""
+    def _finished_grads(self, step: _Step, packed, weight, key: int):
+        """The accumulated gradients, summed over a replicated stage's copies
+        (`_summed_copies`, transfer ids from `key` on), finished (averaged or
+        weighted) and laid out as the parameters are: one dict per rank
+        (``shaped``) or the packed buckets."""
+        for r in range(self.num_ranks):
+            if self.local[r] and step.acc[r] is None:  # a rank without a stage
+                step.acc[r] = self._zeros[r]()
+        self._summed_copies(step.acc, key)
         by_device: dict = {b: {} for b in self.layout.buckets}
         per_rank = []
         for r in range(self.num_ranks):
@@ -1065,8 +1143,6 @@ class RankPrograms:
                 per_rank.append(None)
                 continue
             w = self._ones[r] if not self.weighted else jax.device_put(weight, self._scalar[r])
-            if step.acc[r] is None:  # a rank without a stage
-                step.acc[r] = self._zeros[r]()
             # Averaging over no batch axis, unweighted: the sums are the gradients.
             finished = step.acc[r] if self._finish[r] is None else self._finish[r](step.acc[r], w)
             step.ops += self._finish[r] is not None
@@ -1092,21 +1168,21 @@ class RankPrograms:
         """The mean loss over microbatches: each rank's forwards in list order, keeping nothing."""
         if not self.compiled:
             self.compile(packed, batch)
-        unready = [s for s, c in enumerate(self.compiled) if c is not None and "F_eval" not in c]
+        unready = [place for place, c in self.compiled.items() if "F_eval" not in c]
         if unready:  # the first evaluation: its forwards, compiled once
-            made = self._compile_pieces([(s, "F_eval") for s in unready], batch)
-            for s in unready:
-                self.compiled[s]["F_eval"] = made[s, "F_eval"]
+            made = self._compile_pieces([(s, r, "F_eval") for s, r in unready], batch)
+            for s, r in unready:
+                self.compiled[s, r]["F_eval"] = made[s, r, "F_eval"]
         self.courier.begin()
-        S, rank_of, y, here = self.num_stages, self.stage_to_rank, self._y_avals, self.local
+        S, y, here = self.num_stages, self._y_avals, self.local
         layout = self.layout
         rows, batches = self._rank_rows(packed), self._rank_batches(batch)
-        last = rank_of[-1]
-        loss_acc = self._loss_zero() if here[last] else None
+        last = self.stage_ranks[-1][0]
+        loss_acc = {r: self._loss_zero(r) for r in self.stage_ranks[-1] if here[r]}
         x_in: dict = {}
         for i, (r, a) in enumerate(self.forward_order):
             s, mb = a.stage, a.microbatch
-            to = rank_of[s + 1] if s < S - 1 else None
+            to = self.rank_of(s + 1, mb) if s < S - 1 else None
             if not here[r]:
                 if to is not None and here[to]:
                     x_in[(s + 1, mb)] = self._move(None, r, to, i, y[s])
@@ -1115,19 +1191,22 @@ class RankPrograms:
             head = (own_rows, batches[r], self._index[r][mb])
             x = [] if s == 0 else x_in.pop((s, mb))
             if s == S - 1:
-                _, loss_acc = self.compiled[s]["F_eval"](*head, x, loss_acc)
+                _, loss_acc[r] = self.compiled[s, r]["F_eval"](*head, x, loss_acc[r])
             else:
-                (out,) = self.compiled[s]["F_eval"](*head, x)
+                (out,) = self.compiled[s, r]["F_eval"](*head, x)
                 _keep(x_in, (s + 1, mb), self._move(out, r, to, i, y[s]))
-        loss = self._end_loss(loss_acc)[0] if here[last] else None
-        loss = self._shared(loss, len(self.forward_order))
+        end = len(self.forward_order)
+        total = self._loss_sums(loss_acc, end)
+        loss = self._end_loss(total)[0] if here[last] else None
+        loss = self._shared(loss, end + self.num_ranks)
         self.courier.settle(loss)
         return self._replicated(loss)
 
     # -- memory --------------------------------------------------------------------
 
-    def piece_working_bytes(self, s: int, kind: str) -> int:
-        """What stage `s`'s piece allocates while it runs: compiled temp and new outputs.
+    def piece_working_bytes(self, s: int, kind: str, r: int | None = None) -> int:
+        """What stage `s`'s piece allocates while it runs on rank `r` (by default the
+        stage's first rank of this process): compiled temp and new outputs.
 
         A B issued as its I and its W (``fused_backward=False``) holds the
         larger of the I's and of the W's with the carry between them.
@@ -1140,8 +1219,12 @@ class RankPrograms:
             k = self.kernels
             between = _per_device_bytes(k[s].carry_avals)  # and the dx it sent
             between += _per_device_bytes(jax.tree.leaves(k[s - 1].y)) if s > 0 else 0
-            return max(self.piece_working_bytes(s, "I"), between + self.piece_working_bytes(s, "W"))
-        m = self.compiled[s][kind].memory_analysis()
+            return max(
+                self.piece_working_bytes(s, "I", r), between + self.piece_working_bytes(s, "W", r)
+            )
+        if r is None:
+            r = next(q for q in self.stage_ranks[s] if (s, q) in self.compiled)
+        m = self.compiled[s, r][kind].memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
     def op_working_bytes(self, i: int) -> int:
@@ -1151,13 +1234,12 @@ class RankPrograms:
         half (op `i`), and nothing at its backward half, which runs within it.
         """
         if i in self.cells:
-            sf, sb, kind = self._cell_key(i)
-            m = self.compiled_cells[sf, sb, kind].memory_analysis()
+            m = self.compiled_cells[self._cell_key(i)].memory_analysis()
             return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
         if i - 1 in self.cells:
             return 0
-        a = self.order[i][1]
-        return self.piece_working_bytes(a.stage, a.kind)
+        r, a = self.order[i]
+        return self.piece_working_bytes(a.stage, a.kind, r)
 
     def held_values(self) -> list[list[int]]:
         """Per op of `order`, per rank: bytes of live values on each of its devices after it.
@@ -1167,14 +1249,15 @@ class RankPrograms:
         (on their rank, or on the partner an EVICT sent them to, and not
         between an OFFLOAD_END and its RELOAD_START), the inputs an FC keeps
         for its RECOMPUTE, the I-to-W carries (per device: one device's block
-        of each), and on the last stage's rank the loss accumulator.
+        of each), and on each rank of the last stage the loss accumulator.
         """
-        S, R, rank_of, k = self.num_stages, self.num_ranks, self.stage_to_rank, self.kernels
+        S, R, rank_of, k = self.num_stages, self.num_ranks, self.rank_of, self.kernels
         y = [_per_device_bytes(jax.tree.leaves(kk.y)) for kk in k]
         res = [_per_device_bytes(kk.res_avals) for kk in k]
         kept = [_per_device_bytes(kk.carry_avals) for kk in k]
         held = [0] * R
-        held[rank_of[-1]] = math.prod(self.loss_shape) * np.dtype(self.loss_dtype).itemsize
+        for r in self.stage_ranks[-1]:
+            held[r] = math.prod(self.loss_shape) * np.dtype(self.loss_dtype).itemsize
         out = []
         for r, a in self.order:
             s = a.stage
@@ -1182,7 +1265,7 @@ class RankPrograms:
             if a.kind in ("F", "FC"):
                 held[r] += (res[s] - x) if a.kind == "F" else 0  # an FC keeps its input
                 if s < S - 1:
-                    held[rank_of[s + 1]] += y[s]
+                    held[rank_of(s + 1, a.microbatch)] += y[s]
             elif a.kind == "RECOMPUTE":
                 held[r] += res[s] - x
             elif a.kind in ("EVICT", "LOAD"):
@@ -1199,7 +1282,7 @@ class RankPrograms:
                 held[r] -= y[s] if s < S - 1 else 0
                 held[r] += kept[s] if a.kind == "I" else -res[s]
                 if s > 0:
-                    held[rank_of[s - 1]] += y[s - 1]
+                    held[rank_of(s - 1, a.microbatch)] += y[s - 1]
             out.append(list(held))
         return out
 
@@ -1242,6 +1325,10 @@ class RankPrograms:
         values = [max((h[r] for h in held), default=0) for r in range(R)]
         made = self.accumulators_made()
         peak = list(grads)  # at the step's end every rank holds its gradients
+        for s, (first, *copies) in enumerate(self.stage_ranks):
+            if copies:  # a copy's sums arrive on the first rank, and their total is made
+                stage = sum(bucket_bytes(b, first) for b in self.layout.stage_buckets(s))
+                peak[first] = max(peak[first], grads[first] + 2 * stage)
         largest = [0] * R
         before = [0] * R
         for i, ((r, _), after) in enumerate(zip(self.order, held, strict=True)):
@@ -1286,7 +1373,7 @@ class _Step:
     rows: list  # each local rank's rows of its own buckets
     batches: list  # each local rank's batch
     acc: list  # each rank's gradient accumulators (None until its first backward)
-    loss_acc: object  # the last stage's loss sums (None on other processes)
+    loss_acc: dict  # per local rank of the last stage, its copy's loss sums
     ops: int  # host operations issued, for `last_run`
     x_in: dict = dataclasses.field(default_factory=dict)  # the activation a stage reads
     g_in: dict = dataclasses.field(default_factory=dict)  # the output gradient it reads
@@ -1333,6 +1420,23 @@ def _rank_view(a, sharding: NamedSharding):
 
 def _same_index(x, y, shape) -> bool:
     return all(sx.indices(n) == sy.indices(n) for sx, sy, n in zip(x, y, shape, strict=False))
+
+
+def _refuse_copies_across_shapes(stage_ranks, meshes) -> None:
+    """Refuses a replicated stage whose copies' ranks have meshes of different shapes.
+
+    The copies' gradient sums are added on the first copy's rank, each
+    device's block of its own, so the blocks must match.
+    """
+    for s, ranks in enumerate(stage_ranks):
+        shapes = {meshes[r].devices.shape for r in ranks}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"stage {s} is replicated on ranks {', '.join(map(str, ranks))}, whose meshes "
+                f"differ in shape ({', '.join(str(dict(meshes[r].shape)) for r in ranks)}); "
+                "the copies' gradients are added block by block, so give a replicated "
+                "stage's ranks meshes of one shape"
+            )
 
 
 def _refuse_pipe_index(kernels, axis_sizes: list[dict], pipe_axis: str) -> None:
@@ -1429,7 +1533,7 @@ class MpmdLowering(Lowering):
         if not any(compiled.compiled):
             raise ValueError("nothing is compiled yet: call Pipeline.compile first")
         analyses = [
-            c.memory_analysis() for pieces in compiled.compiled if pieces for c in pieces.values()
+            c.memory_analysis() for pieces in compiled.compiled.values() for c in pieces.values()
         ] + [c.memory_analysis() for c in compiled.compiled_cells.values()]
         temp = max(a.temp_size_in_bytes for a in analyses)
         arguments = max(a.argument_size_in_bytes for a in analyses)

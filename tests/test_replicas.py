@@ -1,0 +1,139 @@
+"""Replicated stages run: a stage on several ranks under the per-rank lowering.
+
+Chimera's and DualPipe's two pipelines each hold a copy of the model. The
+per-rank lowering jits a stage's pieces on every rank that holds it, runs
+each microbatch on the rank that runs its forward, and adds the copies'
+gradient sums at the step's end, so every copy's gradient is the same and
+equals the unpipelined model's. The SPMD lowering refuses them by name. The
+language, validator and simulator side is tested in test_validate.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import jpipe
+from jpipe import testing
+from jpipe.schedule.actions import B, F, Schedule
+from jpipe.stage.pack import ParamLayout
+
+
+def _users_chimera(R=4, M=4):
+    """Chimera as a user writes it (issue 39): even microbatches down (stage s on rank
+    s), odd ones up (stage s on rank R-1-s), each rank's forwards then its backwards."""
+    rows = [[] for _ in range(R)]
+    for m in range(M):
+        for s in range(R):
+            rows[s if m % 2 == 0 else R - 1 - s].append(F(s, m))
+    for m in range(M):
+        for s in reversed(range(R)):
+            rows[s if m % 2 == 0 else R - 1 - s].append(B(s, m))
+    return Schedule.of(rows, name="users-chimera")
+
+
+def test_a_replicated_stages_copies_share_bucket_names_and_rows():
+    # Stage 0 on ranks 0 and 1, stage 1 on rank 1 only: the copies of stage
+    # 0's array share one bucket, and stage 1's same-sized array takes the
+    # next.
+    params = [{"w": np.arange(4.0, dtype=np.float32)}, {"v": np.ones(4, np.float32)}]
+    layout = ParamLayout.of(params, (0, 1), 2, stage_ranks=((0, 1), (1,)))
+    (name0,) = layout.stage_buckets(0)
+    (name1,) = layout.stage_buckets(1)
+    assert name0 != name1
+    assert layout.rank_buckets(0) == (name0,) and layout.rank_buckets(1) == (name0, name1)
+    host = layout.pack_host(params)
+    np.testing.assert_array_equal(host[name0][0], host[name0][1])  # a copy on each rank
+    np.testing.assert_array_equal(host[name1][1], params[1]["v"])
+    assert not host[name1][0].any()  # padding
+    assert layout.padding["used"] == 3 * 4  # the copy counts as used
+    back = layout.unpack_host(host)
+    np.testing.assert_array_equal(back[0]["w"], params[0]["w"])
+    # Without stage_ranks, one rank per stage as before.
+    assert ParamLayout.of(params, (0, 1), 2).stage_ranks == ((0,), (1,))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [_users_chimera(), jpipe.get_schedule("chimera", 4, 8)],
+    ids=["as-a-user-writes-it", "built-in"],
+)
+def test_chimera_is_exact_under_the_per_rank_lowering(schedule):
+    assert schedule.replicated
+    result = testing.check_schedule(schedule, lowering="mpmd")
+    # passed: loss and gradients within float32's tolerance of the unpipelined
+    # model's, and every copy's gradients the same to the bit.
+    assert result.passed, result
+    assert result.ticks is None and result.lowering == "mpmd"
+
+
+def test_the_spmd_lowering_refuses_a_replicated_stage_and_names_the_way_that_runs_it():
+    schedule = jpipe.get_schedule("chimera", 4, 8)
+    model = testing.small_model(4)
+    with pytest.raises(jpipe.ScheduleError) as info:
+        jpipe.Pipeline(model[0], schedule, jpipe.make_mesh(4, 1), lowering="spmd")
+    assert str(info.value) == (
+        "the SPMD lowering does not run replicated stages yet (stage 0 on ranks 0 and 3; "
+        "stage 1 on ranks 1 and 2; stage 2 on ranks 1 and 2; ...): run it with "
+        "lowering='mpmd', which does"
+    )
+
+
+def test_every_copy_steps_alike_and_the_account_holds_each_ranks_copies():
+    schedule = jpipe.get_schedule("chimera", 4, 8)
+    stages, params, make_batch = testing.small_model(4)
+    pipe = jpipe.Pipeline(stages, schedule, jpipe.make_mesh(4, 1), lowering="mpmd")
+    packed = pipe.pack(params)
+    batch = jax.device_put(make_batch(8), pipe.batch_sharding)
+    loss, grads = pipe.value_and_grad(packed, batch)
+    layout = pipe.layout
+    # An SGD step on the packed arrays leaves the copies equal.
+    stepped = jax.tree.map(lambda p, g: p - 0.1 * g, packed, grads)
+    for s, ranks in enumerate(schedule.stage_ranks):
+        for b in layout.stage_buckets(s):
+            rows = np.asarray(stepped[b])
+            for r in ranks[1:]:
+                np.testing.assert_array_equal(rows[ranks[0]], rows[r])
+    # Each rank accumulates gradients for both stages it holds; the first
+    # copy's rank holds a copy's sums and their total at the step's end too.
+    programs = pipe.compile(packed, batch)
+    account = programs.account()
+
+    def nbytes(s):
+        return sum(
+            int(np.prod(layout.buckets[b][0])) * np.dtype(layout.buckets[b][1]).itemsize
+            for b in layout.stage_buckets(s)
+        )
+
+    for r in range(4):
+        assert account[r].grad_bytes == sum(nbytes(s) for s in schedule.stages_of(r))
+    for s, (first, *_) in enumerate(schedule.stage_ranks):
+        assert account[first].peak_bytes >= account[first].grad_bytes + 2 * nbytes(s)
+    # The copies' sums are the issue's only new transfers: losses agree with
+    # a run of the same step again (nothing left over from the first).
+    again, grads_again = pipe.value_and_grad(packed, batch)
+    assert float(again) == float(loss)
+    for b in grads:
+        np.testing.assert_array_equal(np.asarray(grads[b]), np.asarray(grads_again[b]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec,ranks,microbatches,data",
+    [("dualpipe", 4, 8, 1), ("chimera", 4, 8, 2), ("chimera", 4, 8, 1)],
+)
+def test_the_replicated_built_ins_are_exact_per_rank(spec, ranks, microbatches, data):
+    # `python -m jpipe.check SPEC -r 4 -m 8 [--data 2] --lowering mpmd` (issue 39).
+    schedule = jpipe.get_schedule(spec, ranks, microbatches)
+    result = testing.check_schedule(schedule, data=data, lowering="mpmd", scan_layers=True)
+    assert result.passed, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 5, 11])
+def test_random_replicated_placements_with_memory_actions_and_cells_are_exact(seed):
+    from test_compiler_properties import random_schedule
+
+    schedule = random_schedule(seed, 3, 4, 4, memory=True, overlap=True, replicas=True)
+    assert schedule.replicated, "pick a seed that replicates a stage"
+    result = testing.check_schedule(schedule, lowering="mpmd")
+    assert result.passed, (schedule, result)
