@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_figures(sim))
         if program is None:
             print(
-                f"program: none; {replicas_text(sim.schedule)} (replicated stages, their "
-                "gradients summed over the copies) do not lower to a program yet"
+                f"program: per rank only; {replicas_text(sim.schedule)} (replicated stages, "
+                "their gradients summed over the copies) run under lowering='mpmd', not yet "
+                "in one SPMD program"
             )
         else:
             moves = program.get("moves")

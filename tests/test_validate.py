@@ -409,10 +409,17 @@ def test_a_replicated_stage_is_refused_by_name_where_it_cannot_run_yet():
     for call in (
         lambda: make_tick_plan(chimera),
         lambda: program_shape(chimera),
-        lambda: device_bytes(jpipe.simulate(chimera), StageFigures(num_stages=4), "mpmd"),
+        lambda: device_bytes(jpipe.simulate(chimera), StageFigures(num_stages=4), "spmd"),
     ):
         with pytest.raises(ScheduleError, match=r"stages yet \(stage 0 on ranks 0 and 3"):
             call()
+    # The per-rank layout counts each rank's copies: every rank of Chimera holds two
+    # stages' parameters (and their gradients), as 1F1B's ranks hold one.
+    fig = StageFigures(num_stages=4, sizes=jpipe.Sizes(params=10, activation=1))
+    held = device_bytes(jpipe.simulate(chimera), fig, "mpmd", packed_everywhere=False)
+    one = device_bytes(jpipe.simulate(jpipe.get_schedule("1f1b", 4, 8)), fig, "mpmd",
+                       packed_everywhere=False)  # fmt: skip
+    assert held.params == tuple(2 * p for p in one.params)
 
 
 def test_a_missing_key_of_a_replicated_stage_names_every_rank_of_the_stage():

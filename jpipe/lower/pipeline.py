@@ -347,7 +347,7 @@ class Pipeline:
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)
-        if kind.one_program:
+        if not kind.replicas:
             refuse_replicas(
                 schedule, "the SPMD lowering", instead="run it with lowering='mpmd', which does"
             )

@@ -270,8 +270,9 @@ class StageFigures:
         return self.scaled(R / S)
 
     def scaled(self, factor: float, *, params: bool = True) -> StageFigures:
-        """Every cost and byte times `factor` (the latency `comm` kept; `params` too if not
-        `params`)."""
+        """Every cost and byte times `factor` (the latency `comm` kept; `params`, and the
+        gradient sums over a replicated stage's copies, `sync`, which scale with them, too
+        if not `params`)."""
 
         def times(value):
             if value is None:
@@ -282,7 +283,11 @@ class StageFigures:
 
         costs = dataclasses.replace(
             self.costs,
-            **{k: times(getattr(self.costs, k)) for k in Costs._KEYS if k != "comm"},
+            **{
+                k: times(getattr(self.costs, k))
+                for k in Costs._KEYS
+                if k != "comm" and (params or k != "sync")
+            },
         )
         keys = [k for k in Sizes._KEYS if params or k != "params"]
         sizes = dataclasses.replace(self.sizes, **{k: times(getattr(self.sizes, k)) for k in keys})
@@ -1090,15 +1095,17 @@ class DeviceBytes:
 
 def _rank_figures(schedule: Schedule, figures: StageFigures):
     """Per rank, what it needs besides its live values: ``(params, grads, working)``, its
-    stages' ``params`` and ``grad_output`` bytes and its largest piece's working memory."""
+    stages' ``params`` and ``grad_output`` bytes and its largest piece's working memory
+    (a replicated stage's on every rank that holds a copy)."""
     S, R = schedule.num_stages, schedule.num_ranks
     params_of = figures.sizes.table(S)["params"]
     grads_of = figures.grad_output_table(S)
     working_of = figures.working_table(S)
     stages_of = [[] for _ in range(R)]  # `Schedule.stages_of` of every rank, in one pass
-    for s, r in enumerate(schedule.stage_to_rank):
-        if 0 <= r < R:
-            stages_of[r].append(s)
+    for s, ranks in enumerate(schedule.stage_ranks):
+        for r in ranks:
+            if 0 <= r < R:
+                stages_of[r].append(s)
     own = [sum(params_of[s] for s in stages) for stages in stages_of]
     grads = [sum(grads_of[s] for s in stages) for stages in stages_of]
     working = [max((working_of[s] for s in stages), default=0.0) for stages in stages_of]
@@ -1289,10 +1296,10 @@ def device_bytes(
     one mesh (each holds the packed parameters of every rank, as the search's
     pipelines do) or each has its own (`train.py`'s per-rank lowering).
     """
-    if sim.schedule.replicated:
+    if sim.schedule.replicated and not layout_kind(layout).replicas:
         raise ScheduleError(
-            f"the search's byte model does not count replicated stages yet "
-            f"({replicas_text(sim.schedule)})"
+            f"the {layout_kind(layout).name} lowering's byte model does not count replicated "
+            f"stages yet ({replicas_text(sim.schedule)}); layout mpmd counts them"
         )
     ranks = _rank_figures(sim.schedule, figures)
     return _device_bytes(sim, figures, layout, values, ranks, packed_everywhere)
@@ -2243,10 +2250,11 @@ def _why_no_candidate(spec, M: int, schedule: Schedule, terms: _SearchTerms) -> 
             f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
             f"{schedule.num_microbatches} microbatches"
         )
-    if schedule.replicated:
+    if schedule.replicated and not layout_kind(terms.layout).replicas:
         return (
             f"{spec}, M={M}: it replicates stages ({replicas_text(schedule)}), which the "
-            "search does not count yet"
+            f"{layout_kind(terms.layout).name} lowering does not run yet; layout mpmd would "
+            "take it"
         )
     if not runs_schedule(terms.layout, schedule):
         kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})

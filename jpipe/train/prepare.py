@@ -191,7 +191,7 @@ def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
     try:
-        if lowering_kind(c.lowering).one_program:
+        if not lowering_kind(c.lowering).replicas:
             refuse_replicas(
                 schedule,
                 "the SPMD lowering",
