@@ -172,11 +172,10 @@ def main(argv=None) -> int:
             if n > 1
         )
         model = "" if result.model == "small_model" else f", {result.model}"
-        ticks = "" if result.ticks is None else f", {result.ticks} ticks ({result.tick_layout})"
         print(
             f"{result.schedule}: {result.ranks} ranks x {result.data} data{axes}, "
-            f"{result.stages} stages, {result.microbatches} microbatches{ticks}, "
-            f"{result.lowering} lowering{model}"
+            f"{result.stages} stages, {result.microbatches} microbatches, {result.ticks} ticks "
+            f"({result.tick_layout}), {result.lowering} lowering{model}"
         )
         print(f"loss {result.loss:.7g} (reference {result.reference_loss:.7g})")
         print(f"max abs error {result.max_abs_err:.3g}, max rel error {result.max_rel_err:.3g}")

@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         sim = simulate(schedule, costs, sizes)  # validates first
         # The shape of the program `jpipe.make_tick_plan` would lay out, without its table.
-        # No lowering takes replicated stages yet: no program to describe.
-        program = None if schedule.replicated else program_shape(schedule, sim=sim)
+        program = program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -198,21 +197,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
-        if program is None:
-            print(
-                f"program: per rank only; {replicas_text(sim.schedule)} (replicated stages, "
-                "their gradients summed over the copies) run under lowering='mpmd', not yet "
-                "in one SPMD program"
+        moves = program.get("moves")
+        print(
+            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+            f"{program['channels']} channel(s); {program['sent']} transfers between "
+            f"ranks, {program['exposed']} read the very next tick; "
+            f"{program['collectives']} collectives, {program['idle']} with nothing to send"
+            + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
+            + (
+                f"; {replicas_text(sim.schedule)}, gradients summed over the copies"
+                if sim.schedule.replicated
+                else ""
             )
-        else:
-            moves = program.get("moves")
-            print(
-                f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
-                f"{program['channels']} channel(s); {program['sent']} transfers between "
-                f"ranks, {program['exposed']} read the very next tick; "
-                f"{program['collectives']} collectives, {program['idle']} with nothing to send"
-                + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
-            )
+        )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)

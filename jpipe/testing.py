@@ -684,10 +684,8 @@ class CheckResult:
       compile_seconds: time to compile the pipelined step.
       temp_bytes, argument_bytes: per-device figures from `memory_analysis()`
         (under the per-rank lowering, the largest piece's).
-      ticks: the lock-step program's length (None for a schedule with
-        replicated stages, which no lock-step program runs yet).
-      tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``; ``"none"``
-        where `ticks` is None).
+      ticks: the lock-step program's length.
+      tick_layout: the layout of its ticks (``"unit"`` or ``"packed"``).
       rtol: the tolerance used.
       lowering: the lowering the pipeline ran under (``"spmd"`` or ``"mpmd"``),
         as the `jpipe.Pipeline` built for the check reports it.
@@ -701,7 +699,7 @@ class CheckResult:
     compile_seconds: float
     temp_bytes: int
     argument_bytes: int
-    ticks: int | None
+    ticks: int
     tick_layout: str
     rtol: float
     schedule: str
@@ -854,7 +852,6 @@ def check_schedule(
     ref_loss, ref_grads = _reference_loss_and_grads(model, batch, devices[:tensor], M if low else 1)
     abs_err, rel_err = compare((loss, pipe.unpack(grads)), (ref_loss, ref_grads))
     copies_err = _copies_err(pipe, grads)
-    plan = None if schedule.replicated else pipe.tick_plan
     return CheckResult(
         passed=bool(math.isfinite(rel_err) and rel_err <= rtol and copies_err == 0),
         max_abs_err=max(abs_err, copies_err),
@@ -864,8 +861,8 @@ def check_schedule(
         compile_seconds=float(pipe.compile_seconds),
         temp_bytes=int(temp),
         argument_bytes=int(arguments),
-        ticks=None if plan is None else plan.num_ticks,
-        tick_layout="none" if plan is None else plan.layout,
+        ticks=pipe.tick_plan.num_ticks,
+        tick_layout=pipe.tick_plan.layout,
         rtol=rtol,
         schedule=schedule.name or str(spec),
         ranks=R,

@@ -15,9 +15,9 @@ with `jpipe.initialize_distributed` and then, by MODE:
   in process 1: stage 1's output is regrouped between the processes);
   prints the loss's and its ranks' gradients' error against the whole model.
 * ``replicas``: the checker's CLI on Chimera (4 ranks, 2 per process) under
-  the per-rank lowering: each stage's two copies are in different
-  processes, so the copies' gradient sums and the last stage's loss sums
-  cross between them; prints ``PASS`` from each process.
+  each lowering: each stage's two copies are in different processes, so the
+  copies' gradient sums and the last stage's loss sums cross between them;
+  prints ``PASS`` twice from each process.
 * ``raise``: process 1 raises; the others wait in a collective.
 """
 
@@ -110,7 +110,10 @@ def main(mode: str) -> int:
     if mode == "replicas":
         from jpipe import check
 
-        return check.main(["chimera", "-r", "4", "-m", "8", "--lowering", "mpmd"])
+        return max(
+            check.main(["chimera", "-r", "4", "-m", "8", "--lowering", lowering])
+            for lowering in ("spmd", "mpmd")
+        )
     if mode == "raise":
         jax.devices()
         if jax.process_index() == 1:

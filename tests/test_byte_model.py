@@ -181,7 +181,7 @@ def _model_and_compiled(small, spec, chunks, layout):
     # a compile takes 6 to 60 s on 2 busy cores
     [("1f1b", None, "mpmd"), ("zb_h1", None, "spmd"), ("zb_h1", None, "mpmd"),
      ("vhalf", 2, "spmd"), ("vhalf", 2, "mpmd"), ("1f1b_recompute:k=2", None, "spmd"),
-     ("chimera", None, "mpmd")],
+     ("chimera", None, "mpmd"), ("chimera", None, "spmd")],
 )  # fmt: skip
 def test_each_model_is_within_the_margin_of_the_compiled_program(small, spec, chunks, layout):
     """Every device's compiled bytes (arguments, outputs and temporaries less what aliases,

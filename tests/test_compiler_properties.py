@@ -10,8 +10,7 @@ leaves passed across each stage boundary, and with or without a data axis of
 2 beside the pipe axis, under either lowering (`jpipe.LOWERINGS`), with
 residuals randomly recomputed, evicted to another rank or offloaded to the
 host, with stages replicated on two ranks (each microbatch on one of them:
-the per-rank lowering runs them, the SPMD one refuses them by name); and with
-stages that write their own collectives
+under both lowerings); and with stages that write their own collectives
 over tensor, on meshes with tensor, fsdp and data axes. A corrupted one (an action
 dropped, duplicated, or two swapped on a rank) must either be refused with a
 ScheduleError or, where the swap left it valid, still be exact.
@@ -176,18 +175,13 @@ def test_random_valid_schedules_are_exact(
     # Memory actions (recompute, evict, offload) are drawn under both
     # lowerings; the SPMD one lays them out in unit ticks only. Overlap cells
     # too: the per-rank lowering runs each as one program where it can.
-    # Replicated stages: the per-rank lowering runs them; the SPMD one
-    # refuses them by name.
+    # Replicated stages too, under both.
     seed, ranks, stages, microbatches = size
     assert ranks * data <= 8  # the fake devices of conftest.py
     schedule = random_schedule(
         seed, ranks, stages, microbatches, memory=memory, overlap=overlap, replicas=replicas
     )
     jpipe.validate(schedule)
-    if schedule.replicated and lowering == "spmd":
-        with pytest.raises(jpipe.ScheduleError, match="run it with lowering='mpmd'"):
-            testing.check_schedule(schedule, data=data, lowering=lowering)
-        return
     if schedule.has_memory_actions and lowering == "spmd":
         layout = "unit"
     kinds = kinds[: stages - 1]

@@ -206,7 +206,7 @@ def test_replicated_stages_across_two_processes_are_exact():
     # gradient sums (and the last stage's loss sums) cross between them.
     status, out, err, _ = _run([WORKER, "replicas"])
     assert status == 0, err[-3000:]
-    assert out.count("PASS") == 2, out[-3000:]
+    assert out.count("PASS") == 4, out[-3000:]  # two lowerings, two processes
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
-"""Replicated stages run: a stage on several ranks under the per-rank lowering.
+"""Replicated stages run: a stage on several ranks, under both lowerings.
 
-Chimera's and DualPipe's two pipelines each hold a copy of the model. The
-per-rank lowering jits a stage's pieces on every rank that holds it, runs
-each microbatch on the rank that runs its forward, and adds the copies'
-gradient sums at the step's end, so every copy's gradient is the same and
-equals the unpipelined model's. The SPMD lowering refuses them by name. The
-language, validator and simulator side is tested in test_validate.
+Chimera's and DualPipe's two pipelines each hold a copy of the model. Each
+microbatch runs on the rank that runs its forward, and the copies' gradient
+sums are added at the step's end, so every copy's gradient is the same and
+equals the unpipelined model's. The per-rank lowering jits a stage's pieces
+on every rank that holds it and sends each copy's sums to the stage's first
+rank and the total back; the SPMD program lays each (stage, microbatch) out
+on its own rank in the tick plan (a channel per direction) and adds the
+copies with one masked psum over ``pipe`` per stage. The language,
+validator and simulator side is tested in test_validate.
 """
 
 import jax
@@ -52,30 +55,31 @@ def test_a_replicated_stages_copies_share_bucket_names_and_rows():
     assert ParamLayout.of(params, (0, 1), 2).stage_ranks == ((0,), (1,))
 
 
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize(
     "schedule",
     [_users_chimera(), jpipe.get_schedule("chimera", 4, 8)],
     ids=["as-a-user-writes-it", "built-in"],
 )
-def test_chimera_is_exact_under_the_per_rank_lowering(schedule):
+def test_chimera_is_exact(schedule, lowering):
     assert schedule.replicated
-    result = testing.check_schedule(schedule, lowering="mpmd")
+    result = testing.check_schedule(schedule, lowering=lowering)
     # passed: loss and gradients within float32's tolerance of the unpipelined
     # model's, and every copy's gradients the same to the bit.
     assert result.passed, result
-    assert result.ticks is None and result.lowering == "mpmd"
+    assert result.lowering == lowering
 
 
-def test_the_spmd_lowering_refuses_a_replicated_stage_and_names_the_way_that_runs_it():
-    schedule = jpipe.get_schedule("chimera", 4, 8)
-    model = testing.small_model(4)
-    with pytest.raises(jpipe.ScheduleError) as info:
-        jpipe.Pipeline(model[0], schedule, jpipe.make_mesh(4, 1), lowering="spmd")
-    assert str(info.value) == (
-        "the SPMD lowering does not run replicated stages yet (stage 0 on ranks 0 and 3; "
-        "stage 1 on ranks 1 and 2; stage 2 on ranks 1 and 2; ...): run it with "
-        "lowering='mpmd', which does"
-    )
+def test_the_spmd_tick_plan_sends_each_microbatch_to_its_own_rank_both_ways():
+    # Chimera's down pipeline sends rank r to r + 1, its up pipeline r to r - 1:
+    # forwards and input gradients each go both ways, so the program has a
+    # collective for each shift (1 and R - 1), where 1F1B has the same two.
+    plan = jpipe.make_tick_plan(jpipe.get_schedule("chimera", 4, 8), "unit")
+    assert sorted(shift for _, shift in plan.channels) == [1, 3]
+    for _, r, (_, s, m) in plan.pieces():
+        assert plan.key_rank[s * 8 + m] == r  # each piece on the rank of its microbatch
+    one = jpipe.make_tick_plan(jpipe.get_schedule("1f1b", 4, 8), "unit")
+    assert plan.key_rank[8:16] == (1, 2) * 4 and one.key_rank[8:16] == (1,) * 8
 
 
 def test_every_copy_steps_alike_and_the_account_holds_each_ranks_copies():
@@ -117,23 +121,25 @@ def test_every_copy_steps_alike_and_the_account_holds_each_ranks_copies():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize(
     "spec,ranks,microbatches,data",
-    [("dualpipe", 4, 8, 1), ("chimera", 4, 8, 2), ("chimera", 4, 8, 1)],
+    [("dualpipe", 4, 8, 1), ("chimera", 4, 8, 2), ("chimera", 8, 8, 1)],
 )
-def test_the_replicated_built_ins_are_exact_per_rank(spec, ranks, microbatches, data):
-    # `python -m jpipe.check SPEC -r 4 -m 8 [--data 2] --lowering mpmd` (issue 39).
+def test_the_replicated_built_ins_are_exact(spec, ranks, microbatches, data, lowering):
+    # `python -m jpipe.check SPEC -r R -m 8 [--data 2] --lowering L` (issue 39).
     schedule = jpipe.get_schedule(spec, ranks, microbatches)
-    result = testing.check_schedule(schedule, data=data, lowering="mpmd", scan_layers=True)
+    result = testing.check_schedule(schedule, data=data, lowering=lowering, scan_layers=True)
     assert result.passed, result
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize("seed", [3, 5, 11])
-def test_random_replicated_placements_with_memory_actions_and_cells_are_exact(seed):
+def test_random_replicated_placements_with_memory_actions_and_cells_are_exact(seed, lowering):
     from test_compiler_properties import random_schedule
 
     schedule = random_schedule(seed, 3, 4, 4, memory=True, overlap=True, replicas=True)
     assert schedule.replicated, "pick a seed that replicates a stage"
-    result = testing.check_schedule(schedule, lowering="mpmd")
+    result = testing.check_schedule(schedule, lowering=lowering)
     assert result.passed, (schedule, result)

@@ -502,22 +502,17 @@ def test_per_rank_bytes_add_each_pieces_own_working_memory(name):
     assert spmd[0].device == spmd[1].device
 
 
-def test_replicated_built_ins_are_candidates_per_rank_and_skipped_by_name_under_spmd():
-    # Chimera and DualPipe (each stage on two ranks, issue 39) run under the
-    # per-rank lowering only: the search weighs them there, each rank holding
-    # its copies' parameters, and names why it leaves them out under SPMD.
+@pytest.mark.parametrize("layout", ["spmd", "mpmd"])
+def test_replicated_built_ins_are_candidates_with_each_ranks_copies_counted(layout):
+    # Chimera and DualPipe (each stage on two ranks, issue 39) run under both
+    # lowerings: the search weighs them, each rank holding its copies' parameters.
     specs = ["1f1b", "chimera", "dualpipe"]
-    per_rank = jpipe.search_schedule(UNIFORM, 4, 8, 1e9, layout="mpmd", schedules=specs)
-    found = {c.schedule.name for c in per_rank.candidates}
-    assert {"chimera", "dualpipe"} <= found, per_rank.skipped
-    one = next(c for c in per_rank.candidates if c.schedule.name == "1f1b" and c.builtin)
-    for c in per_rank.candidates:
+    found = jpipe.search_schedule(UNIFORM, 4, 8, 1e9, layout=layout, schedules=specs)
+    assert {"chimera", "dualpipe"} <= {c.schedule.name for c in found.candidates}, found.skipped
+    one = next(c for c in found.candidates if c.schedule.name == "1f1b" and c.builtin)
+    for c in found.candidates:
         if c.schedule.replicated:  # two stages' parameters a rank, 1F1B's one
             assert max(c.memory.params) == 2 * max(one.memory.params), c.memory
-    spmd = jpipe.search_schedule(UNIFORM, 4, 8, 1e9, layout="spmd", schedules=specs)
-    assert {c.schedule.name for c in spmd.candidates} == {"1f1b"}
-    assert sum("lowering does not run yet; layout mpmd would take it" in line
-               for line in spmd.skipped) == 2, spmd.skipped  # fmt: skip
 
 
 def test_the_gradient_sum_of_the_copies_scales_with_the_parameters_not_the_microbatch():

@@ -137,17 +137,21 @@ def test_pipelined_losses_match_unpipelined(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tensors", [None, "1,1,1,1"], ids=["one-mesh", "a-mesh-per-rank"])
-def test_chimera_per_rank_trains_to_the_unpipelined_losses(reference, tmp_path, tensors):
+@pytest.mark.parametrize(
+    "lowering,tensors",
+    [("spmd", None), ("mpmd", None), ("mpmd", "1,1,1,1")],
+    ids=["spmd", "per-rank-one-mesh", "per-rank-a-mesh-per-rank"],
+)
+def test_chimera_trains_to_the_unpipelined_losses(reference, tmp_path, lowering, tensors):
     # Each stage on two ranks (issue 39): the copies' gradients are summed, the
     # clipping's norm counts each copy once, and weight decay applies to both,
     # so the losses are the 1F1B run's (itself the unpipelined one's, test
-    # above), on one mesh and on a mesh per rank. AdamW hardly sees the
+    # above), under SPMD, and per rank on one mesh and on a mesh per rank. AdamW hardly sees the
     # clipping (a scale its update divides out), so the norm is compared too:
     # counting each copy twice would make it about 1.4 times the reference's.
     result, workdir = reference
     overrides = {} if tensors is None else {"mesh.tensor_per_rank": tensors}
-    config = tiny_config(schedule="chimera", lowering="mpmd", **overrides)
+    config = tiny_config(schedule="chimera", lowering=lowering, **overrides)
     chimera = trainer.train(config, str(tmp_path), progress=False)
     np.testing.assert_allclose(
         [chimera.losses[s] for s in range(1, 7)],
@@ -163,13 +167,6 @@ def test_chimera_per_rank_trains_to_the_unpipelined_losses(reference, tmp_path, 
     want = [r["grad_norm"] for r in read_metrics(workdir) if "grad_norm" in r]
     assert len(norms) == len(want) == 6
     np.testing.assert_allclose(norms, want, rtol=RTOL)
-
-
-def test_the_trainer_refuses_a_replicated_schedule_under_spmd_naming_the_lowering_that_runs_it(
-    tmp_path,
-):
-    with pytest.raises(trainer.ConfigError, match=r"train it with --config.lowering=mpmd, which"):
-        trainer.train(tiny_config(schedule="chimera"), str(tmp_path / "run"), progress=False)
 
 
 @pytest.mark.slow

@@ -392,34 +392,29 @@ def test_a_users_chimera_validates_with_each_stage_on_two_ranks():
 
 
 def test_a_replicated_stage_is_refused_by_name_where_it_cannot_run_yet():
+    # Only the cluster planner, whose time model gives each stage one rank.
     from jpipe.schedule.validate import refuse_replicas
 
     with pytest.raises(ScheduleError) as info:
-        refuse_replicas(_users_chimera(), "the pipeline")
+        refuse_replicas(_users_chimera(), "the planner")
     assert str(info.value).startswith(
-        "the pipeline does not run replicated stages yet (stage 0 on ranks 0 and 3; stage 1 "
-        "on ranks 1 and 2; stage 2 on ranks 1 and 2; ...)"
+        "the planner does not run replicated stages yet (stage 0 on ranks 0 and 3; stage 1 "
+        "on ranks 1 and 2; stage 2 on ranks 1 and 2; ...): jpipe.Pipeline, train.py"
     )
-    refuse_replicas(Schedule.of([[F(0, 0), B(0, 0)]]), "the pipeline")  # one copy: fine
-    # Every place that would lay a replicated stage out as one rank's refuses it.
-    from jpipe.lower.spmd.ticks import make_tick_plan, program_shape
+    refuse_replicas(Schedule.of([[F(0, 0), B(0, 0)]]), "the planner")  # one copy: fine
+
+
+@pytest.mark.parametrize("layout", ["spmd", "mpmd"])
+def test_the_byte_models_count_each_ranks_copies(layout):
+    # Every rank of Chimera holds two stages' parameters (and their gradients),
+    # where 1F1B's ranks hold one.
     from jpipe.search.engine import StageFigures, device_bytes
 
-    chimera = jpipe.get_schedule("chimera", 4, 8)
-    for call in (
-        lambda: make_tick_plan(chimera),
-        lambda: program_shape(chimera),
-        lambda: device_bytes(jpipe.simulate(chimera), StageFigures(num_stages=4), "spmd"),
-    ):
-        with pytest.raises(ScheduleError, match=r"stages yet \(stage 0 on ranks 0 and 3"):
-            call()
-    # The per-rank layout counts each rank's copies: every rank of Chimera holds two
-    # stages' parameters (and their gradients), as 1F1B's ranks hold one.
     fig = StageFigures(num_stages=4, sizes=jpipe.Sizes(params=10, activation=1))
-    held = device_bytes(jpipe.simulate(chimera), fig, "mpmd", packed_everywhere=False)
-    one = device_bytes(jpipe.simulate(jpipe.get_schedule("1f1b", 4, 8)), fig, "mpmd",
-                       packed_everywhere=False)  # fmt: skip
-    assert held.params == tuple(2 * p for p in one.params)
+    chimera, one = jpipe.get_schedule("chimera", 4, 8), jpipe.get_schedule("1f1b", 4, 8)
+    held = device_bytes(jpipe.simulate(chimera), fig, layout, packed_everywhere=False)
+    single = device_bytes(jpipe.simulate(one), fig, layout, packed_everywhere=False)
+    assert held.params == tuple(2 * p for p in single.params)
 
 
 def test_a_missing_key_of_a_replicated_stage_names_every_rank_of_the_stage():

@@ -64,9 +64,6 @@ class LoweringKind:
         recompute, evict, offload, ...) it runs; the schedule search and
         the planner take candidates with these only
         (`jpipe.search.engine.lowering_runs`).
-      replicas: it runs stages replicated on several ranks
-        (`jpipe.Schedule.replicated`: Chimera, DualPipe), summing their
-        copies' gradients; the others refuse them by name.
       runtime: ``"module:Class"`` of its `Lowering`, imported when a
         `Pipeline` is built (so this module needs no JAX).
       bytes_model: ``"module:Class"`` of its `jpipe.lower.bytes.ByteModel`
@@ -81,7 +78,6 @@ class LoweringKind:
     meshes_per_rank: bool
     every_device_holds_busiest: bool
     memory_actions: frozenset[str]
-    replicas: bool
     runtime: str
     bytes_model: str
 
@@ -110,7 +106,6 @@ SPMD = LoweringKind(
     meshes_per_rank=False,
     every_device_holds_busiest=True,
     memory_actions=frozenset(MEMORY_KINDS),  # every kind, in its tick plan (docs/design.md)
-    replicas=False,  # its tick plan lays each stage out on one rank
     runtime="jpipe.lower.spmd.lowering:SpmdLowering",
     bytes_model="jpipe.lower.spmd.bytes:SpmdBytes",
 )
@@ -122,7 +117,6 @@ MPMD = LoweringKind(
     meshes_per_rank=True,
     every_device_holds_busiest=False,
     memory_actions=frozenset(MEMORY_KINDS),  # every kind, as ops of its rank's list
-    replicas=True,  # pieces per (stage, rank), the copies' sums at the step's end
     runtime="jpipe.lower.mpmd.programs:MpmdLowering",
     bytes_model="jpipe.lower.mpmd.bytes:PerRankBytes",
 )

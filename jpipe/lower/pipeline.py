@@ -29,7 +29,7 @@ from jpipe.lower.microbatch import microbatches
 from jpipe.lower.spmd.program import CONTROLS, Program, trace_kernels
 from jpipe.lower.spmd.ticks import check_layout as check_tick_layout
 from jpipe.schedule.actions import Schedule
-from jpipe.schedule.validate import analyze, refuse_replicas
+from jpipe.schedule.validate import analyze
 from jpipe.stage.pack import ParamLayout
 from jpipe.stage.pieces import WeightedLoss
 
@@ -347,10 +347,6 @@ class Pipeline:
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)
-        if not kind.replicas:
-            refuse_replicas(
-                schedule, "the SPMD lowering", instead="run it with lowering='mpmd', which does"
-            )
         if all_idle and not kind.one_program:
             raise ValueError(
                 "all_idle measures the SPMD program's control; it has no per-rank form"

@@ -76,16 +76,15 @@ def replicas_text(schedule: Schedule) -> str:
 def refuse_replicas(schedule: Schedule, who: str, instead: str | None = None) -> None:
     """Raises `ScheduleError` if `schedule` replicates a stage, which `who` cannot take yet.
 
-    The schedule language, validation, simulation, the charts and the per-rank
-    lowering take replicated stages; the SPMD lowering, the search and the
-    planner do not yet (an open issue). `instead`: what to do, if there is
-    a way that runs it.
+    Everything takes replicated stages (both lowerings, the trainer, the
+    search) but the cluster planner, whose time model gives each stage one
+    rank (an open issue). `instead`: what to do, if there is a way.
     """
     if schedule.replicated:
         way = instead or (
-            "the per-rank lowering (lowering='mpmd') runs them; jpipe.validate, "
-            "jpipe.simulate and the charts take them. Place each stage on one rank to run it "
-            "here; 'dualpipev' is DualPipe folded onto one copy of the model"
+            "jpipe.Pipeline, train.py, jpipe.search, jpipe.validate and jpipe.simulate take "
+            "them. Place each stage on one rank to plan it; 'dualpipev' is DualPipe folded "
+            "onto one copy of the model"
         )
         raise ScheduleError(
             f"{who} does not run replicated stages yet ({replicas_text(schedule)}): {way}"

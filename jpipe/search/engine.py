@@ -105,7 +105,7 @@ from jpipe.schedule.simulate import (
     _timed,
     simulate,
 )
-from jpipe.schedule.validate import ScheduleError, analyze, replicas_text
+from jpipe.schedule.validate import ScheduleError, analyze
 
 LAYOUTS = tuple(kind.layout for kind in KINDS.values())  # ("spmd", "mpmd")
 """The memory layouts: the SPMD lowering's, and the per-rank lowering's (`layout_kind`)."""
@@ -1296,11 +1296,6 @@ def device_bytes(
     one mesh (each holds the packed parameters of every rank, as the search's
     pipelines do) or each has its own (`train.py`'s per-rank lowering).
     """
-    if sim.schedule.replicated and not layout_kind(layout).replicas:
-        raise ScheduleError(
-            f"the {layout_kind(layout).name} lowering's byte model does not count replicated "
-            f"stages yet ({replicas_text(sim.schedule)}); layout mpmd counts them"
-        )
     ranks = _rank_figures(sim.schedule, figures)
     return _device_bytes(sim, figures, layout, values, ranks, packed_everywhere)
 
@@ -2249,12 +2244,6 @@ def _why_no_candidate(spec, M: int, schedule: Schedule, terms: _SearchTerms) -> 
         return (
             f"{spec}, M={M}: it has {schedule.num_ranks} ranks and "
             f"{schedule.num_microbatches} microbatches"
-        )
-    if schedule.replicated and not layout_kind(terms.layout).replicas:
-        return (
-            f"{spec}, M={M}: it replicates stages ({replicas_text(schedule)}), which the "
-            f"{layout_kind(terms.layout).name} lowering does not run yet; layout mpmd would "
-            "take it"
         )
     if not runs_schedule(terms.layout, schedule):
         kinds = sorted({a.kind for _, _, a in schedule.all_actions() if a.is_memory})

@@ -34,9 +34,7 @@ import numpy as np
 
 import jpipe
 from jpipe import models
-from jpipe.lower.interface import lowering_kind
 from jpipe.models import registry
-from jpipe.schedule.validate import refuse_replicas
 from jpipe.train import data as data_lib
 from jpipe.train import export, sources, tokens
 from jpipe.train.config import ConfigError, TrainConfig, config_error
@@ -190,15 +188,6 @@ def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
         raise config_error(
             "schedule", c.schedule, f"is not a valid schedule ({setting}): {e}"
         ) from None
-    try:
-        if not lowering_kind(c.lowering).replicas:
-            refuse_replicas(
-                schedule,
-                "the SPMD lowering",
-                instead="train it with --config.lowering=mpmd, which does",
-            )
-    except ValueError as e:
-        raise config_error("schedule", c.schedule, str(e)) from None
     return schedule
 
 

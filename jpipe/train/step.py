@@ -70,6 +70,7 @@ def train_step(
     lr: optax.Schedule,
     row_keys_seed: int | None = None,
     batch_sharding=None,
+    counted_rows: dict | None = None,
 ):
     """One optimizer step on one global batch; pure.
 
@@ -83,6 +84,7 @@ def train_step(
       row_keys_seed: for a model with dropout, the seed of the per-row keys
         the step adds to the batch (`with_row_keys`); None adds none.
       batch_sharding: where the keys go.
+      counted_rows: the rows ``grad_norm`` counts (`apply_gradients`).
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: ``loss`` (mean
@@ -92,7 +94,9 @@ def train_step(
     if row_keys_seed is not None:
         batch = with_row_keys(batch, row_keys_seed, state.step, batch_sharding)
     loss, grads = value_and_grad(state.params, batch)
-    return apply_gradients(state, loss, grads, optimizer=optimizer, lr=lr)
+    return apply_gradients(
+        state, loss, grads, optimizer=optimizer, lr=lr, counted_rows=counted_rows
+    )
 
 
 def apply_gradients(state: TrainState, loss, grads, *, optimizer, lr, counted_rows=None):
@@ -203,6 +207,7 @@ def compile_train_step(
         lr=lr,
         row_keys_seed=row_keys_seed,
         batch_sharding=pipeline.batch_sharding,
+        counted_rows=pipeline.layout.counted_rows(),
     )
     jitted = jax.jit(
         step,

@@ -85,6 +85,15 @@ in the residual and carry buffers each leaf starts on a row of its own and
 is written and read by itself.
 Parameters arrive packed in buckets (`jpipe.stage.pack`): a rank's row of a bucket
 is one of its own stages' arrays, which the stage's branch reshapes in place.
+
+**Replicated stages** (Chimera, DualPipe): a stage's copies sit in the same
+buckets on each rank that holds one, so its branch is the same program on
+every copy. The tick plan places each ``(stage, microbatch)`` on its own
+rank (`TickPlan.key_rank`), so a microbatch's values travel between the
+ranks it runs on, on a channel per shift. After the scan, one masked `psum`
+over ``pipe`` per replicated stage adds its copies' gradient sums
+(`_StepBuilder.sum_copies`); the loss, summed over ``pipe`` already, takes
+every copy's.
 """
 
 from __future__ import annotations
@@ -776,7 +785,16 @@ class _StepBuilder:
         # for all: they trace to the same program and read the same buckets).
         self.classes_range = range(len(self.members))
         self.own = [set(layout.stage_buckets(self.members[c][0])) for c in self.classes_range]
-        self.several_stages_per_rank = len(set(plan.stage_to_rank)) < S
+        self.several_stages_per_rank = any(
+            len(plan.schedule.stages_of(r)) > 1 for r in range(self.R)
+        )
+        # Each replicated stage's buckets, with the ranks that hold a copy: their
+        # gradients are summed over the copies (`sum_copies`).
+        self.copies = tuple(
+            (ranks, layout.stage_buckets(s))
+            for s, ranks in enumerate(layout.stage_ranks)
+            if len(ranks) > 1
+        )
         keeps = [(c, True) for c in self.classes_range] + [(c, False) for c in self.fc_classes]
         self.f_branches = [functools.partial(self.forward, c, keep) for c, keep in keeps]
         self.i_branches = [functools.partial(self.input_grad, c) for c in self.classes_range]
@@ -1176,9 +1194,30 @@ class _StepBuilder:
         pending = self.hand_over(row, send_f, send_i)
         return (grads, loss, io, buf, host_buf, pending), None
 
+    def sum_copies(self, grads):
+        """Each replicated stage's gradient sums, added over the ranks that hold a copy.
+
+        One masked ``psum`` over ``pipe`` per stage: the ranks of its copies
+        give their sums, the others zeros, and each copy takes the total, so
+        every copy's gradient is the same.
+        """
+        if not self.copies:
+            return grads
+        rank = lax.axis_index(self.pipe_axis)
+        grads = dict(grads)
+        for ranks, buckets in self.copies:
+            held = jnp.asarray(np.isin(np.arange(self.R), ranks))[rank]
+            for b in buckets:
+                mine = jnp.where(held, grads[b], jnp.zeros_like(grads[b]))
+                total = lax.psum(mine, self.pipe_axis)
+                grads[b] = jnp.where(held, total, grads[b])
+        return grads
+
     def finish(self, loss, grads):
-        """The step's loss and gradients from the scan's sums: reduced over the mesh, averaged."""
+        """The step's loss and gradients from the scan's sums: reduced over the mesh, averaged
+        (a replicated stage's summed over its copies first, `sum_copies`)."""
         layout, fsdp, data_axis = self.layout, self.fsdp, self.data_axis
+        grads = self.sum_copies(grads)
         if fsdp is not None:
             # Summed over fsdp: the split buckets' by each reduce-scatter, the
             # others' (arrays nothing divides) here, once.

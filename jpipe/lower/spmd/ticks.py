@@ -60,7 +60,7 @@ import numpy as np
 
 from jpipe.schedule.actions import Schedule
 from jpipe.schedule.simulate import Costs, _start_times
-from jpipe.schedule.validate import analyze, refuse_replicas
+from jpipe.schedule.validate import analyze
 
 # Phases inside one tick, in program order.
 (
@@ -149,7 +149,7 @@ class TickPlan:
       ticks: ``ticks[t][r]`` is the tuple of pieces rank `r` runs in tick `t`,
         in program order, each ``(kind, stage, microbatch)`` with kind ``F``,
         ``I`` or ``W``; at most one of each kind.
-      stage_to_rank: the rank of each stage.
+      stage_to_rank: the rank of each stage (of a replicated stage, its first).
       channels: the transfers between different ranks the program makes every
         tick, one collective each, as ``(kind, shift)`` with shift
         ``(receiver - sender) % R``. Kind is ``"F"`` or ``"I"`` for the output
@@ -170,6 +170,9 @@ class TickPlan:
       moves: the `Move` of every eviction, load, offload and reload.
       res_key: ``res_key[(kind, stage, microbatch)]``: the residual lifetime
         a piece writes (``F``, ``R``) or reads (``I``, ``W``).
+      key_rank: the rank of each ``(stage, microbatch)``, at ``stage * M +
+        microbatch`` (`jpipe.Analysis.key_rank`): where a replicated stage
+        runs it, so where its input is sent.
 
     Memory actions: an ``FC`` is a piece of kind ``"FC"`` (the forward,
     keeping nothing but its input, whose io slot lives on until the
@@ -192,6 +195,7 @@ class TickPlan:
     lifetimes: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
     moves: tuple = ()
     res_key: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
+    key_rank: tuple[int, ...] = ()
 
     COLUMNS: ClassVar[tuple[str, ...]]  # the table's named columns, set below
     F_MODES: ClassVar[dict]  # column f_mode's values, set below
@@ -234,7 +238,7 @@ class TickPlan:
         """What the program's transfers between ranks carry (see `Transfers`)."""
         info = analyze(self.schedule)
         when = _when(self.ticks, info.num_stages, info.num_microbatches)
-        return _transfers(self.schedule, when, self.num_ticks, self.stage_to_rank, self.channels)
+        return _transfers(self.schedule, when, self.num_ticks, self.key_rank, self.channels)
 
     def predicted_time(self, costs: Costs | None = None) -> float:
         """Time of the lock-step program on devices that run independently.
@@ -245,8 +249,9 @@ class TickPlan:
         return _lockstep_time(self.schedule, self.ticks, costs)
 
 
-def _transfers(schedule: Schedule, when, num_ticks: int, owner, channels) -> Transfers:
-    """`TickPlan.transfers` from the tick of every piece (`_Layout.when`) and the channels."""
+def _transfers(schedule: Schedule, when, num_ticks: int, at, channels) -> Transfers:
+    """`TickPlan.transfers` from the tick of every piece (`_Layout.when`), the rank of every
+    ``(stage, microbatch)`` (`at`, as `TickPlan.key_rank`) and the channels."""
     info = analyze(schedule)
     S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
     index = {c: i for i, c in enumerate(channels)}
@@ -255,12 +260,15 @@ def _transfers(schedule: Schedule, when, num_ticks: int, owner, channels) -> Tra
     for kind, step, base in (("F", 1, 0), ("I", -1, S * M)):
         for s in range(S):
             nxt = s + step
-            if not 0 <= nxt < S or owner[nxt] == owner[s]:
+            if not 0 <= nxt < S:
                 continue
-            shift = (owner[nxt] - owner[s]) % R
-            channel = index.get((None, shift), index.get((kind, shift)))
             mine, theirs = base + s * M, base + nxt * M
             for m in range(M):
+                src, dst = at[s * M + m], at[nxt * M + m]
+                if src == dst:
+                    continue
+                shift = (dst - src) % R
+                channel = index.get((None, shift), index.get((kind, shift)))
                 t = when[mine + m]
                 if t < 0:
                     continue
@@ -410,7 +418,7 @@ def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layou
     where its input is in.
     """
     info = analyze(schedule)
-    owner = info.stage_to_rank
+    at = info.key_rank
     S, M, R = info.num_stages, info.num_microbatches, schedule.num_ranks
     SM = S * M
     order = {k: i for i, k in enumerate(kinds)}
@@ -430,10 +438,10 @@ def _packed_layout(schedule: Schedule, kinds: tuple[str, ...] = KINDS) -> _Layou
                 continue
             ready = 0  # the first tick its input from another rank is in
             if kind == "F":
-                if s > 0 and owner[s - 1] != r:
+                if s > 0 and at[(s - 1) * M + m] != r:
                     ready = when[(s - 1) * M + m] + 1
             elif kind == "I":
-                if s + 1 < S and owner[s + 1] != r:
+                if s + 1 < S and at[(s + 1) * M + m] != r:
                     ready = when[SM + (s + 1) * M + m] + 1
             t = last_tick[r]
             if k <= last_kind[r] or ready > t:
@@ -509,14 +517,18 @@ def _ticks(schedule: Schedule, layout: _Layout):
 def _channels(schedule: Schedule, layout: _Layout) -> tuple[tuple[str | None, int], ...]:
     """`TickPlan.channels`: a collective per kind of output and shift that some piece sends on."""
     info = analyze(schedule)
-    owner, R = info.stage_to_rank, schedule.num_ranks
+    at, R, M = info.key_rank, schedule.num_ranks, info.num_microbatches
     channels = set()
     for kind, step in (("F", 1), ("I", -1)):
         if kind not in layout.kinds:
             continue
         for s in range(info.num_stages):
-            if 0 <= s + step < info.num_stages and owner[s + step] != owner[s]:
-                channels.add((None if layout.shared else kind, (owner[s + step] - owner[s]) % R))
+            if not 0 <= s + step < info.num_stages:
+                continue
+            for m in range(M):
+                src, dst = at[s * M + m], at[(s + step) * M + m]
+                if src != dst:
+                    channels.add((None if layout.shared else kind, (dst - src) % R))
     return tuple(sorted(channels, key=lambda c: (c[0] or "", c[1])))
 
 
@@ -529,15 +541,14 @@ def program_shape(schedule: Schedule, layout: str = "auto", sim=None) -> dict:
     actions it also counts the copies (``moves``: evictions and loads, which
     ride collectives between ranks, and offloads and reloads).
     """
-    refuse_replicas(schedule, "the SPMD tick plan")
     chosen = _choose_layout(schedule, layout, sim)
-    owner = analyze(schedule).stage_to_rank
+    at = analyze(schedule).key_rank
     channels = _channels(schedule, chosen)
     shape = {
         "tick_layout": chosen.name,
         "ticks": chosen.num_ticks,
         "channels": len(channels),
-        **_transfers(schedule, chosen.when, chosen.num_ticks, owner, channels)._asdict(),
+        **_transfers(schedule, chosen.when, chosen.num_ticks, at, channels)._asdict(),
     }
     if schedule.has_memory_actions:
         shape["moves"] = len(chosen.moves)
@@ -567,16 +578,16 @@ def _colour(intervals, arena: str, slot: dict) -> int:
     return count
 
 
-def _slots(ticks, when, owner, R: int, M: int):
+def _slots(ticks, when, at, S: int, R: int, M: int):
     """Colours every value's lifetime: ``(slot, counts, lifetimes)``.
 
-    `when` is the tick of every piece (`_Layout.when`) and `counts` is
+    `when` is the tick of every piece (`_Layout.when`), `at` the rank of every
+    ``(stage, microbatch)`` (`TickPlan.key_rank`) and `counts` is
     ``(num_io, num_res, num_carry)``.
 
     Works for any tick table: a forward's residuals live until its ``W``
     piece when there is one (a forward-only plan keeps none).
     """
-    S = len(owner)
     SM = S * M
     io = [[] for _ in range(R)]
     res = [[] for _ in range(R)]
@@ -593,21 +604,23 @@ def _slots(ticks, when, owner, R: int, M: int):
                 if kind == "F":
                     nxt = s + 1
                     if nxt < S:  # the output goes to the next stage's F
-                        dst = owner[nxt]
+                        dst = at[nxt * M + m]
                         end = P * when[nxt * M + m] + _PH_F_READ
                         io[dst].append((P * t + _PH_SEND, end, ("F", nxt, m)))
                     w = when[2 * SM + s * M + m]
                     if w >= 0:
-                        res[owner[s]].append((P * t + _PH_F_WRITE_RES, P * w + _PH_W_READ, (s, m)))
+                        res[at[s * M + m]].append(
+                            (P * t + _PH_F_WRITE_RES, P * w + _PH_W_READ, (s, m))
+                        )
                 else:
                     nxt = s - 1
                     if nxt >= 0:  # the input gradient goes to the previous stage's I
-                        dst = owner[nxt]
+                        dst = at[nxt * M + m]
                         end = P * when[SM + nxt * M + m] + _PH_I_READ
                         io[dst].append((P * t + _PH_SEND, end, ("I", nxt, m)))
                     w = when[2 * SM + s * M + m]
                     if w >= 0:
-                        carry[owner[s]].append(
+                        carry[at[s * M + m]].append(
                             (P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m))
                         )
     intervals = {"io": io, "res": res, "carry": carry}
@@ -630,7 +643,7 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
     writes or reads.
     """
     info = analyze(schedule)
-    owner, R = info.stage_to_rank, schedule.num_ranks
+    at, R = info.key_rank, schedule.num_ranks
     S, M = info.num_stages, info.num_microbatches
     SM = S * M
     when = layout.when
@@ -649,14 +662,18 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
                     read = when[3 * SM + nxt * M + m]
                     if read < 0:
                         read = when[nxt * M + m]
-                    io[owner[nxt]].append((P * t + _PH_SEND, P * read + _PH_F_READ, ("F", nxt, m)))
+                    io[at[nxt * M + m]].append(
+                        (P * t + _PH_SEND, P * read + _PH_F_READ, ("F", nxt, m))
+                    )
                 elif kind == "I":
                     if s > 0:
                         end = P * when[SM + (s - 1) * M + m] + _PH_I_READ
-                        io[owner[s - 1]].append((P * t + _PH_SEND, end, ("I", s - 1, m)))
+                        io[at[(s - 1) * M + m]].append((P * t + _PH_SEND, end, ("I", s - 1, m)))
                     w = when[2 * SM + s * M + m]
-                    carry[owner[s]].append((P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m)))
-    res, host, moves, res_key = _residual_intervals(layout, fc, owner, R, S, M)
+                    carry[at[s * M + m]].append(
+                        (P * t + _PH_I_WRITE_CARRY, P * w + _PH_W_READ, (s, m))
+                    )
+    res, host, moves, res_key = _residual_intervals(layout, fc, at, R, S, M)
     intervals = {"io": io, "res": res, "carry": carry, "host": host}
     slot, counts = {}, []
     for arena, per_rank in intervals.items():
@@ -667,11 +684,12 @@ def _memory_slots(schedule: Schedule, layout: _Layout, ticks):
     return slot, tuple(counts), lifetimes, tuple(sorted(moves, key=lambda mv: mv.tick)), res_key
 
 
-def _residual_intervals(layout: _Layout, fc, owner, R: int, S: int, M: int):
+def _residual_intervals(layout: _Layout, fc, at, R: int, S: int, M: int):
     """`_memory_slots`' residuals: ``(res, host, moves, res_key)``, the intervals on each
     rank and on its host (in the order of their keys), each `Move` and each piece's key.
 
-    `fc` holds the ``(stage, microbatch)`` pairs whose forward is an ``FC``.
+    `fc` holds the ``(stage, microbatch)`` pairs whose forward is an ``FC``; `at` the
+    rank of each (`TickPlan.key_rank`).
     """
     SM = S * M
     when = layout.when
@@ -684,7 +702,7 @@ def _residual_intervals(layout: _Layout, fc, owner, R: int, S: int, M: int):
     moves, res_key = [], {}
     for s in range(S):
         for m in range(M):
-            r = owner[s]
+            r = at[s * M + m]
             made = "R" if (s, m) in fc else "F"
             start = P * when[_KIND_INDEX[made] * SM + s * M + m] + _PH_F_WRITE_RES
             key, where, arena = (s, m), r, res
@@ -731,7 +749,7 @@ def plan_lifetimes(schedule: Schedule, layout: str = "auto") -> dict:
 def _plan_lifetimes(schedule: Schedule, layout: str) -> dict:
     chosen = _choose_layout(schedule, layout)
     info = analyze(schedule)
-    owner, R = info.stage_to_rank, schedule.num_ranks
+    at, R = info.key_rank, schedule.num_ranks
     S, M = info.num_stages, info.num_microbatches
     SM = S * M
     when = chosen.when
@@ -740,13 +758,13 @@ def _plan_lifetimes(schedule: Schedule, layout: str) -> dict:
     carry = [[] for _ in range(R)]
     if memory:
         fc = {a.key for row in info.rows for a in row if a.kind == "FC"}
-        res, host, _, _ = _residual_intervals(chosen, fc, owner, R, S, M)
+        res, host, _, _ = _residual_intervals(chosen, fc, at, R, S, M)
     else:
         res = [[] for _ in range(R)]
     for s in range(S):
-        r = owner[s]
         for m in range(M):
             k = s * M + m
+            r = at[k]
             w = when[2 * SM + k]
             i = when[SM + k]
             if i >= 0 and (memory or w >= 0):
@@ -842,7 +860,6 @@ def make_tick_plan(
     Memory actions (`TickPlan` says how they run) are laid out unit; asking
     for the packed layout then is refused.
     """
-    refuse_replicas(schedule, "the SPMD tick plan")
     if forward_only:
         return make_forward_tick_plan(schedule)
     check_layout(layout)
@@ -871,7 +888,7 @@ def make_forward_tick_plan(schedule: Schedule) -> TickPlan:
 
 def _plan_of(schedule: Schedule, layout: _Layout, info) -> TickPlan:
     """The `TickPlan` of a `_Layout`: its table and its slots."""
-    owner, R = info.stage_to_rank, schedule.num_ranks
+    R, S, M = schedule.num_ranks, info.num_stages, info.num_microbatches
     ticks = _ticks(schedule, layout)
     moves, res_key = (), {}
     if schedule.has_memory_actions:
@@ -880,14 +897,14 @@ def _plan_of(schedule: Schedule, layout: _Layout, info) -> TickPlan:
         )
     else:
         slot, (num_io, num_res, num_carry), lifetimes = _slots(
-            ticks, layout.when, owner, R, info.num_microbatches
+            ticks, layout.when, info.key_rank, S, R, M
         )
     channels = _channels(schedule, layout)
     return TickPlan(
         schedule,
         layout.name,
         ticks,
-        tuple(owner),
+        tuple(info.stage_to_rank),
         channels,
         num_io,
         num_res,
@@ -896,6 +913,7 @@ def _plan_of(schedule: Schedule, layout: _Layout, info) -> TickPlan:
         lifetimes,
         moves,
         res_key,
+        tuple(info.key_rank),
     )
 
 
@@ -930,7 +948,7 @@ def _table(plan: TickPlan) -> np.ndarray:
     """`TickPlan.table`: the integer table the program scans over."""
     S = plan.schedule.num_stages
     R = plan.num_ranks
-    owner = plan.stage_to_rank
+    at, M = plan.key_rank, plan.schedule.num_microbatches
     ncol = len(COLUMNS) + len(plan.channels)
     out = np.zeros((plan.num_ticks, R, ncol), np.int32)
     col = {name: i for i, name in enumerate(COLUMNS)}
@@ -964,7 +982,7 @@ def _table(plan: TickPlan) -> np.ndarray:
             continue  # a recompute sends nothing
         if kind != "W" and 0 <= nxt < S:
             consumer = (kind, nxt, m)
-            dst = owner[nxt]
+            dst = at[nxt * M + m]
             if dst == r:
                 out[t, r, col[f"{k}_local"]] = slot[("io", consumer)]
             else:
