@@ -51,8 +51,12 @@ def random_schedule(
         rng.randrange(ranks) if replicas and ranks > 1 and rng.random() < 0.5 else owner[s]
         for s in range(stages)
     ]
-    # The rank of each (stage, microbatch): its stage's, or its stage's second.
-    at = {(s, m): rng.choice((owner[s], second[s])) for (s, m) in split}
+    # The rank of each (stage, microbatch): its stage's, or its stage's second
+    # (drawn only with replicas, so that the other draws stay as they were).
+    at = {
+        (s, m): rng.choice((owner[s], second[s])) if second[s] != owner[s] else owner[s]
+        for (s, m) in split
+    }
     modes = ["keep", "recompute", "offload"] + (["evict"] * (ranks > 1))
     mode = {key: rng.choice(modes) if memory else "keep" for key in split}
     partner = {
