@@ -49,6 +49,7 @@ def test_a_replicated_stages_copies_share_bucket_names_and_rows():
     np.testing.assert_array_equal(host[name1][1], params[1]["v"])
     assert not host[name1][0].any()  # padding
     assert layout.padding["used"] == 3 * 4  # the copy counts as used
+    assert layout.padding["model"] == 2 * 4  # the model's own: each stage once
     back = layout.unpack_host(host)
     np.testing.assert_array_equal(back[0]["w"], params[0]["w"])
     # Without stage_ranks, one rank per stage as before.
@@ -124,7 +125,7 @@ def test_every_copy_steps_alike_and_the_account_holds_each_ranks_copies():
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
 @pytest.mark.parametrize(
     "spec,ranks,microbatches,data",
-    [("dualpipe", 4, 8, 1), ("chimera", 4, 8, 2), ("chimera", 8, 8, 1)],
+    [("dualpipe", 4, 8, 1), ("chimera", 4, 8, 2)],
 )
 def test_the_replicated_built_ins_are_exact(spec, ranks, microbatches, data, lowering):
     # `python -m jpipe.check SPEC -r R -m 8 [--data 2] --lowering L` (issue 39).
@@ -135,7 +136,7 @@ def test_the_replicated_built_ins_are_exact(spec, ranks, microbatches, data, low
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lowering", jpipe.LOWERINGS)
-@pytest.mark.parametrize("seed", [3, 5, 11])
+@pytest.mark.parametrize("seed", [3, 11])
 def test_random_replicated_placements_with_memory_actions_and_cells_are_exact(seed, lowering):
     from test_compiler_properties import random_schedule
 

@@ -139,14 +139,15 @@ def test_pipelined_losses_match_unpipelined(reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "lowering,tensors",
-    [("spmd", None), ("mpmd", None), ("mpmd", "1,1,1,1")],
-    ids=["spmd", "per-rank-one-mesh", "per-rank-a-mesh-per-rank"],
+    [("spmd", None), ("mpmd", "1,1,1,1")],
+    ids=["spmd", "per-rank-a-mesh-per-rank"],
 )
 def test_chimera_trains_to_the_unpipelined_losses(reference, tmp_path, lowering, tensors):
     # Each stage on two ranks (issue 39): the copies' gradients are summed, the
     # clipping's norm counts each copy once, and weight decay applies to both,
     # so the losses are the 1F1B run's (itself the unpipelined one's, test
-    # above), under SPMD, and per rank on one mesh and on a mesh per rank. AdamW hardly sees the
+    # above), under SPMD and per rank with a mesh per rank (per rank on one
+    # mesh passed too, left out of the suite for CI's time). AdamW hardly sees the
     # clipping (a scale its update divides out), so the norm is compared too:
     # counting each copy twice would make it about 1.4 times the reference's.
     result, workdir = reference

@@ -310,15 +310,17 @@ class ParamLayout:
 
     @property
     def padding(self) -> dict:
-        """Elements held over all ranks, and those the stages actually use (a
-        replicated stage's copies each count as used)."""
+        """Elements held over all ranks (``held``), those the stages' arrays fill
+        (``used``: a replicated stage's copies each count) and the model's own
+        (``model``: each stage once), and the share of ``held`` that is padding."""
         held = sum(self.num_ranks * math.prod(shape) for shape, _ in self.buckets.values())
-        used = sum(
-            len(ranks) * math.prod(sh)
-            for entries, ranks in zip(self.leaves, self.stage_ranks, strict=True)
-            for _, sh, _ in entries
-        )
-        return {"held": held, "used": used, "padding_fraction": 1 - used / held if held else 0.0}
+        model = used = 0
+        for entries, ranks in zip(self.leaves, self.stage_ranks, strict=True):
+            n = sum(math.prod(sh) for _, sh, _ in entries)
+            model += n
+            used += len(ranks) * n
+        fraction = 1 - used / held if held else 0.0
+        return {"held": held, "used": used, "model": model, "padding_fraction": fraction}
 
     def pack_host(self, params_list) -> dict:
         """Packs on the host: ``{bucket: numpy [R, *shape]}``."""

@@ -190,7 +190,7 @@ def compile_only(
     mesh_text = _mesh_text(c)
     log(
         f"compile-only: building the train step from shapes: {c.model_name} "
-        f"({_count(pipeline.layout.padding['used'])} parameters), schedule {c.schedule}, "
+        f"({_count(pipeline.layout.padding['model'])} parameters), schedule {c.schedule}, "
         f"M={c.num_microbatches}, mesh {mesh_text}, lowering {c.lowering}, "
         f"{jpipe.describe_devices(used)}"
     )

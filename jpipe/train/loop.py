@@ -464,7 +464,7 @@ def _say_setup(prepared: Prepared, pipeline: jpipe.Pipeline) -> None:
         f"{tensor}"
     )
     say(
-        f"model: {pipeline.layout.padding['used'] / 1e6:.2f}M parameters, "
+        f"model: {pipeline.layout.padding['model'] / 1e6:.2f}M parameters, "
         f"{sum(prepared.layers_per_stage)} blocks as {prepared.layers_per_stage} over "
         f"{schedule.num_stages} stages; padding {pipeline.layout.padding['padding_fraction']:.1%}"
     )
