@@ -14,24 +14,11 @@ validator and simulator side is tested in test_validate.
 import jax
 import numpy as np
 import pytest
+from test_validate import _users_chimera  # Chimera as a user writes it (issue 39)
 
 import jpipe
 from jpipe import testing
-from jpipe.schedule.actions import B, F, Schedule
 from jpipe.stage.pack import ParamLayout
-
-
-def _users_chimera(R=4, M=4):
-    """Chimera as a user writes it (issue 39): even microbatches down (stage s on rank
-    s), odd ones up (stage s on rank R-1-s), each rank's forwards then its backwards."""
-    rows = [[] for _ in range(R)]
-    for m in range(M):
-        for s in range(R):
-            rows[s if m % 2 == 0 else R - 1 - s].append(F(s, m))
-    for m in range(M):
-        for s in reversed(range(R)):
-            rows[s if m % 2 == 0 else R - 1 - s].append(B(s, m))
-    return Schedule.of(rows, name="users-chimera")
 
 
 def test_a_replicated_stages_copies_share_bucket_names_and_rows():
