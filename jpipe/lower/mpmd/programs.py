@@ -955,7 +955,7 @@ class RankPrograms:
             batches=self._rank_batches(batch),
             acc=[None] * self.num_ranks,
             loss_acc={r: self._loss_zero(r) for r in self.stage_ranks[-1] if here[r]},
-            ops=sum(here) + len(self.stage_ranks[-1]),
+            ops=sum(here) + sum(here[r] for r in self.stage_ranks[-1]),
         )
         for i, (r, a) in enumerate(self.order):
             if not here[r]:  # another process's op: only what it sends here
