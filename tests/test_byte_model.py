@@ -80,10 +80,11 @@ def test_tick_buffers_replace_the_values_where_a_model_sizes_them():
 
 def test_stage_room_follows_the_trait():
     rooms = [[5.0, 7.0], [3.0, 9.0], [8.0, 8.0]]  # each rank's devices (replicas)
-    owner = (0, 1, 2, 0)
+    holders = ((0,), (1,), (2,), (0,), (0, 2))  # the last stage replicated on ranks 0 and 2
     for kind in KINDS.values():
-        got = kind.byte_model().stage_room(rooms, owner)
-        assert got == ([3.0] * 4 if kind.every_device_holds_busiest else [5.0, 3.0, 8.0, 5.0])
+        got = kind.byte_model().stage_room(rooms, holders)
+        expected = [3.0] * 5 if kind.every_device_holds_busiest else [5.0, 3.0, 8.0, 5.0, 5.0]
+        assert got == expected
 
 
 def test_inputs_of_the_wrong_length_are_refused_by_name():

@@ -391,19 +391,6 @@ def test_a_users_chimera_validates_with_each_stage_on_two_ranks():
     assert sim.makespan == max(x.end for x in sim.syncs)
 
 
-def test_a_replicated_stage_is_refused_by_name_where_it_cannot_run_yet():
-    # Only the cluster planner, whose time model gives each stage one rank.
-    from jpipe.schedule.validate import refuse_replicas
-
-    with pytest.raises(ScheduleError) as info:
-        refuse_replicas(_users_chimera(), "the planner")
-    assert str(info.value).startswith(
-        "the planner does not run replicated stages yet (stage 0 on ranks 0 and 3; stage 1 "
-        "on ranks 1 and 2; stage 2 on ranks 1 and 2; ...): jpipe.Pipeline, train.py"
-    )
-    refuse_replicas(Schedule.of([[F(0, 0), B(0, 0)]]), "the planner")  # one copy: fine
-
-
 @pytest.mark.parametrize("layout", ["spmd", "mpmd"])
 def test_the_byte_models_count_each_ranks_copies(layout):
     # Every rank of Chimera holds two stages' parameters (and their gradients),
@@ -424,3 +411,21 @@ def test_a_missing_key_of_a_replicated_stage_names_every_rank_of_the_stage():
     with pytest.raises(ScheduleError) as info:
         jpipe.validate(Schedule.of(rows))
     assert str(info.value) == "ranks 0 and 1 (which hold stage 1): F(1,2) is missing"
+
+
+def test_costs_may_be_given_per_rank():
+    """One `Costs` per rank times each rank's actions with its own: the same Costs on
+    every rank is the one Costs; a slower rank 0 runs its copies slower there only."""
+    chimera = _users_chimera()
+    one = jpipe.Costs(F=1, B=2, sync=3)
+    assert jpipe.simulate(chimera, [one] * 4).ends == jpipe.simulate(chimera, one).ends
+    slow = jpipe.Costs(F=2, B=4, sync=3)
+    sim = jpipe.simulate(chimera, [slow, one, one, one])
+    for e in sim.timeline:
+        want = {"F": 1, "B": 2}[e.action.kind] * (2 if e.rank == 0 else 1)
+        assert e.end - e.start == want, e
+    assert sim.makespan > jpipe.simulate(chimera, one).makespan
+    with pytest.raises(ValueError, match="one Costs for each of the schedule's 4 ranks, got 3"):
+        jpipe.simulate(chimera, [one] * 3)
+    with pytest.raises(ValueError, match="rank 2's costs give comm=1 but rank 0's 0"):
+        jpipe.simulate(chimera, [one, one, jpipe.Costs(F=1, B=2, sync=3, comm=1), one])

@@ -162,7 +162,8 @@ class ByteModel(abc.ABC):
 
     @abc.abstractmethod
     def stage_room(
-        self, device_room: Sequence[Sequence[float]], stage_to_rank: Sequence[int]
+        self, device_room: Sequence[Sequence[float]], stage_ranks: Sequence[Sequence[int]]
     ) -> list[float]:
         """What each stage's own bytes may take when one stage is checked at a time (the
-        planner's layer split), given each rank's devices' room (``device_room[r]``)."""
+        planner's layer split), given each rank's devices' room (``device_room[r]``) and
+        the ranks that hold each stage (`Schedule.stage_ranks`)."""

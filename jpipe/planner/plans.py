@@ -28,16 +28,24 @@ global batch and the schedule. `evaluate` predicts its step time and memory:
 3. The schedule is built for the plan's ranks and microbatches
    (`get_schedule`, built-ins or the user's ``file.py:function``) and
    simulated once per data-parallel replica (replicas may hold different
-   devices, so each has its own costs) by `jpipe.simulate`.
-4. After its last action each rank all-reduces its stages' gradients with its
-   replicas (a ring: ``2 (d - 1) / d * bytes / bandwidth`` over the slowest
-   link between replicas; the ``T`` tensor-parallel shards reduce in parallel
-   over the node's links) and then runs the optimizer update (profile
+   devices, so each has its own costs) by `jpipe.simulate`, with one `Costs`
+   per rank: a stage replicated on several ranks (Chimera, DualPipe) runs each
+   copy at its own rank's device, and a copy that sends across a boundary to
+   several ranks is charged the slowest of those transfers. Once every copy
+   has run its last backward, a replicated stage's gradients are summed over
+   its ranks (a ring as in item 4, `Costs.sync`); copies must share one
+   tensor degree (`_copies_across_degrees`).
+4. After its last action (and its copies' sums) each rank all-reduces its
+   stages' gradients with its replicas (a ring: ``2 (d - 1) / d * bytes /
+   bandwidth`` over the slowest link between replicas; the ``T``
+   tensor-parallel shards reduce in parallel over the node's links) and then
+   runs the optimizer update (profile
    ``update`` times). The step ends when the last rank has updated:
    ``max over ranks of (latest replica finish + all-reduce + update)``.
 5. Memory per device (`memory_footprint`), from the profile's runtime terms
    (`MemoryTerms`): a fixed overhead, ``bytes_per_param x`` the parameters
-   one GPU of the rank holds at its T, the simulator's peak of live residuals
+   one GPU of the rank holds at its T (every copy it holds), the simulator's
+   peak of live residuals
    and carries on the rank (`jpipe.Sizes`: the profile's activation bytes at
    T, times B; for schedules that split the backward an ``I``'s carry is taken
    as large as the residuals, which overstates it rather than understates it)
@@ -126,7 +134,7 @@ from jpipe.schedule.simulate import (
     live_peaks,
     simulate,
 )
-from jpipe.schedule.validate import analyze, refuse_replicas, replicas_text
+from jpipe.schedule.validate import analyze
 from jpipe.search.engine import StageFigures, layout_kind, runs_schedule, search_schedule
 
 PLAN_FORMAT = "jpipe-plan/1"
@@ -435,7 +443,7 @@ def memory_footprint(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
-    refuse_replicas(schedule, "the planner")
+    _check_placement(plan, schedule)
     need = _device_needs(plan, profile, schedule)
     devices = [(r, d) for r in range(plan.pipe) for d in range(plan.data)]
     terms = profile.memory_terms
@@ -464,7 +472,9 @@ def _device_needs(plan: ClusterPlan, profile: Profile, schedule: Schedule) -> Ra
     the rank's peak of live values in its replica (`_values`), and the working memory of
     its largest stage (``working_factor`` of its residuals, plus what a remat re-run
     holds). The replicas of one program may hold different devices, so each is its own
-    entry; each rank holds its own stages' parameters (one mesh per rank)."""
+    entry; each rank holds its own stages' parameters (one mesh per rank), a copy of a
+    replicated stage's on every rank that holds one (their residuals are sized at the
+    first copy's device: `_check_placement` keeps copies on one tensor degree)."""
     terms = profile.memory_terms
     S = schedule.num_stages
     owner = list(schedule.stage_to_rank)
@@ -482,7 +492,7 @@ def _device_needs(plan: ClusterPlan, profile: Profile, schedule: Schedule) -> Ra
         ]
         values = _values(schedule, act, _stage_inputs(profile, plan.stage_layers, mbs))
         for r in range(plan.pipe):
-            stages = [s for s in range(S) if owner[s] == r]
+            stages = schedule.stages_of(r)
             tp = plan.ranks[r][d].tensor_parallel
             own[r][d] = (
                 terms.overhead_for(plan.ranks[r][d].kind, tp),
@@ -578,20 +588,17 @@ def _cut_seconds(
     return b.tensor_parallel * c, a.tensor_parallel * c
 
 
-def _sharing(ranks, owner) -> list[list[int]]:
-    """``[boundary][replica]``: transfers that cross the same pair of nodes at once.
+def _pair_sharing(ranks, a: int, b: int) -> list[int]:
+    """``[replica]``: how many transfers from rank `a` to rank `b` cross the same pair of
+    nodes at once. Replicas run in step, so when several send across the same two nodes
+    they share that link's bandwidth (each transfer takes that many times longer)."""
+    pairs = [(ranks[a][j].node, ranks[b][j].node) for j in range(len(ranks[0]))]
+    return [pairs.count(p) if p[0] != p[1] else 1 for p in pairs]
 
-    Replicas run in step, so when several send across the same two nodes they
-    share that link's bandwidth (each transfer takes that many times longer).
-    """
-    S = len(owner)
-    out = []
-    for s in range(S - 1):
-        pairs = [
-            (ranks[owner[s]][j].node, ranks[owner[s + 1]][j].node) for j in range(len(ranks[0]))
-        ]
-        out.append([pairs.count(p) if p[0] != p[1] else 1 for p in pairs])
-    return out
+
+def _sharing(ranks, owner) -> list[list[int]]:
+    """``[boundary][replica]``: `_pair_sharing` across each stage boundary of `owner`."""
+    return [_pair_sharing(ranks, owner[s], owner[s + 1]) for s in range(len(owner) - 1)]
 
 
 def _allreduce_seconds(profile: Profile, group: Sequence[DeviceGroup], per_gpu: float) -> float:
@@ -616,51 +623,151 @@ def _schedule_for(plan: ClusterPlan) -> Schedule:
         raise ValueError(
             f"schedule {plan.schedule!r} has {schedule.num_ranks} ranks, the plan {plan.pipe}"
         )
-    refuse_replicas(schedule, "the planner")
     return schedule
 
 
-def _replica_costs(profile: Profile, plan: ClusterPlan, owner, d: int, sharing, receiver_busy):
-    """Replica `d`'s per-stage F, I, W, B (blocking transfers folded in) and update
-    seconds, and per stage boundary the longer of its two transfers."""
-    S, mbs = len(owner), plan.microbatch_size
+def _copies_across_degrees(schedule: Schedule, ranks) -> str | None:
+    """Why a replicated stage of `schedule` cannot sit on `ranks`, or `None`: its copies
+    hold the same arrays, so the ranks that hold them must have one tensor degree (the
+    per-rank lowering refuses copies across mesh shapes, and each copy's gradient sum
+    adds shards of one shape)."""
+    for s, holders in enumerate(schedule.stage_ranks):
+        degrees = {r: max(g.tensor_parallel for g in ranks[r]) for r in holders}
+        if len(set(degrees.values())) > 1:
+            where = ", ".join(f"rank {r} tensor {t}" for r, t in degrees.items())
+            return f"stage {s} is replicated on ranks of different tensor degrees ({where})"
+    return None
+
+
+def _check_placement(plan: ClusterPlan, schedule: Schedule) -> None:
+    why_not = _copies_across_degrees(schedule, plan.ranks)
+    if why_not:
+        raise ValueError(f"the planner cannot place {plan.schedule!r} on this plan: {why_not}")
+
+
+def _boundary_pairs(schedule: Schedule) -> list[tuple[tuple[int, int], ...]]:
+    """Per stage boundary ``s`` -> ``s + 1``, the pairs of ranks ``(rank of (s, m), rank
+    of (s + 1, m))`` its microbatches cross: one pair where each stage has one rank,
+    one per direction in Chimera."""
+    info = analyze(schedule)
+    S, M, at = info.num_stages, info.num_microbatches, info.key_rank
+    return [
+        tuple(sorted({(at[s * M + m], at[(s + 1) * M + m]) for m in range(M)}))
+        for s in range(S - 1)
+    ]
+
+
+def _microbatches_on(schedule: Schedule) -> list[list[int]]:
+    """``[rank][stage]``: how many microbatches of the stage the rank runs (all of them
+    on its one rank, where a stage is not replicated)."""
+    info = analyze(schedule)
+    S, M, at = info.num_stages, info.num_microbatches, info.key_rank
+    count = [[0] * S for _ in range(len(info.rows))]
+    for k, r in enumerate(at):
+        count[r][k // M] += 1
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplicaCosts:
+    """One data-parallel replica's costs, per place ``(rank, stage)`` (zeros where the
+    rank does not hold the stage), blocking transfers folded in.
+
+    Attributes:
+      F, I, W, B: ``[rank][stage]`` seconds of one microbatch's action.
+      update: per rank, its optimizer update over every stage it holds.
+      sync: per stage, the ring all-reduce of a replicated stage's gradients over the
+        ranks that hold its copies (0 for a stage on one rank).
+      moved: per stage boundary, the longest single transfer across it.
+      stage: per stage, F + B of one microbatch on its slowest copy.
+    """
+
+    F: list
+    I: list
+    W: list
+    B: list
+    update: list
+    sync: list
+    moved: list
+    stage: list
+
+    def costs(self) -> tuple[Costs, ...]:
+        """One `Costs` per rank, for `simulate`."""
+        sync = tuple(self.sync)
+        return tuple(
+            Costs(F=tuple(f), I=tuple(i), W=tuple(w), B=tuple(b), sync=sync)
+            for f, i, w, b in zip(self.F, self.I, self.W, self.B, strict=True)
+        )
+
+
+def _replica_costs(
+    profile: Profile, plan: ClusterPlan, schedule: Schedule, d: int, receiver_busy
+) -> _ReplicaCosts:
+    """Replica `d`'s costs on every place of `schedule` (`_ReplicaCosts`).
+
+    Each copy of a stage computes at its own rank's device. A transfer blocks both
+    ends (module docstring); where a copy sends across a boundary to several ranks (a
+    schedule may place microbatches freely) it is charged the slowest of those pairs.
+    """
+    S, R, mbs = schedule.num_stages, plan.pipe, plan.microbatch_size
     outputs = profile.outputs(mbs)
-    dev = [plan.ranks[owner[s]][d] for s in range(S)]
-    F, I, W, B, U = [], [], [], [], []
-    moved = [0.0] * max(S - 1, 0)
+    F, I, W, B = ([[0.0] * S for _ in range(R)] for _ in range(4))
+    update = [0.0] * R
     for s, layers in enumerate(plan.stage_layers):
-        t = profile.layer_times(dev[s].kind, mbs, dev[s].tensor_parallel)
-        i_half, w_half = t.split()
-        F.append(sum(t.forward[l] for l in layers))
-        B.append(sum(t.backward[l] for l in layers))
-        I.append(sum(i_half[l] for l in layers))
-        W.append(sum(w_half[l] for l in layers))
-        U.append(sum(t.update[l] for l in layers))
-    for s in range(S - 1):
-        if owner[s] == owner[s + 1]:
-            continue
-        out, back = _cut_seconds(profile, dev[s], dev[s + 1], outputs[plan.stage_layers[s][-1]])
-        out, back = out * sharing[s][d], back * sharing[s][d]
-        moved[s] = max(out, back)
-        F[s] += out  # blocking send of the activation forward
-        I[s + 1] += back  # and of the gradient back
-        B[s + 1] += back
+        for r in schedule.stage_ranks[s]:
+            g = plan.ranks[r][d]
+            t = profile.layer_times(g.kind, mbs, g.tensor_parallel)
+            i_half, w_half = t.split()
+            F[r][s] = sum(t.forward[l] for l in layers)
+            B[r][s] = sum(t.backward[l] for l in layers)
+            I[r][s] = sum(i_half[l] for l in layers)
+            W[r][s] = sum(w_half[l] for l in layers)
+            update[r] += sum(t.update[l] for l in layers)
+    moved = [0.0] * max(S - 1, 0)
+    for s, pairs in enumerate(_boundary_pairs(schedule)):
+        nbytes = outputs[plan.stage_layers[s][-1]]
+        send, take, back, got = {}, {}, {}, {}  # the most each end pays, per rank
+        for a, b in pairs:
+            if a == b:
+                continue
+            out, grad = _cut_seconds(profile, plan.ranks[a][d], plan.ranks[b][d], nbytes)
+            share = _pair_sharing(plan.ranks, a, b)[d]
+            out, grad = out * share, grad * share
+            moved[s] = max(moved[s], out, grad)
+            send[a] = max(send.get(a, 0.0), out)  # blocking send of the activation forward
+            back[b] = max(back.get(b, 0.0), grad)  # and of the gradient back
+            take[b] = max(take.get(b, 0.0), out)  # the receivers' side of the same
+            got[a] = max(got.get(a, 0.0), grad)
+        for a, x in send.items():
+            F[a][s] += x
+        for b, x in back.items():
+            I[b][s + 1] += x
+            B[b][s + 1] += x
         if receiver_busy:
-            F[s + 1] += out  # the receiver's side of the same transfers
-            I[s] += back
-            B[s] += back
-    return F, I, W, B, U, moved
+            for b, x in take.items():
+                F[b][s + 1] += x
+            for a, x in got.items():
+                I[a][s] += x
+                B[a][s] += x
+    stage = [max(F[r][s] + B[r][s] for r in schedule.stage_ranks[s]) for s in range(S)]
+    sync = [0.0] * S
+    for s, holders in enumerate(schedule.stage_ranks):
+        if len(holders) > 1:
+            group = [plan.ranks[r][d] for r in holders]
+            grads = _stage_params(profile, plan.stage_layers[s], group[0].tensor_parallel)
+            grads *= profile.memory_terms.gradient_bytes  # one GPU's shard
+            sync[s] = _allreduce_seconds(profile, group, grads)
+    return _ReplicaCosts(F, I, W, B, update, sync, moved, stage)
 
 
-def _allreduce_per_rank(profile: Profile, plan: ClusterPlan, owner) -> list[float]:
-    """Each rank's data-parallel all-reduce of its stages' gradients (module docstring)."""
+def _allreduce_per_rank(profile: Profile, plan: ClusterPlan, schedule: Schedule) -> list[float]:
+    """Each rank's data-parallel all-reduce of its stages' gradients (module docstring),
+    copies of replicated stages included."""
     allreduce = []
     for r in range(plan.pipe):
         tp = max(g.tensor_parallel for g in plan.ranks[r])
         params = sum(
-            _stage_params(profile, plan.stage_layers[s], tp)
-            for s in range(len(owner))
-            if owner[s] == r
+            _stage_params(profile, plan.stage_layers[s], tp) for s in schedule.stages_of(r)
         )
         grads = params * profile.memory_terms.gradient_bytes  # one GPU's shard
         allreduce.append(_allreduce_seconds(profile, plan.ranks[r], grads))
@@ -669,23 +776,23 @@ def _allreduce_per_rank(profile: Profile, plan: ClusterPlan, owner) -> list[floa
 
 def _busy_bound(profile: Profile, plan: ClusterPlan, schedule: Schedule, receiver_busy) -> float:
     """A bound on `plan`'s step before simulating it: in every replica each rank runs
-    each of its stages' forward and backward (with their blocking transfers) once a
-    microbatch, one action at a time, then all-reduces and updates."""
-    owner = list(schedule.stage_to_rank)
-    sharing = _sharing(plan.ranks, owner)
+    the forward and backward (with their blocking transfers) of each microbatch it
+    holds, one action at a time, then all-reduces and updates."""
+    count = _microbatches_on(schedule)
     busy = [0.0] * plan.pipe
     updates = [0.0] * plan.pipe
     for d in range(plan.data):
-        F, I, W, B, U, _ = _replica_costs(profile, plan, owner, d, sharing, receiver_busy)
-        work, update = [0.0] * plan.pipe, [0.0] * plan.pipe
-        for s, r in enumerate(owner):
-            work[r] += F[s] + min(B[s], I[s] + W[s])  # what the schedule may run instead
-            update[r] += U[s]
-        busy = [max(x, y) for x, y in zip(busy, work, strict=True)]
-        updates = [max(x, y) for x, y in zip(updates, update, strict=True)]
-    allreduce = _allreduce_per_rank(profile, plan, owner)
-    M = plan.num_microbatches
-    return max(M * busy[r] + allreduce[r] + updates[r] for r in range(plan.pipe))
+        c = _replica_costs(profile, plan, schedule, d, receiver_busy)
+        for r in range(plan.pipe):
+            work = sum(
+                n * (c.F[r][s] + min(c.B[r][s], c.I[r][s] + c.W[r][s]))  # what it may run
+                for s, n in enumerate(count[r])
+                if n
+            )
+            busy[r] = max(busy[r], work)
+            updates[r] = max(updates[r], c.update[r])
+    allreduce = _allreduce_per_rank(profile, plan, schedule)
+    return max(busy[r] + allreduce[r] + updates[r] for r in range(plan.pipe))
 
 
 def evaluate(
@@ -707,32 +814,31 @@ def evaluate(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
-    refuse_replicas(schedule, "the planner")
     S = schedule.num_stages
     if S != len(plan.stage_layers):
         raise ValueError(
             f"schedule {plan.schedule!r} has {S} stages but the plan splits layers into "
             f"{len(plan.stage_layers)}"
         )
-    owner = list(schedule.stage_to_rank)
+    _check_placement(plan, schedule)
     finish = [[0.0] * plan.data for _ in range(plan.pipe)]
     updates = [[0.0] * plan.data for _ in range(plan.pipe)]
     stage_seconds = [0.0] * S
     transfer = [0.0] * max(S - 1, 0)
     worst = None
-    sharing = _sharing(plan.ranks, owner)
     for d in range(plan.data):
-        F, I, W, B, U, moved = _replica_costs(profile, plan, owner, d, sharing, receiver_busy)
-        transfer = [max(x, y) for x, y in zip(transfer, moved, strict=True)]
-        for s in range(S):
-            stage_seconds[s] = max(stage_seconds[s], F[s] + B[s])
-        sim = simulate(schedule, Costs(F=F, I=I, W=W, B=B))
+        c = _replica_costs(profile, plan, schedule, d, receiver_busy)
+        transfer = [max(x, y) for x, y in zip(transfer, c.moved, strict=True)]
+        stage_seconds = [max(x, y) for x, y in zip(stage_seconds, c.stage, strict=True)]
+        sim = simulate(schedule, c.costs())
+        summed = {x.stage: x.end for x in sim.syncs}  # a replicated stage's gradient sum
         for r in range(plan.pipe):
-            finish[r][d] = max(sim.ends[r], default=0.0)
-            updates[r][d] = sum(U[s] for s in range(S) if owner[s] == r)
+            own = [summed[s] for s in schedule.stages_of(r) if s in summed]
+            finish[r][d] = max([*sim.ends[r], *own], default=0.0)
+            updates[r][d] = c.update[r]
         if worst is None or sim.makespan > worst.makespan:
             worst = sim
-    allreduce = _allreduce_per_rank(profile, plan, owner)
+    allreduce = _allreduce_per_rank(profile, plan, schedule)
     update = [max(u) for u in updates]
     step = max(max(finish[r]) + allreduce[r] + update[r] for r in range(plan.pipe))
     M = plan.num_microbatches
@@ -934,24 +1040,27 @@ def _live_units(schedule: Schedule) -> list[float]:
     stage's residuals per microbatch (its residuals and, where the backward is split,
     its carries, taken as large), as `memory_footprint` counts them. With memory actions,
     each stage's peak on its own rank as the simulator counts it (`_values`; what a
-    partner holds for it is left to the footprint checked after the split)."""
+    partner holds for it is left to the footprint checked after the split). A stage
+    replicated on several ranks: the most any one of them holds of it."""
     carry = 1.0 if schedule.splits_backward else 0.0
     if schedule.has_memory_actions:
-        # Stage s's peak on its own rank in the run with unit costs, `simulate(schedule,
-        # Costs(), sizes).peak_bytes[owner[s]]` with sizes 1 (and `carry`) for stage s
-        # alone: one run and one pass over each rank's events, each stage's running sum
-        # taking only its own changes (the others' are zeros there).
+        # Stage s's peak on a rank that holds it in the run with unit costs,
+        # `simulate(schedule, Costs(), sizes).peak_bytes[r]` with sizes 1 (and `carry`)
+        # for stage s alone: one run and one pass over each rank's events, each stage's
+        # running sum taking only its own changes (the others' are zeros there).
         info = analyze(schedule)
-        S, M, owner, rows = info.num_stages, info.num_microbatches, info.stage_to_rank, info.rows
+        S, M, rows = info.num_stages, info.num_microbatches, info.rows
+        holders = schedule.stage_ranks
         starts, ends, issue, _, _ = _timed(schedule, Costs())
         events = _live_events(
             rows, starts, ends, issue, S, M, len(rows), (1.0,) * S, (0.0,) * S, (carry,) * S
         )
-        live, most = [0.0] * S, [0.0] * S
+        most = [0.0] * S
         for r, changes in enumerate(events):
+            live = [0.0] * S
             for _, delta, (src, j) in changes:
                 s = rows[src][j].stage
-                if owner[s] == r:
+                if r in holders[s]:
                     live[s] += delta
                     if live[s] > most[s]:
                         most[s] = live[s]
@@ -995,12 +1104,13 @@ def _fitting_split(
     """
     S, owner = schedule.num_stages, schedule.stage_to_rank
     ranks = shape.ranks
-    devs = [ranks[owner[s]][0] for s in range(S)]  # the first replica's devices decide it
+    # the first replica's devices decide it (of a replicated stage, its first copy's)
+    devs = [ranks[owner[s]][0] for s in range(S)]
     # what each stage may hold besides the fixed overhead of the device that holds it
     terms = profile.memory_terms
     room_of = lambda g: usable(g.kind) - terms.overhead_for(g.kind, g.tensor_parallel)  # noqa: E731
     model = layout_kind(shape.memory_layout).byte_model()
-    capacity = model.stage_room([[room_of(g) for g in row] for row in ranks], owner)
+    capacity = model.stage_room([[room_of(g) for g in row] for row in ranks], schedule.stage_ranks)
     share = [x[0] for x in _sharing(ranks, owner)]
     live = _live_units(schedule) if live is None else live
     split = lambda budgets=None: _split_layers(  # noqa: E731
@@ -1483,7 +1593,7 @@ class _ShapeSearch:
         """Queues one shape to split (lazily, at `_shape_bound`) or splits it now; or notes
         why its schedule cannot run on it."""
         spec, p, M = shape.schedule, shape.pipe, shape.num_microbatches
-        owner = None
+        owner, replicated = None, False
         if spec == SEARCH:
             item = ("search", shape)
         else:
@@ -1491,11 +1601,9 @@ class _ShapeSearch:
             if error is not None:
                 self.skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
                 return
-            if schedule.replicated:
-                self.skipped.append(
-                    f"{spec} on {p} ranks x {M} microbatches: it replicates stages "
-                    f"({replicas_text(schedule)}), which the planner does not place yet"
-                )
+            why_not = _copies_across_degrees(schedule, shape.ranks)
+            if why_not:
+                self.skipped.append(f"{spec} on {where}: {why_not}")
                 return
             if not runs:
                 self.skipped.append(
@@ -1511,10 +1619,12 @@ class _ShapeSearch:
                 return
             item = ("split", shape, (spec, p, M), where)
             owner = schedule.stage_to_rank
+            replicated = schedule.replicated
         if self.lazy:
             bound = _shape_bound(
-                self.profile, shape.ranks, shape.microbatch_size, M, owner, self.receiver_busy
-            )
+                self.profile, shape.ranks, shape.microbatch_size, M, owner, self.receiver_busy,
+                replicated,
+            )  # fmt: skip
             self._push(bound, item)
         else:
             self.split(-math.inf, item)
@@ -1529,7 +1639,7 @@ class _ShapeSearch:
             return
         candidate, schedule = got
         self.considered += 1
-        after = _lower_bound(self.profile, candidate, schedule.stage_to_rank)
+        after = _lower_bound(self.profile, candidate, schedule)
         if self.lazy:  # tighter, and worth its cost where most shapes are never simulated
             after = _busy_bound(self.profile, candidate, schedule, self.receiver_busy)
         self._push(max(bound, after), ("ready", candidate, schedule))
@@ -1691,7 +1801,9 @@ def _placements(devices, assignments, node_size, num_layers):
                 yield tuple(tuple(x) for x in ranks), f"tp={tp} dp={d} pp={p}", "/".join(order)
 
 
-def _shape_bound(profile: Profile, ranks, mbs: int, M: int, owner, receiver_busy) -> float:
+def _shape_bound(
+    profile: Profile, ranks, mbs: int, M: int, owner, receiver_busy, replicated: bool = False
+) -> float:
     """A bound on any plan of `ranks` before its layers are split.
 
     Every layer runs on some rank, at best on the one where it is cheapest, and every
@@ -1699,10 +1811,15 @@ def _shape_bound(profile: Profile, ranks, mbs: int, M: int, owner, receiver_busy
     when the schedule is not yet chosen) moves at least the smallest output any cut
     could send: so the busiest rank of the first replica does at least the average of
     that work and those transfers, and at least the costliest layer, M times over.
+    Where the schedule replicates stages (`replicated`), a layer's M microbatches may
+    be shared among its copies' ranks, and a boundary crossed between different pairs
+    of ranks: the bound keeps the average work alone.
     """
     dev = [row[0] for row in ranks]
     rows = [profile.layer_times(g.kind, mbs, g.tensor_parallel) for g in dev]
     cheapest = [min(t.forward[l] + t.backward[l] for t in rows) for l in range(profile.num_layers)]
+    if replicated:
+        return M * sum(cheapest) / len(ranks)
     moving = 0.0
     if owner is not None:
         outputs = profile.outputs(mbs)[:-1]  # a cut follows any layer but the last
@@ -1911,20 +2028,20 @@ def _summarise(skipped: Sequence[str], most: int = 5) -> str:
     return "; ".join(parts)
 
 
-def _lower_bound(profile: Profile, plan: ClusterPlan, owner: Sequence[int]) -> float:
+def _lower_bound(profile: Profile, plan: ClusterPlan, schedule: Schedule) -> float:
     """No schedule beats the busiest rank doing all its microbatches back to back."""
-    mbs, M = plan.microbatch_size, plan.num_microbatches
+    mbs = plan.microbatch_size
+    count = _microbatches_on(schedule)
     busiest = 0.0
     for r, row in enumerate(plan.ranks):
         for dev in row:
             t = profile.layer_times(dev.kind, mbs, dev.tensor_parallel)
             work = sum(
-                t.forward[l] + t.backward[l]
-                for s, layers in enumerate(plan.stage_layers)
-                if owner[s] == r
-                for l in layers
+                n * sum(t.forward[l] + t.backward[l] for l in plan.stage_layers[s])
+                for s, n in enumerate(count[r])
+                if n
             )
-            busiest = max(busiest, M * work)
+            busiest = max(busiest, work)
     return busiest
 
 

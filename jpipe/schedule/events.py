@@ -156,19 +156,53 @@ class Costs:
         return (float(self.comm),) * max(num_stages - 1, 0)
 
 
-def _run(rows, order, S: int, M: int, at, costs: Costs):
+CostsGiven = Costs | Sequence[Costs]
+
+
+def rank_costs(costs: CostsGiven, num_ranks: int) -> tuple[Costs, ...]:
+    """One `Costs` per rank: `costs` itself for every rank, or the sequence given (one
+    per rank, for ranks whose devices differ, where a replicated stage's copies run at
+    different speeds). The transfers' latency (``comm``) and the replicas' gradient sum
+    (``sync``) belong to the links between ranks, so every rank's `Costs` must give the
+    same ones."""
+    if isinstance(costs, Costs):
+        return (costs,) * num_ranks
+    each = tuple(costs)
+    if len(each) != num_ranks or not all(isinstance(c, Costs) for c in each):
+        raise ValueError(
+            f"costs per rank must be one Costs for each of the schedule's {num_ranks} ranks, "
+            f"got {len(each)} values"
+        )
+    for r, c in enumerate(each[1:], 1):
+        for name in ("comm", "sync"):
+            if getattr(c, name) != getattr(each[0], name):
+                raise ValueError(
+                    f"rank {r}'s costs give {name}={getattr(c, name)!r} but rank 0's "
+                    f"{getattr(each[0], name)!r}: {name} is a cost of the links between "
+                    "ranks, the same in every rank's Costs"
+                )
+    return each
+
+
+def _run(rows, order, S: int, M: int, at, costs: CostsGiven):
     """Times every action in `order` (a dependency order, `Analysis.order`).
 
     Returns `(starts, ends, issue, busy)`: per rank, each action's start and end
     (a transfer's span for the transfers), the time its rank reached it in its
     list, and the rank's busy (compute) time. `at` is the rank of each `(stage,
     microbatch)` (`Analysis.key_rank`): a dependency on another rank adds the transfer.
+    `costs` is one `Costs` for every rank or one per rank (`rank_costs`).
     """
-    cost = costs.table(S)
-    comm = costs.comm_table(S)
-    if any(a.kind not in cost for row in rows for a in row):
-        cost = {**cost, **costs.memory_table(S)}
     R = len(rows)
+    each = rank_costs(costs, R)
+    memory = any(a.kind not in ("F", "I", "W", "B") for row in rows for a in row)
+    tables: dict[int, dict] = {}  # by id: one table per distinct Costs
+    for c in each:
+        if id(c) not in tables:
+            table = c.table(S)
+            tables[id(c)] = {**table, **c.memory_table(S)} if memory else table
+    per_rank = [tables[id(c)] for c in each]
+    comm = each[0].comm_table(S)
     end_f = [0.0] * (S * M)
     end_g = [0.0] * (S * M)  # end of the B or I of (s, m)
     end_i = [0.0] * (S * M)
@@ -187,7 +221,7 @@ def _run(rows, order, S: int, M: int, at, costs: Costs):
         s, kind = a.stage, a.kind
         k = s * M + a.microbatch
         ready = issue[r][i] = free[r]
-        duration = cost[kind][s]
+        duration = per_rank[r][kind][s]
         # when it can start, and what its end makes ready
         if kind == "F" or kind == "FC":
             if s > 0:

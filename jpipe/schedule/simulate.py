@@ -7,7 +7,9 @@ start every action can have given the per-rank order, so the makespan is what
 a machine that overlaps perfectly would reach.
 
 Costs are per kind and per stage (one value for all stages or one per stage,
-so mixed devices can be modelled). ``B`` defaults to ``I + W``. The transfer
+so mixed devices can be modelled), and may be given per rank too (a sequence
+of `Costs`, one per rank, `rank_costs`: where a replicated stage's copies sit
+on devices of different speeds). ``B`` defaults to ``I + W``. The transfer
 latency ``comm`` is one value, or one per boundary between stage ``s`` and
 ``s + 1`` (links differ on a mixed cluster).
 
@@ -66,12 +68,14 @@ import functools
 from jpipe.schedule.actions import Action, Schedule
 from jpipe.schedule.events import (
     Costs,
+    CostsGiven,
     PerStage,
     _check_values,
     _live_events,
     _parse_items,
     _per_stage,
     _run,
+    rank_costs,
 )
 from jpipe.schedule.validate import _rows, analyze
 
@@ -182,7 +186,7 @@ class Simulation:
     """What `simulate` reports (see the module docstring)."""
 
     schedule: Schedule
-    costs: Costs
+    costs: CostsGiven  # one Costs, or one per rank
     makespan: float
     busy: tuple[float, ...]
     bubble_fraction: float
@@ -260,9 +264,10 @@ class Simulation:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs | None = None, sizes: Sizes | None = None
+    schedule: Schedule, costs: CostsGiven | None = None, sizes: Sizes | None = None
 ) -> Simulation:
-    """Runs `schedule` (validated first) as timed events with `costs`.
+    """Runs `schedule` (validated first) as timed events with `costs` (one `Costs`, or
+    one per rank: `jpipe.schedule.events.rank_costs`).
 
     With `sizes`, the result also has each rank's `peak_bytes` (see the module
     docstring), and `peak_bytes_without`, the same for the schedule without its
@@ -272,7 +277,9 @@ def simulate(
     return _simulation(schedule, costs, _timed(schedule, costs), sizes)
 
 
-def _simulation(schedule: Schedule, costs: Costs, timed, sizes: Sizes | None = None) -> Simulation:
+def _simulation(
+    schedule: Schedule, costs: CostsGiven, timed, sizes: Sizes | None = None
+) -> Simulation:
     """`simulate(schedule, costs, sizes)` from its run in time (`timed`, `_timed`'s result
     with these costs), for a caller that ran it already (the search's walk)."""
     info = analyze(schedule)
@@ -309,7 +316,7 @@ def _simulation(schedule: Schedule, costs: Costs, timed, sizes: Sizes | None = N
     )
 
 
-def _timed(schedule: Schedule, costs: Costs):
+def _timed(schedule: Schedule, costs: CostsGiven):
     """`schedule` (validated) run in time: `(starts, ends, issue, busy, makespan)` (`_run`),
     before the figures `simulate` derives from them. What the tick planner and the
     search's walk read of a simulation."""
@@ -323,13 +330,13 @@ def _timed(schedule: Schedule, costs: Costs):
     return starts, ends, issue, busy, last_end - first_start
 
 
-def _syncs(schedule: Schedule, ends, costs: Costs) -> tuple[Sync, ...]:
+def _syncs(schedule: Schedule, ends, costs: CostsGiven) -> tuple[Sync, ...]:
     """Each replicated stage's gradient sum: it starts when every rank that holds the
     stage has ended its last backward of it (``B`` or ``W``), and takes `Costs.sync`."""
     if not schedule.replicated:
         return ()
     info = analyze(schedule)
-    sync = costs.sync_table(info.num_stages)
+    sync = rank_costs(costs, len(info.rows))[0].sync_table(info.num_stages)
     done = [0.0] * info.num_stages
     for r, row in enumerate(info.rows):
         for i, a in enumerate(row):

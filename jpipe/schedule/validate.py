@@ -73,24 +73,6 @@ def replicas_text(schedule: Schedule) -> str:
     return "; ".join(said[:3]) + ("; ..." if len(said) > 3 else "")
 
 
-def refuse_replicas(schedule: Schedule, who: str, instead: str | None = None) -> None:
-    """Raises `ScheduleError` if `schedule` replicates a stage, which `who` cannot take yet.
-
-    Everything takes replicated stages (both lowerings, the trainer, the
-    search) but the cluster planner, whose time model gives each stage one
-    rank (an open issue). `instead`: what to do, if there is a way.
-    """
-    if schedule.replicated:
-        way = instead or (
-            "jpipe.Pipeline, train.py, jpipe.search, jpipe.validate and jpipe.simulate take "
-            "them. Place each stage on one rank to plan it; 'dualpipev' is DualPipe folded "
-            "onto one copy of the model"
-        )
-        raise ScheduleError(
-            f"{who} does not run replicated stages yet ({replicas_text(schedule)}): {way}"
-        )
-
-
 def _count(n: int, noun: str) -> str:
     plural = {"microbatch": "microbatches"}.get(noun, noun + "s")
     return f"{n} {noun if n == 1 else plural}"

@@ -47,7 +47,8 @@ class PerRankBytes(ByteModel):
         )
 
     def stage_room(
-        self, device_room: Sequence[Sequence[float]], stage_to_rank: Sequence[int]
+        self, device_room: Sequence[Sequence[float]], stage_ranks: Sequence[Sequence[int]]
     ) -> list[float]:
-        """Each stage's room on its own rank: the least of that rank's devices'."""
-        return [min(device_room[r]) for r in stage_to_rank]
+        """Each stage's room on its own ranks: the least of their devices' (every rank
+        that holds a copy of a replicated stage holds all of the stage's bytes)."""
+        return [min(min(device_room[r]) for r in ranks) for ranks in stage_ranks]

@@ -47,11 +47,11 @@ class SpmdBytes(ByteModel):
         return tick_buffers(schedule, activation, carry)
 
     def stage_room(
-        self, device_room: Sequence[Sequence[float]], stage_to_rank: Sequence[int]
+        self, device_room: Sequence[Sequence[float]], stage_ranks: Sequence[Sequence[int]]
     ) -> list[float]:
         """The smallest device's room for every stage: each device holds the largest stage's."""
         smallest = min(room for rank in device_room for room in rank)
-        return [smallest] * len(stage_to_rank)
+        return [smallest] * len(stage_ranks)
 
 
 def tick_buffers(
