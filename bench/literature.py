@@ -2,8 +2,9 @@
 
     python -m bench.literature [--write-docs]
 
-For the built-ins that replicate stages, taken from papers (`chimera`, Li
-and Hoefler, SC'21; `dualpipe`, DeepSeek-V3), at R = 4 and 8 ranks, the
+For the built-ins taken from papers that replicate stages (`chimera`, Li
+and Hoefler, SC'21; `dualpipe`, DeepSeek-V3) or slice sequences (`seq1f1b`,
+Sun et al., NAACL'25), at R = 4 and 8 ranks, the
 simulator's bubble (or idle time a rank) and each rank's peak live
 activations and parameters, beside what the paper's formula says and
 beside 1F1B (and ZB-H1) on the same ranks. Pure Python (`jpipe.simulate`):
@@ -13,8 +14,8 @@ Costs are the paper's unit slots (F = B = 1, where its formula holds) and
 the usual B = 2F (F = I = W = 1). Memory is in units of one stage's: a
 microbatch's residuals at one stage (activation = 1) and one stage's
 parameters (params = 1); a stage is 1/R of the model in both schedules.
-``--write-docs`` replaces blocks ``literature`` and ``literature-dualpipe``
-of docs/schedules.md.
+``--write-docs`` replaces blocks ``literature``, ``literature-dualpipe`` and
+``literature-seq1f1b`` of docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -101,6 +102,50 @@ def dualpipe_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seq1f1b_rows(ranks=(4, 8), microbatches=(8, 32), slices=(2, 4)) -> list[dict]:
+    """One dict per (R, M, k): `seq1f1b`'s simulated bubble and rank 0's peak residuals
+    (in sequences: a slice's are 1/k of its sequence's, and costs 1/k of a sequence's at
+    B = 2F), beside 1F1B over k M units and 1F1B itself."""
+    rows = []
+    for R in ranks:
+        for M in microbatches:
+            base = jpipe.simulate(jpipe.get_schedule("1f1b", R, M), USUAL, SIZES)
+            for k in slices:
+                costs = Costs(F=1 / k, I=1 / k, W=1 / k)
+                sizes = Sizes(activation=1 / k, params=0)
+                sim = jpipe.simulate(jpipe.get_schedule("seq1f1b", R, M, slices=k), costs, sizes)
+                rows.append(
+                    {
+                        "R": R,
+                        "M": M,
+                        "k": k,
+                        "bubble": sim.bubble_fraction,
+                        "bubble_formula": (R - 1) / (k * M + R - 1),
+                        "bubble_1f1b": base.bubble_fraction,
+                        "peak": sim.peak_bytes[0],
+                        "peak_formula": min(M * k, R + k - 1) / k,
+                        "peak_1f1b": base.peak_bytes[0] - 1,  # less its one stage's params
+                    }
+                )
+    return rows
+
+
+def seq1f1b_table(rows: list[dict]) -> str:
+    """`seq1f1b_rows` as the Markdown table docs/schedules.md shows."""
+    lines = [
+        "| R | M | slices k | bubble, B = 2F: simulated | 1F1B over kM slices (R-1)/(kM+R-1) "
+        "| 1F1B | rank 0's peak residuals, sequences | (R+k-1)/k | 1F1B's (R) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['R']} | {r['M']} | {r['k']} | {r['bubble']:.4f} | {r['bubble_formula']:.4f} "
+            f"| {r['bubble_1f1b']:.4f} | {r['peak']:.3g} | {r['peak_formula']:.3g} "
+            f"| {r['peak_1f1b']:g} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """The rows as the Markdown table docs/schedules.md shows."""
     lines = [
@@ -124,12 +169,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--write-docs",
         action="store_true",
-        help="replace the blocks 'literature' and 'literature-dualpipe' of docs/schedules.md",
+        help="replace the blocks 'literature', 'literature-dualpipe' and "
+        "'literature-seq1f1b' of docs/schedules.md",
     )
     args = parser.parse_args(argv)
     tables = {
         "literature": table(chimera_rows()),
         "literature-dualpipe": dualpipe_table(dualpipe_rows()),
+        "literature-seq1f1b": seq1f1b_table(seq1f1b_rows()),
     }
     for name, text in tables.items():
         print(text, end="\n\n")

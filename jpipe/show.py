@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         sim = simulate(schedule, costs, sizes)  # validates first
         # The shape of the program `jpipe.make_tick_plan` would lay out, without its table.
-        program = program_shape(schedule, sim=sim)
+        program = None if schedule.slices else program_shape(schedule, sim=sim)
         written = []
         if args.csv:
             schedule.to_csv(args.csv)
@@ -197,19 +197,26 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         print(_figures(sim))
-        moves = program.get("moves")
-        print(
-            f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
-            f"{program['channels']} channel(s); {program['sent']} transfers between "
-            f"ranks, {program['exposed']} read the very next tick; "
-            f"{program['collectives']} collectives, {program['idle']} with nothing to send"
-            + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
-            + (
-                f"; {replicas_text(sim.schedule)}, gradients summed over the copies"
-                if sim.schedule.replicated
-                else ""
+        if program is None:
+            print(
+                f"program: none yet; neither lowering runs sequence slices "
+                f"({sim.schedule.num_sequences} sequences x {sim.schedule.num_slices} slices)"
             )
-        )
+        else:
+            moves = program.get("moves")
+            print(
+                f"program: {program['tick_layout']} ticks, {program['ticks']} of them, "
+                f"{program['channels']} channel(s); {program['sent']} transfers between "
+                f"ranks, {program['exposed']} read the very next tick; "
+                f"{program['collectives']} collectives, {program['idle']} with nothing to "
+                "send"
+                + ("" if moves is None else f"; {moves} copies of residuals (memory actions)")
+                + (
+                    f"; {replicas_text(sim.schedule)}, gradients summed over the copies"
+                    if sim.schedule.replicated
+                    else ""
+                )
+            )
     notes = sys.stderr if args.json else sys.stdout
     for path in written:
         print(f"wrote {path}", file=notes)

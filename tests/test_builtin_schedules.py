@@ -384,6 +384,7 @@ def test_the_docs_literature_tables_are_what_the_simulator_gives_now():
 
     assert block("literature") == literature.table(literature.chimera_rows())
     assert block("literature-dualpipe") == literature.dualpipe_table(literature.dualpipe_rows())
+    assert block("literature-seq1f1b") == literature.seq1f1b_table(literature.seq1f1b_rows())
 
 
 @pytest.mark.parametrize("p", (2, 4, 8))

@@ -344,6 +344,13 @@ class Pipeline:
         lowering: str = "spmd",
     ):
         info = analyze(schedule)
+        if schedule.slices:
+            raise ValueError(
+                f"schedule {schedule.name or ''} cuts each sequence into "
+                f"{schedule.num_slices} slices (Seq1F1B); neither lowering runs sequence "
+                "slices yet (a stage would carry the keys and values between slices): "
+                "jpipe.validate, jpipe.simulate and jpipe.show take it"
+            )
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)

@@ -443,6 +443,7 @@ def memory_footprint(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
+    _refuse_slices(schedule)
     _check_placement(plan, schedule)
     need = _device_needs(plan, profile, schedule)
     devices = [(r, d) for r in range(plan.pipe) for d in range(plan.data)]
@@ -624,6 +625,17 @@ def _schedule_for(plan: ClusterPlan) -> Schedule:
             f"schedule {plan.schedule!r} has {schedule.num_ranks} ranks, the plan {plan.pipe}"
         )
     return schedule
+
+
+def _refuse_slices(schedule: Schedule) -> None:
+    """The planner's profiles time whole sequences; a slice's share of a layer's time
+    (causal attention grows with the tokens before it) is not in them yet."""
+    if schedule.slices:
+        raise ValueError(
+            f"the planner does not plan sequence slices yet ({schedule.name or 'the schedule'}"
+            f" cuts each sequence into {schedule.num_slices}): its profiles time whole "
+            "sequences; jpipe.simulate takes the schedule with your own per-slice costs"
+        )
 
 
 def _copies_across_degrees(schedule: Schedule, ranks) -> str | None:
@@ -814,6 +826,7 @@ def evaluate(
     """
     plan.check(profile.num_layers)
     schedule = schedule or _schedule_for(plan)
+    _refuse_slices(schedule)
     S = schedule.num_stages
     if S != len(plan.stage_layers):
         raise ValueError(
@@ -1602,6 +1615,8 @@ class _ShapeSearch:
                 self.skipped.append(f"{spec} on {p} ranks x {M} microbatches: {error}")
                 return
             why_not = _copies_across_degrees(schedule, shape.ranks)
+            if schedule.slices:
+                why_not = "the planner does not plan sequence slices yet"
             if why_not:
                 self.skipped.append(f"{spec} on {where}: {why_not}")
                 return

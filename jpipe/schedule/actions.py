@@ -282,6 +282,28 @@ def RELOAD_END(stage: int, microbatch: int) -> Action:
     return Action("RELOAD_END", stage, microbatch)
 
 
+def _slice_lengths(slices) -> tuple[int, ...]:
+    """`Schedule.slices` from what a user gives: a count of even slices or their lengths."""
+    if isinstance(slices, int) and not isinstance(slices, bool):
+        if slices < 1:
+            raise ValueError(f"slices must be a positive number of slices, got {slices}")
+        slices = (1,) * slices if slices > 1 else ()
+    try:
+        lengths = tuple(slices)
+    except TypeError:
+        raise TypeError(
+            f"slices must be a number of even slices or their lengths, got {slices!r}"
+        ) from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in lengths):
+        raise ValueError(f"slice lengths must be positive integers, got {lengths!r}")
+    if len(lengths) == 1:
+        raise ValueError(
+            f"slices={lengths!r} cuts each sequence into one slice: leave slices out for "
+            "whole sequences"
+        )
+    return lengths
+
+
 def parse_action(text: str) -> Step:
     """Reads one CSV cell such as ``2F0`` or ``(0F7;7B3)OVERLAP_F_B``."""
     match = _OVERLAP_RE.match(text)
@@ -313,10 +335,21 @@ class Schedule:
     Attributes:
       ranks: one tuple of actions per rank, in execution order.
       name: a label for charts and messages; not part of equality.
+      slices: empty for whole sequences (the usual case); else the relative
+        lengths of the slices each sequence is cut into along its tokens
+        (Seq1F1B), and each microbatch of the lists is one slice: microbatch
+        ``u`` is slice ``u % k`` of sequence ``u // k`` (``k = len(slices)``,
+        `slice_of`). A stage carries the keys and values seen so far from one
+        slice of a sequence to the next, so the validator asks that a stage
+        run all slices of a sequence on one rank, their forwards in slice
+        order and their backwards in reverse (docs/schedules.md, "Sequence
+        slices"). ``Schedule.of(rows, slices=4)`` cuts each sequence into 4
+        even slices.
     """
 
     ranks: tuple[tuple[Step, ...], ...]
     name: str = dataclasses.field(default="", compare=False)
+    slices: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.ranks, tuple) or not all(
@@ -327,10 +360,22 @@ class Schedule:
                 "Schedule(ranks) takes a tuple of tuples of Action/Overlap; use "
                 "Schedule.of(lists) to build one from lists or strings like '2F0'"
             )
+        object.__setattr__(self, "slices", _slice_lengths(self.slices))
 
     @classmethod
-    def of(cls, ranks: Iterable[Iterable[Step | str | None]], name: str = "") -> Schedule:
-        """Builds a schedule from per-rank lists; strings are parsed, `None` skipped."""
+    def of(
+        cls,
+        ranks: Iterable[Iterable[Step | str | None]],
+        name: str = "",
+        slices: int | Sequence[int] = (),
+    ) -> Schedule:
+        """Builds a schedule from per-rank lists; strings are parsed, `None` skipped.
+
+        `slices`: a number of even slices each sequence is cut into, or their
+        relative lengths (`Schedule.slices`); each microbatch of the lists is then
+        one slice. Cells written ``2F1.3`` (stage 2, forward, sequence 1, slice 3)
+        are read so too.
+        """
         rows = []
         for row in ranks:
             cells = []
@@ -343,7 +388,7 @@ class Schedule:
                     raise TypeError(f"a schedule holds Action or Overlap entries, got {cell!r}")
                 cells.append(cell)
             rows.append(tuple(cells))
-        return cls(tuple(rows), name=name)
+        return cls(tuple(rows), name=name, slices=slices)
 
     # -- shape -----------------------------------------------------------------
 
@@ -371,6 +416,32 @@ class Schedule:
     def num_microbatches(self) -> int:
         mbs = [a.microbatch for _, _, a in self.all_actions()]
         return max(mbs) + 1 if mbs else 0
+
+    @property
+    def num_slices(self) -> int:
+        """How many slices each sequence is cut into (1: whole sequences)."""
+        return len(self.slices) or 1
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences (microbatches of whole sequences) the lists cover."""
+        return -(-self.num_microbatches // self.num_slices)
+
+    def slice_of(self, microbatch: int) -> tuple[int, int]:
+        """``(sequence, slice)`` of a microbatch of the lists (``(microbatch, 0)`` where
+        sequences are whole)."""
+        return divmod(microbatch, self.num_slices)
+
+    def cell(self, step: Step) -> str:
+        """`step` as a CSV cell of this schedule: ``2F0``, or ``2F1.3`` (sequence 1,
+        slice 3) where sequences are sliced."""
+        if not self.slices:
+            return str(step)
+        if isinstance(step, Overlap):
+            return f"({self.cell(step.forward)};{self.cell(step.backward)})OVERLAP_F_B"
+        sequence, piece = self.slice_of(step.microbatch)
+        tail = "" if step.partner is None else f"@{step.partner}"
+        return f"{step.stage}{step.kind}{sequence}.{piece}{tail}"
 
     @functools.cached_property
     def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
@@ -423,7 +494,7 @@ class Schedule:
                     continue
                 cells.append(step)
             rows.append(tuple(cells))
-        return Schedule(tuple(rows), name=self.name)
+        return Schedule(tuple(rows), name=self.name, slices=self.slices)
 
     @functools.cached_property
     def splits_backward(self) -> bool:
@@ -433,7 +504,7 @@ class Schedule:
     # -- text ------------------------------------------------------------------
 
     def to_rows(self) -> list[list[str]]:
-        return [[str(step) for step in row] for row in self.ranks]
+        return [[self.cell(step) for step in row] for row in self.ranks]
 
     def to_csv(self, path: str | os.PathLike | None = None, *, pytorch: bool = False) -> str:
         """Writes PyTorch's CSV form to `path` (if given) and returns it as text.
@@ -452,6 +523,13 @@ class Schedule:
                     f"PyTorch's pipelining cannot run this schedule as written: {gaps[0]}"
                     + (f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else "")
                 )
+        if len(set(self.slices)) > 1:
+            raise ValueError(
+                f"the CSV form names each cell's slice but not the slices' lengths, so "
+                f"uneven slices {self.slices} would read back even; keep this schedule in "
+                "Python (a built-in or file.py:function), or read the file back with "
+                f"Schedule.from_csv(path, slices={self.slices})"
+            )
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(self.to_rows())
         text = buf.getvalue()
@@ -461,9 +539,14 @@ class Schedule:
         return text
 
     def pytorch_gaps(self) -> list[str]:
-        """What of this schedule PyTorch's pipelining cannot run, one line each: stages
-        on several ranks (it places each stage on one) and memory actions (it has none)."""
+        """What of this schedule PyTorch's pipelining cannot run, one line each: sequence
+        slices (its microbatches are whole sequences), stages on several ranks (it places
+        each stage on one) and memory actions (it has none)."""
         gaps = [
+            f"each sequence is cut into {self.num_slices} slices (cells such as "
+            f"{self.cell(self.ranks[0][0]) if self.ranks and self.ranks[0] else '0F0.1'}); "
+            "PyTorch's microbatches are whole sequences"
+        ] * bool(self.slices) + [
             f"stage {s} is on ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}; "
             "PyTorch places a stage on one rank"
             for s, ranks in enumerate(self.stage_ranks)
@@ -478,9 +561,12 @@ class Schedule:
         return gaps
 
     @classmethod
-    def from_csv_text(cls, text: str, name: str = "") -> Schedule:
+    def from_csv_text(
+        cls, text: str, name: str = "", slices: int | Sequence[int] | None = None
+    ) -> Schedule:
         """Reads PyTorch's CSV form from a string; see `from_csv`."""
         where = name or "CSV"
+        k, slices = _slices_in(text, where, slices)
         commas = text.count(",")  # cells less one a row: a bound found without parsing
         if commas >= MAX_ACTIONS:
             raise ValueError(
@@ -518,7 +604,7 @@ class Schedule:
                 if not cell.strip():
                     continue
                 try:
-                    step, names = _read_csv_cell(cell)
+                    step, names = _read_csv_cell(_unslice_cell(cell, k) if k else cell)
                     for a in () if step is None else step.parts:
                         _check_index(a)
                 except ValueError as e:
@@ -538,10 +624,12 @@ class Schedule:
             rows.append(cells)
         while rows and not rows[-1]:
             rows.pop()  # a trailing empty line is not a rank
-        return cls.of(_undo_legacy_b(rows), name=name)
+        return cls.of(_undo_legacy_b(rows), name=name, slices=slices)
 
     @classmethod
-    def from_csv(cls, path: str | os.PathLike) -> Schedule:
+    def from_csv(
+        cls, path: str | os.PathLike, slices: int | Sequence[int] | None = None
+    ) -> Schedule:
         """Reads a schedule written in PyTorch's CSV form.
 
         Blank cells are skipped. A ``B`` followed later on the same rank by a
@@ -549,20 +637,57 @@ class Schedule:
         PyTorch convention). Transfer, FSDP and gradient-reduction cells
         (`DROPPED_CSV_KINDS`) are dropped once checked to name a stage of
         their rank, so positions in errors count compute cells only.
+
+        jpipe's superset: cells ``2F1.3`` name sequence 1's slice 3 (`Schedule.slices`);
+        the file gives the number of slices, `slices` their lengths where uneven.
         """
         try:
             with open(path, newline="", encoding="utf-8-sig") as f:
                 text = f.read()
         except UnicodeDecodeError as e:
             raise ValueError(f"{os.fspath(path)} is not a UTF-8 text file: {e}") from None
-        return cls.from_csv_text(text, name=os.path.basename(os.fspath(path)))
+        return cls.from_csv_text(text, name=os.path.basename(os.fspath(path)), slices=slices)
 
     def __str__(self) -> str:
-        width = max((len(str(s)) for row in self.ranks for s in row), default=1)
+        width = max((len(self.cell(s)) for row in self.ranks for s in row), default=1)
         lines = [f"Schedule {self.name or ''}".rstrip() + ":"]
         for r, row in enumerate(self.ranks):
-            lines.append(f"  rank {r}: " + " ".join(f"{str(s):>{width}}" for s in row))
+            lines.append(f"  rank {r}: " + " ".join(f"{self.cell(s):>{width}}" for s in row))
         return "\n".join(lines)
+
+
+_SLICED_CELL_RE = re.compile(r"(\d+)\s*([A-Z_]+)\s*(\d+)\.(\d+)")
+_PLAIN_CELL_RE = re.compile(r"\d+\s*[A-Z_]+\s*\d+(?![\d.])")
+
+
+def _slices_in(text: str, where: str, slices) -> tuple[int, tuple[int, ...]]:
+    """``(k, lengths)``: how many slices the sliced cells of `text` (``2F1.3``: sequence
+    1, slice 3) cut each sequence into (0: none are sliced), and the slices' lengths,
+    from `slices` where given."""
+    found = _SLICED_CELL_RE.findall(text)
+    if not found:
+        return 0, () if slices is None else _slice_lengths(slices)
+    k = max(int(piece) for *_, piece in found) + 1
+    lengths = _slice_lengths(k if slices is None else slices)
+    if len(lengths) != k:
+        raise ValueError(
+            f"{where}: its cells cut each sequence into {k} slices, but slices={slices!r} "
+            f"gives {len(lengths)}"
+        )
+    return k, lengths
+
+
+def _unslice_cell(text: str, k: int) -> str:
+    """A cell of a sliced file with each part's ``SEQUENCE.SLICE`` written as the
+    microbatch it is (``2F1.3`` -> ``2F7`` with 4 slices); a part that names no slice
+    is refused."""
+    plain = _PLAIN_CELL_RE.search(_SLICED_CELL_RE.sub("", text))
+    if plain:
+        raise ValueError(
+            f"cell {text.strip()!r} names no slice, where other cells do; in a sliced "
+            "schedule every cell is STAGE KIND SEQUENCE.SLICE, such as 2F1.3"
+        )
+    return _SLICED_CELL_RE.sub(lambda m: f"{m[1]}{m[2]}{int(m[3]) * k + int(m[4])}", text)
 
 
 def _read_csv_cell(text: str) -> tuple[Step | None, list[tuple[int, str]]]:

@@ -126,7 +126,12 @@ def _headline(sim: Simulation) -> str:
     s = sim.schedule
     return (
         f"{s.name or 'schedule'}: {s.num_ranks} ranks, {s.num_stages} stages, "
-        f"{s.num_microbatches} microbatches; makespan {_fmt(sim.makespan)}, "
+        + (
+            f"{s.num_sequences} sequences x {s.num_slices} slices"
+            if s.slices
+            else f"{s.num_microbatches} microbatches"
+        )
+        + f"; makespan {_fmt(sim.makespan)}, "
         f"bubble {sim.bubble_fraction:.1%}"
     )
 

@@ -316,7 +316,7 @@ def get_schedule(
         schedule = Schedule.from_csv(spec)
         for what, given, actual in (
             ("ranks", num_ranks, schedule.num_ranks),
-            ("microbatches", num_microbatches, schedule.num_microbatches),
+            ("microbatches", num_microbatches, schedule.num_sequences),
         ):
             if given is not None and given != actual:
                 raise ValueError(f"{spec} has {actual} {what}, but {given} were asked for")

@@ -243,6 +243,7 @@ class Simulation:
             "ranks": self.schedule.num_ranks,
             "stages": self.schedule.num_stages,
             "microbatches": self.schedule.num_microbatches,
+            **({"slices": list(self.schedule.slices)} if self.schedule.slices else {}),
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "busy": list(self.busy),

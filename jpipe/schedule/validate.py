@@ -197,6 +197,9 @@ def _analyze(schedule: Schedule, num_stages, num_microbatches, max_live) -> Anal
     _check_complete(at, owner, schedule.stage_ranks, where, S, M)
     # 5. order on one rank
     _check_rank_order(rows, cell_pos, where, S, M)
+    # 5a. a sequence's slices on one rank per stage, in slice order (the carry)
+    if schedule.slices:
+        _check_slices(schedule, rows, cell_pos, where, S, M)
     # 5b. where each (stage, microbatch)'s residuals are, along its owner's list
     if memory:
         _check_residual_places(rows, cell_pos, M)
@@ -425,6 +428,53 @@ def _check_rank_order(rows, cell_pos, where, S, M) -> None:
                 raise ScheduleError(
                     f"{_where(r, cell_pos[r][i], a)}: comes before {before!r} at position "
                     f"{cell_pos[r][need]}, which it needs"
+                )
+
+
+def _check_slices(schedule: Schedule, rows, cell_pos, where, S: int, M: int) -> None:
+    """Step 5a (sequence slices): each stage carries the keys and values of a sequence's
+    earlier slices to its later ones, so it runs all slices of a sequence on one rank,
+    each slice's forward after the forward of the slice before it, and each slice's
+    backward (its ``B`` or ``I``, which passes the carry's gradient back) after the
+    backward of the slice after it."""
+    k = schedule.num_slices
+    if M % k:
+        raise ScheduleError(
+            f"each sequence is cut into {k} slices, but the lists have {_count(M, 'microbatch')}"
+            f", not whole sequences (slice u % {k} of sequence u // {k})"
+        )
+    if schedule.has_memory_actions:
+        raise ScheduleError(
+            "sequence slices with memory actions are not supported yet: a slice's residuals "
+            "read the carry of the slices before it, which no memory action moves"
+        )
+    f_at = where["F"]
+    back = [b if b is not None else i for b, i in zip(where["B"], where["I"])]
+    for s in range(S):
+        for m in range(M):
+            if m % k == 0:
+                continue
+            key, before = s * M + m, s * M + m - 1
+            (r, i), (r0, i0) = f_at[key], f_at[before]
+            here, there = rows[r][i], rows[r0][i0]
+            if r != r0:
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], here)}: on rank {r}, but {there!r}, the "
+                    f"slice before it of the same sequence, is on rank {r0}; a stage keeps "
+                    "the keys and values of a sequence's slices (the carry) on one rank, "
+                    "so it runs all of a sequence's slices there"
+                )
+            if i < i0:
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], here)}: comes before {there!r} at position "
+                    f"{cell_pos[r][i0]}, the slice before it, whose carry it reads"
+                )
+            (r, i), (r0, i0) = back[before], back[key]
+            if i < i0:
+                raise ScheduleError(
+                    f"{_where(r, cell_pos[r][i], rows[r][i])}: comes before "
+                    f"{rows[r0][i0]!r} at position {cell_pos[r0][i0]}, the slice after it, "
+                    "which hands it the gradient of the carry"
                 )
 
 

@@ -1,0 +1,127 @@
+"""Sequence slices as microbatches (Seq1F1B): the language, the validator's carry rules,
+the built-in, the CSV superset, and the lowerings' refusal until they run them. Pure
+Python but for the last test."""
+
+import itertools
+
+import pytest
+
+import jpipe
+from jpipe import B, F, Schedule, ScheduleError
+
+
+def test_slices_are_a_count_or_lengths():
+    rows = [[F(0, 0), F(0, 1), B(0, 1), B(0, 0)]]
+    assert Schedule.of(rows, slices=2).slices == (1, 1)
+    assert Schedule.of(rows, slices=(3, 1)).slices == (3, 1)
+    assert Schedule.of(rows, slices=1).slices == () == Schedule.of(rows).slices
+    assert Schedule.of(rows, slices=2) != Schedule.of(rows)  # slices are part of equality
+    for bad, match in ((0, "positive number"), ((2,), "one slice"), ((1, 0), "positive integers")):
+        with pytest.raises(ValueError, match=match):
+            Schedule.of(rows, slices=bad)
+    with pytest.raises(TypeError, match="number of even slices or their lengths"):
+        Schedule.of(rows, slices=2.5)
+
+
+def test_a_microbatch_is_a_slice_of_a_sequence():
+    s = Schedule.of([[F(0, u) for u in range(6)] + [B(0, u) for u in (2, 1, 0, 5, 4, 3)]], slices=3)
+    assert (s.num_microbatches, s.num_sequences, s.num_slices) == (6, 2, 3)
+    assert [s.slice_of(u) for u in (0, 2, 3, 5)] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert s.cell(F(0, 4)) == "0F1.1" and s.cell(B(0, 3)) == "0B1.0"
+    jpipe.validate(s)
+    assert "0F1.2" in str(s)
+
+
+CARRY_CASES = {
+    "a slice's forward before the slice before it": (
+        [[F(0, 1), F(0, 0), B(0, 1), B(0, 0)]],
+        r"\(F\(0,1\)\): comes before F\(0,0\) at position 1, the slice before it, whose carry",
+    ),
+    "a slice's backward before the slice after it": (
+        [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)]],
+        r"\(B\(0,0\)\): comes before B\(0,1\) at position 3, the slice after it, which hands",
+    ),
+    "one sequence's slices of a stage on two ranks": (
+        [[F(0, 0), B(0, 0)], [F(0, 1), B(0, 1)]],
+        r"rank 1, position 0 \(F\(0,1\)\): on rank 1, but F\(0,0\), the slice before it of "
+        "the same sequence, is on rank 0",
+    ),
+    "not whole sequences": (
+        [[F(0, 0), F(0, 1), B(0, 1), B(0, 0), F(0, 2), B(0, 2)]],
+        "but the lists have 3 microbatches, not whole sequences",
+    ),
+    "memory actions": (
+        [[jpipe.FC(0, 0), F(0, 1), B(0, 1), jpipe.RECOMPUTE(0, 0), B(0, 0)]],
+        "sequence slices with memory actions are not supported yet",
+    ),
+}
+
+
+@pytest.mark.parametrize("rows,message", CARRY_CASES.values(), ids=list(CARRY_CASES))
+def test_the_carry_rules_are_enforced_by_name(rows, message):
+    with pytest.raises(ScheduleError, match=message):
+        jpipe.validate(Schedule.of(rows, slices=2))
+
+
+def test_the_split_backward_passes_the_carry_through_its_input_half():
+    """With the backward split, the I (which passes the gradient upstream) keeps the
+    reverse slice order; the W may run whenever its I has."""
+    ok = [[F(0, 0), F(0, 1), jpipe.I(0, 1), jpipe.I(0, 0), jpipe.W(0, 0), jpipe.W(0, 1)]]
+    jpipe.validate(Schedule.of(ok, slices=2))
+    bad = [[F(0, 0), F(0, 1), jpipe.I(0, 0), jpipe.I(0, 1), jpipe.W(0, 1), jpipe.W(0, 0)]]
+    with pytest.raises(ScheduleError, match=r"\(I\(0,0\)\): comes before I\(0,1\)"):
+        jpipe.validate(Schedule.of(bad, slices=2))
+
+
+@pytest.mark.parametrize("R,M,k", list(itertools.product((1, 2, 4, 8), (1, 3, 8), (2, 4))))
+def test_seq1f1b_is_valid_with_the_papers_bubble_and_memory(R, M, k):
+    schedule = jpipe.get_schedule("seq1f1b", R, M, slices=k)
+    jpipe.validate(schedule, num_stages=R)
+    assert schedule.slices == (1,) * k and schedule.num_sequences == M
+    for r in range(R):
+        actions = schedule.actions(r)
+        assert sorted((a.kind, a.microbatch) for a in actions) == sorted(
+            (kind, u) for kind in "FB" for u in range(M * k)
+        )
+    # a slice costs 1/k of a sequence: 1F1B's bubble with k times the microbatches
+    sim = jpipe.simulate(schedule, jpipe.Costs(F=1 / k, B=2 / k))
+    assert sim.bubble_fraction == pytest.approx((R - 1) / (M * k + R - 1), abs=1e-12)
+    # rank 0 holds R + k - 1 slices at its peak, (R + k - 1) / k sequences against 1F1B's R
+    assert sim.peak_activations[0] == min(M * k, R + k - 1)
+
+
+def test_seq1f1b_takes_uneven_lengths():
+    schedule = jpipe.get_schedule("seq1f1b:slices=4,lengths=(5,4,4,3)", 4, 2)
+    assert schedule.slices == (5, 4, 4, 3)
+    assert jpipe.get_schedule("seq1f1b", 4, 2, slices=2, lengths=(3, 1)).slices == (3, 1)
+    with pytest.raises(ValueError, match=r"seq1f1b: 2 lengths \(3, 1\) for 4 slices"):
+        jpipe.get_schedule("seq1f1b", 4, 2, lengths=(3, 1))
+
+
+def test_the_csv_superset_names_each_cells_slice(tmp_path):
+    schedule = jpipe.get_schedule("seq1f1b", 4, 2, slices=3)
+    text = schedule.to_csv()
+    assert text.splitlines()[3].startswith("3F0.0,3F0.1,3F0.2,3B0.2,3F1.0,3B0.1,")
+    assert Schedule.from_csv_text(text) == schedule
+    path = tmp_path / "seq.csv"
+    schedule.to_csv(path)
+    assert jpipe.get_schedule(str(path), 4, 2) == schedule  # 2 sequences, as asked
+    # PyTorch runs whole sequences: a file for it is refused, naming the slices
+    with pytest.raises(ValueError, match="each sequence is cut into 3 slices .*PyTorch's"):
+        schedule.to_csv(pytorch=True)
+    # uneven lengths are not in the file: writing refuses, reading takes them back
+    uneven = jpipe.get_schedule("seq1f1b", 4, 2, slices=3, lengths=(2, 1, 1))
+    with pytest.raises(ValueError, match=r"uneven slices \(2, 1, 1\) would read back even"):
+        uneven.to_csv()
+    assert Schedule.from_csv_text(text, slices=(2, 1, 1)) == uneven
+    with pytest.raises(ValueError, match="cut each sequence into 3 slices, but slices=2"):
+        Schedule.from_csv_text(text, slices=2)
+    with pytest.raises(ValueError, match=r"row 1 column 4: cell '0B0' names no slice, where"):
+        Schedule.from_csv_text("0F0.0,0F0.1,0B0.1,0B0\n")
+
+
+def test_the_lowerings_refuse_slices_by_name():
+    schedule = jpipe.get_schedule("seq1f1b", 2, 2, slices=2)
+    for lowering in ("spmd", "mpmd"):
+        with pytest.raises(ValueError, match="neither lowering runs sequence slices yet"):
+            jpipe.Pipeline([lambda p, x: x] * 2, schedule, jpipe.make_mesh(2, 1), lowering=lowering)
