@@ -3,6 +3,7 @@ the built-in, the CSV superset, and the lowerings' refusal until they run them. 
 Python but for the last test."""
 
 import itertools
+import random
 
 import pytest
 
@@ -125,3 +126,55 @@ def test_the_lowerings_refuse_slices_by_name():
     for lowering in ("spmd", "mpmd"):
         with pytest.raises(ValueError, match="neither lowering runs sequence slices yet"):
             jpipe.Pipeline([lambda p, x: x] * 2, schedule, jpipe.make_mesh(2, 1), lowering=lowering)
+
+
+def random_sliced_schedule(seed: int, ranks: int, stages: int, sequences: int, k: int):
+    """A random valid sliced schedule: each (stage, sequence) on a drawn rank, actions
+    taken in a random order that any dependency allows (the carry's included), some
+    backwards split into I and W."""
+    rng = random.Random(seed)
+    U = sequences * k
+    at = {(s, q): rng.randrange(ranks) for s in range(stages) for q in range(sequences)}
+    split = {(s, u): rng.random() < 0.5 for s in range(stages) for u in range(U)}
+    todo = {key: ["F"] + (["I", "W"] if split[key] else ["B"]) for key in split}
+    done, rows = set(), [[] for _ in range(ranks)]
+
+    def ready(s, u, kind):
+        if kind == "F":
+            return (s == 0 or ("F", s - 1, u) in done) and (u % k == 0 or ("F", s, u - 1) in done)
+        if kind == "W":
+            return True
+        later = u % k == k - 1 or ("G", s, u + 1) in done  # the carry's gradient
+        return later and (s == stages - 1 or ("G", s + 1, u) in done)
+
+    while todo:
+        choices = [(key, kinds[0]) for key, kinds in todo.items() if ready(*key, kinds[0])]
+        (s, u), kind = rng.choice(choices)
+        rows[at[s, u // k]].append(jpipe.Action(kind, s, u))
+        done.add((kind, s, u))
+        if kind in "BI":
+            done.add(("G", s, u))
+        todo[s, u].pop(0)
+        if not todo[s, u]:
+            del todo[s, u]
+    return Schedule.of(rows, slices=k)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_sliced_schedules_are_valid_and_a_carry_out_of_order_is_not(seed):
+    rng = random.Random(seed)
+    R, S, Q, k = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 3), rng.randint(2, 4)
+    schedule = random_sliced_schedule(seed, R, S, Q, k)
+    jpipe.validate(schedule, num_stages=S, num_microbatches=Q * k)
+    sim = jpipe.simulate(schedule)
+    assert all(b <= sim.makespan for b in sim.busy)
+    # swap a sequence's two adjacent slices' forwards on one stage: the carry is read
+    # before it is written, and the validator says so
+    s, q, j = rng.randrange(S), rng.randrange(Q), rng.randrange(k - 1)
+    first, second = F(s, q * k + j), F(s, q * k + j + 1)
+    rows = [
+        [second if a == first else first if a == second else a for a in row]
+        for row in schedule.ranks
+    ]
+    with pytest.raises(ScheduleError, match="the slice before it"):
+        jpipe.validate(Schedule.of(rows, slices=k))
