@@ -1079,3 +1079,20 @@ def test_copies_on_ranks_of_different_tensor_degrees_are_refused_by_name():
     with pytest.raises(ValueError, match=r"stage 0 is replicated on ranks of different tensor "
                        r"degrees \(rank 0 tensor 1, rank 3 tensor 2\)"):  # fmt: skip
         evaluate(p, prof)
+
+
+def test_replicated_stages_are_also_placed_mirrored_on_a_mixed_cluster():
+    """Chimera's copies sit on ranks r and R - 1 - r: with device types in contiguous
+    blocks each stage has a copy on a slow device, whose rank the fast one waits for.
+    The planner also tries the order that reads alike from both ends, and it wins."""
+    prof = _toy(F=[1.0] * 8, B=[2.0] * 8)
+    got = plan(
+        prof, [("fast", 2), ("slow", 2)], 8, gpus_per_node=2, schedules=("chimera",),
+        tensor_parallel=(1,), top=6,
+    )  # fmt: skip
+    four = [c.evaluation for c in got.best if c.evaluation.plan.pipe == 4]
+    kinds = [[row[0].kind for row in e.plan.ranks] for e in four]
+    assert kinds[0] in (["fast", "slow", "slow", "fast"], ["slow", "fast", "fast", "slow"])
+    blocks = [e.step_seconds for e, k in zip(four, kinds) if k != k[::-1]]
+    assert blocks and four[0].step_seconds < min(blocks)
+    assert four[0] is got.best[0].evaluation

@@ -1601,6 +1601,12 @@ class _ShapeSearch:
             for spec in schedules:
                 shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, self.memory_layout)
                 self._queue_shape(shape, f"{degrees_text} B={mbs} {order}")
+                mirrored = _mirrored(ranks)
+                if mirrored != ranks and spec != SEARCH:
+                    schedule = self.schedule_of(spec, shape.pipe, shape.num_microbatches)[0]
+                    if schedule is not None and schedule.replicated:
+                        shape = dataclasses.replace(shape, ranks=mirrored)
+                        self._queue_shape(shape, f"{degrees_text} B={mbs} {order} mirrored")
 
     def _queue_shape(self, shape: ClusterPlan, where: str) -> None:
         """Queues one shape to split (lazily, at `_shape_bound`) or splits it now; or notes
@@ -1814,6 +1820,19 @@ def _placements(devices, assignments, node_size, num_layers):
                 if len(set(tp_of.values())) == 1:
                     tp = str(tp_of[kinds[0]])
                 yield tuple(tuple(x) for x in ranks), f"tp={tp} dp={d} pp={p}", "/".join(order)
+
+
+def _mirrored(ranks):
+    """`ranks` reordered to read alike from both ends: the placement's i-th rank goes to
+    position i / 2 from the front (i even) or from the back (i odd), so where a device
+    type fills an even block, ranks r and R - 1 - r are of one type. Chimera and DualPipe
+    put a stage's two copies on ranks r and R - 1 - r: on the contiguous blocks of
+    `_placements` their copies sit on different types and the faster waits."""
+    R = len(ranks)
+    out = [None] * R
+    for i, row in enumerate(ranks):
+        out[i // 2 if i % 2 == 0 else R - 1 - i // 2] = row
+    return tuple(out)
 
 
 def _shape_bound(
