@@ -108,6 +108,45 @@ def causal_attention(
     return checkpoint_name(out, ATTENTION_NAME)
 
 
+def attention_over_carry(
+    q_BxTxHxK: jax.Array,
+    k_BxTxGxK: jax.Array,
+    v_BxTxGxK: jax.Array,
+    carry: tuple[jax.Array, jax.Array],
+    offset,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Causal attention of one slice of a sequence (Seq1F1B's unit) over the keys and
+    values of the slices before it, which `carry` holds.
+
+    The carry is the whole sequence's key and value buffers, ``B x L x G x K`` each
+    (zeros where no slice has written yet). The slice of T tokens starting at token
+    `offset` writes its keys and values there and attends to every position up to
+    its own: the carry grows from slice to slice, and what it returns goes to the
+    next slice. Its gradient flows back the same way: the cotangent of the carry a
+    slice returns holds what later slices' queries asked of its keys and values, and
+    the one it hands the slice before it holds the rest. Chained over a sequence's
+    slices it is `causal_attention` of the whole sequence (tests/test_slices.py),
+    at T x L scores a slice (the masked positions past the slice are computed and
+    dropped; a kernel that stops at the diagonal is the GPU's business).
+
+    Args:
+      q_BxTxHxK, k_BxTxGxK, v_BxTxGxK: the slice's queries, keys and values.
+      carry: ``(keys, values)`` of the whole sequence, ``B x L x G x K``.
+      offset: the slice's first token (an int, or a traced int scalar).
+
+    Returns:
+      ``(out, carry)``: the slice's output ``B x T x H x K`` and the carry with the
+      slice's keys and values written in.
+    """
+    keys, values = carry
+    keys = lax.dynamic_update_slice_in_dim(keys, k_BxTxGxK.astype(keys.dtype), offset, axis=1)
+    values = lax.dynamic_update_slice_in_dim(values, v_BxTxGxK.astype(values.dtype), offset, axis=1)
+    t, length = q_BxTxHxK.shape[1], keys.shape[1]
+    seen = jnp.arange(length)[None, :] <= offset + jnp.arange(t)[:, None]  # T x L
+    out = jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=seen[None, None])
+    return checkpoint_name(out, ATTENTION_NAME), (keys, values)
+
+
 def block_remat(module_cls, policy: str, *, scanned: bool = False):
     """`module_cls` rematerialized by `policy` (module docstring); itself for ``"none"``.
 
