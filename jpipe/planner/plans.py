@@ -1595,13 +1595,13 @@ class _ShapeSearch:
             if why_not:
                 self.skipped.append(f"{degrees_text} {order}: {why_not}")
                 return
+        mirrored = _mirrored(ranks)  # tried too for a replicated schedule
         for mbs in microbatch_sizes:
             if global_batch % (mbs * d):
                 continue
             for spec in schedules:
                 shape = ClusterPlan(ranks, (), mbs, global_batch, spec, None, self.memory_layout)
                 self._queue_shape(shape, f"{degrees_text} B={mbs} {order}")
-                mirrored = _mirrored(ranks)
                 if mirrored != ranks and spec != SEARCH:
                     schedule = self.schedule_of(spec, shape.pipe, shape.num_microbatches)[0]
                     if schedule is not None and schedule.replicated:

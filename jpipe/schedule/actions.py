@@ -542,11 +542,14 @@ class Schedule:
         """What of this schedule PyTorch's pipelining cannot run, one line each: sequence
         slices (its microbatches are whole sequences), stages on several ranks (it places
         each stage on one) and memory actions (it has none)."""
-        gaps = [
-            f"each sequence is cut into {self.num_slices} slices (cells such as "
-            f"{self.cell(self.ranks[0][0]) if self.ranks and self.ranks[0] else '0F0.1'}); "
-            "PyTorch's microbatches are whole sequences"
-        ] * bool(self.slices) + [
+        gaps = []
+        if self.slices:
+            first = next((self.cell(a) for row in self.ranks for a in row), "0F0.1")
+            gaps.append(
+                f"each sequence is cut into {self.num_slices} slices (cells such as {first}); "
+                "PyTorch's microbatches are whole sequences"
+            )
+        gaps += [
             f"stage {s} is on ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}; "
             "PyTorch places a stage on one rank"
             for s, ranks in enumerate(self.stage_ranks)
