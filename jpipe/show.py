@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_figures(sim))
         if program is None:
             print(
-                f"program: none yet; neither lowering runs sequence slices "
-                f"({sim.schedule.num_sequences} sequences x {sim.schedule.num_slices} slices)"
+                f"program: the SPMD program does not run sequence slices yet "
+                f"({sim.schedule.num_sequences} sequences x {sim.schedule.num_slices} "
+                "slices); the per-rank lowering does"
             )
         else:
             moves = program.get("moves")

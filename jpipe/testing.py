@@ -296,6 +296,11 @@ class CheckModel:
         `jax.shard_map` over the model axes, as a `shard_map` user runs them
         (``check_vma=True``), unpipelined on the whole batch.
       name: for reports.
+      carries: for a sliced schedule, ``carries(rows) -> list``: per stage the
+        shape structs of its slice carry for one slice of `rows` rows, or None
+        for a stage without one (`jpipe.Pipeline`'s ``carries``). A carried
+        stage is ``stage(params, x, inputs, carry) -> (y, carry)``; the
+        reference then runs whole sequences.
     """
 
     stages: tuple
@@ -304,6 +309,7 @@ class CheckModel:
     specs: list | None = None
     reference: tuple | None = None
     name: str = "model"
+    carries: object = None
 
 
 TENSOR_BLOCKS = ("mlp", "attention", "two_blocks", "sequence")
@@ -832,15 +838,32 @@ def check_schedule(
     from jpipe.lower.pipeline import Pipeline, make_mesh
 
     model = _model_to_check(
-        model, S, seed, scan_layers, activations, compute_dtype, config=config, tensor=tensor
+        model,
+        S,
+        seed,
+        scan_layers,
+        activations,
+        compute_dtype,
+        config=config,
+        tensor=tensor,
+        slices=schedule.num_slices,
     )
+    # Sliced, a microbatch is a slice: the batch's rows are its sequences'.
+    M = schedule.num_sequences
     batch = model.make_batch(M * rows_per_microbatch * data * fsdp, seed + 1)
     devices = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
     if not lowering_kind(lowering).one_program:  # driven from each process's host
         _check_every_process_holds_a_rank(devices[:devices_needed], R)
     mesh = make_mesh(R, data, devices[:devices_needed], fsdp=fsdp, tensor=tensor)
+    carries = model.carries(rows_per_microbatch) if model.carries is not None else None
     pipe = Pipeline(
-        model.stages, schedule, mesh, tick_layout=tick_layout, control=control, lowering=lowering
+        model.stages,
+        schedule,
+        mesh,
+        tick_layout=tick_layout,
+        control=control,
+        lowering=lowering,
+        carries=carries,
     )
     packed = pipe.pack(model.params, model.specs)
     placed = _place(batch, pipe.batch_sharding)
@@ -904,10 +927,22 @@ def _copies_err(pipe, grads) -> float:
 
 
 def _model_to_check(
-    model, num_stages: int, seed: int, scan_layers, activations, compute_dtype, *, config, tensor
+    model,
+    num_stages: int,
+    seed: int,
+    scan_layers,
+    activations,
+    compute_dtype,
+    *,
+    config,
+    tensor,
+    slices: int = 1,
 ) -> CheckModel:
-    """The `CheckModel` `check_schedule` runs: the built-in `small_model` for None, else
-    `model` as `load_model` reads it, which must have `num_stages` stages."""
+    """The `CheckModel` `check_schedule` runs: the built-in `small_model` for None
+    (`sliced_model` for a sliced schedule), else `model` as `load_model` reads it,
+    which must have `num_stages` stages."""
+    if model is None and slices > 1:
+        return sliced_model(num_stages, slices, seed)
     if model is None:
         stages, params, make_batch = small_model(
             num_stages, seed, scan_layers, activations, compute_dtype
@@ -917,6 +952,77 @@ def _model_to_check(
     if len(model.stages) != num_stages:
         raise ValueError(f"{model.name} has {len(model.stages)} stages, the schedule {num_stages}")
     return model
+
+
+SLICED_WIDTH = 8
+"""`sliced_model`'s features per token."""
+
+
+def sliced_model(num_stages: int, slices: int, seed: int = 0, tokens_per_slice: int = 3):
+    """The checker's model for a sliced schedule (Seq1F1B): a `CheckModel` whose stages
+    carry causal attention's keys and values from one slice of a sequence to the next.
+
+    Every stage is a single-head attention layer over its carry
+    (`jpipe.models.attention.attention_over_carry`) and a residual tanh layer;
+    stage 0 reads the batch's features ``x``, the last returns the slice's
+    mean squared error against ``y``. A slice's place in its sequence is the
+    batch's ``pos`` of its first token. The reference runs the same stages
+    on whole sequences, each carry starting at zeros: chained over the
+    slices the carried attention is the whole sequence's causal attention,
+    so the two agree to float32 rounding.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jpipe.models.attention import attention_over_carry
+
+    width, tokens = SLICED_WIDTH, slices * tokens_per_slice
+
+    def stage(params, x, inputs, carry):
+        h = inputs["x"] if x is None else x
+        q, k, v = (jnp.einsum("btd,de->bte", h, params[n])[:, :, None] for n in "qkv")
+        out, carry = attention_over_carry(q, k, v, carry, inputs["pos"][0, 0])
+        h = h + jnp.tanh(out[:, :, 0] @ params["o"])
+        h = h + jnp.tanh(h @ params["m"])
+        if "out" in params:  # the last stage
+            return jnp.mean((h @ params["out"] - inputs["y"]) ** 2), carry
+        return h, carry
+
+    def whole(params, x, inputs):
+        zeros = jnp.zeros((inputs["x"].shape[0], tokens, 1, width))
+        return stage(params, x, inputs, (zeros, zeros))[0]
+
+    keys = iter(jax.random.split(jax.random.key(seed), 6 * num_stages))
+    params = []
+    for s in range(num_stages):
+        names = "qkvom" + ("" if s < num_stages - 1 else "u")
+        p = {n: jax.random.normal(next(keys), (width, width)) / np.sqrt(width) for n in names}
+        if s == num_stages - 1:
+            p["out"] = p.pop("u")
+        params.append(p)
+
+    def make_batch(rows: int, batch_seed: int) -> dict:
+        kx, ky = jax.random.split(jax.random.key(batch_seed))
+        pos = np.broadcast_to(np.arange(tokens, dtype=np.int32), (rows, tokens))
+        return {
+            "x": np.asarray(jax.random.normal(kx, (rows, tokens, width))),
+            "y": np.asarray(jax.random.normal(ky, (rows, tokens, width))),
+            "pos": np.array(pos),
+        }
+
+    def carries(rows: int) -> list:
+        kv = jax.ShapeDtypeStruct((rows, tokens, 1, width), jnp.float32)
+        return [(kv, kv)] * num_stages
+
+    return CheckModel(
+        stages=(stage,) * num_stages,
+        params=params,
+        make_batch=make_batch,
+        reference=(whole,) * num_stages,
+        name=f"sliced_model (attention over a carry, {tokens} tokens)",
+        carries=carries,
+    )
 
 
 def _check_every_process_holds_a_rank(devices, num_ranks: int) -> None:

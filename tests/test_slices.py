@@ -1,5 +1,5 @@
 """Sequence slices as microbatches (Seq1F1B): the language, the validator's carry rules,
-the built-in, the CSV superset, and the lowerings' refusal until they run them. Pure
+the built-in, the CSV superset, and the SPMD lowering's refusal until it runs them. Pure
 Python but for the last test."""
 
 import itertools
@@ -121,11 +121,11 @@ def test_the_csv_superset_names_each_cells_slice(tmp_path):
         Schedule.from_csv_text("0F0.0,0F0.1,0B0.1,0B0\n")
 
 
-def test_the_lowerings_refuse_slices_by_name():
+def test_the_spmd_lowering_refuses_slices_by_name():
+    # the per-rank lowering runs them (tests/test_slices_lowering.py)
     schedule = jpipe.get_schedule("seq1f1b", 2, 2, slices=2)
-    for lowering in ("spmd", "mpmd"):
-        with pytest.raises(ValueError, match="neither lowering runs sequence slices yet"):
-            jpipe.Pipeline([lambda p, x: x] * 2, schedule, jpipe.make_mesh(2, 1), lowering=lowering)
+    with pytest.raises(ValueError, match="SPMD program does not run sequence slices yet"):
+        jpipe.Pipeline([lambda p, x: x] * 2, schedule, jpipe.make_mesh(2, 1))
 
 
 def random_sliced_schedule(seed: int, ranks: int, stages: int, sequences: int, k: int):

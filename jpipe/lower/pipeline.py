@@ -256,6 +256,27 @@ def _auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+def _check_carries(carries, schedule: Schedule, kind: LoweringKind, num_stages: int):
+    """`Pipeline`'s `carries` as a tuple (None without any), refused where they cannot run."""
+    name = schedule.name or "the schedule"
+    if schedule.slices and kind.one_program:
+        raise ValueError(
+            f"{name} cuts each sequence into {schedule.num_slices} slices (Seq1F1B); the "
+            "SPMD program does not run sequence slices yet: use lowering='mpmd'"
+        )
+    if carries is None:
+        return None
+    if not schedule.slices:
+        raise ValueError(
+            f"carries are carried from one slice of a sequence to the next, but {name} "
+            "does not slice its sequences (jpipe.Schedule.of(..., slices=k))"
+        )
+    carries = tuple(carries)
+    if len(carries) != num_stages:
+        raise ValueError(f"got {len(carries)} carries for {num_stages} stages (None: no carry)")
+    return carries
+
+
 def run_stages(stages: Sequence[Callable], params_list, inputs):
     """Every stage in order on `inputs`: the model without a pipeline.
 
@@ -327,6 +348,16 @@ class Pipeline:
         `jpipe.lower.mpmd.programs`; for GPUs and mixed devices). Same loss and gradients.
         The per-rank lowering has no `step_fn` and no `lower`: it is not one
         traceable function.
+      carries: for a sliced schedule (`jpipe.Schedule.slices`, Seq1F1B), per
+        stage the shape structs of what it carries from one slice of a
+        sequence to the next (one slice's, as one device sees it), or None
+        for a stage without a carry. A carried stage is
+        ``stage(params, x, inputs, carry) -> (y, carry)`` and its sequence's
+        first slice gets zeros (`jpipe.stage.carry`). Each leaf of the batch
+        has the tokens on its second axis: a slice's inputs are its tokens'
+        (a stage that needs its slice's place reads it from the batch, e.g.
+        a ``positions`` leaf). The per-rank lowering runs sliced schedules
+        of even slices; the SPMD program not yet.
     """
 
     def __init__(
@@ -342,18 +373,13 @@ class Pipeline:
         control: str = "auto",
         all_idle: bool = False,
         lowering: str = "spmd",
+        carries: Sequence | None = None,
     ):
         info = analyze(schedule)
-        if schedule.slices:
-            raise ValueError(
-                f"schedule {schedule.name or ''} cuts each sequence into "
-                f"{schedule.num_slices} slices (Seq1F1B); neither lowering runs sequence "
-                "slices yet (a stage would carry the keys and values between slices): "
-                "jpipe.validate, jpipe.simulate and jpipe.show take it"
-            )
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {', '.join(CONTROLS)}; got {control!r}")
         kind = lowering_kind(lowering)
+        self.carries = _check_carries(carries, schedule, kind, len(stages))
         if all_idle and not kind.one_program:
             raise ValueError(
                 "all_idle measures the SPMD program's control; it has no per-rank form"
@@ -664,15 +690,26 @@ class Pipeline:
     # -- the step --------------------------------------------------------------
 
     def check_batch(self, batch) -> None:
-        """Refuses a batch the microbatches (and the data axis) do not divide."""
-        M = self.num_microbatches
+        """Refuses a batch the microbatches (and the data axis) do not divide.
+
+        Sliced (k slices), the sequences divide the rows and k the second axis.
+        """
+        M = self.schedule.num_sequences
+        k = self.schedule.num_slices
         D = self.batch_ways
         for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
             n = leaf.shape[0] if leaf.ndim else None
+            what = "sequences" if k > 1 else "microbatches"
             if n is None or n % M:
                 raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)} has {n} rows, which {M} microbatches "
+                    f"batch{jax.tree_util.keystr(path)} has {n} rows, which {M} {what} "
                     "do not divide"
+                )
+            if k > 1 and (leaf.ndim < 2 or leaf.shape[1] % k):
+                raise ValueError(
+                    f"batch{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}: each "
+                    f"sequence is cut into {k} slices along the second axis (the tokens), "
+                    "which must be there and divide by it"
                 )
             if (n // M) % D:
                 axes = self.batch_axes
@@ -693,10 +730,14 @@ class Pipeline:
     def _microbatch_shapes(self, batch):
         """One microbatch as one device sees it (its rows of the data and fsdp axes)."""
         D = self.batch_ways
-        M = self.num_microbatches
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((a.shape[0] // M // D,) + a.shape[1:], a.dtype), batch
-        )
+        M, k = self.schedule.num_sequences, self.schedule.num_slices
+
+        def one(a):
+            tokens = (a.shape[1] // k,) if k > 1 else ()  # a slice's, sliced
+            rest = a.shape[1 + len(tokens) :]
+            return jax.ShapeDtypeStruct((a.shape[0] // M // D,) + tokens + rest, a.dtype)
+
+        return jax.tree.map(one, batch)
 
     def _kernels(self, batch) -> list:
         """The stages' pieces for this batch's shapes, traced once for every step."""
@@ -714,6 +755,7 @@ class Pipeline:
                 mesh,
                 self.pipe_axis,
                 batch_axes,
+                self.carries,
             )
         return self._kernels_cache[key]
 

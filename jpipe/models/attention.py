@@ -139,8 +139,13 @@ def attention_over_carry(
       slice's keys and values written in.
     """
     keys, values = carry
-    keys = lax.dynamic_update_slice_in_dim(keys, k_BxTxGxK.astype(keys.dtype), offset, axis=1)
-    values = lax.dynamic_update_slice_in_dim(values, v_BxTxGxK.astype(values.dtype), offset, axis=1)
+    # Every index derived from `offset`, so that under `jax.shard_map` all of them vary
+    # over the same axes as it (a literal 0 beside a varying offset fails the
+    # transpose's check of varying axes).
+    offset = jnp.asarray(offset, jnp.int32)
+    at = (offset * 0, offset, offset * 0, offset * 0)
+    keys = lax.dynamic_update_slice(keys, k_BxTxGxK.astype(keys.dtype), at)
+    values = lax.dynamic_update_slice(values, v_BxTxGxK.astype(values.dtype), at)
     t, length = q_BxTxHxK.shape[1], keys.shape[1]
     seen = jnp.arange(length)[None, :] <= offset + jnp.arange(t)[:, None]  # T x L
     out = jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=seen[None, None])

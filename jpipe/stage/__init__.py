@@ -8,5 +8,6 @@
   (`WeightedLoss`);
 - `jpipe.stage.contract`: what a stage must return and pass on, checked once
   before either lowering;
+- `jpipe.stage.carry`: the slice carry of a sliced schedule's stages;
 - `jpipe.stage.pack`: the parameters of a rank's stages packed into buckets.
 """

@@ -94,14 +94,14 @@ def check_stage_outputs(kernels: Sequence[StageKernels]) -> None:
     """
     S = len(kernels)
     for s, k in enumerate(kernels[:-1]):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(k.y)[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(k.out)[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 where = f" at {jax.tree_util.keystr(path)}" if path else ""
                 raise ValueError(
                     f"stage {s} passes {_leaf(leaf)}{where} to stage {s + 1}; " + ACTIVATION_RULE
                 )
-    y = kernels[-1].y
-    weighted = kernels[-1].y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
+    y = kernels[-1].out
+    weighted = jax.tree.structure(y) == jax.tree.structure(WeightedLoss(0.0, 0.0))
     leaves = jax.tree.leaves(y)
     if (
         len(leaves) != (2 if weighted else 1)

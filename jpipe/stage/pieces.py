@@ -304,6 +304,11 @@ class StageKernels:
       y_layout, res_layout, carry_layout: where each of those lives in one
         flat vector per dtype.
       i_flops_share: the share of the backward's equations that I runs.
+      slice_carried: whether the stage carries a value from one slice of a
+        sequence to the next (a sliced schedule, `jpipe.Schedule.slices`):
+        then `x` is ``(input, carry)`` and `y` is ``(output, carry)``, so
+        that F returns the next slice's carry and I the gradient of the
+        slice before's (`jpipe.stage.carry`). `out` is the output alone.
     """
 
     fn: Callable
@@ -325,6 +330,7 @@ class StageKernels:
     _i_fn: Callable = dataclasses.field(repr=False)
     _w_fn: Callable = dataclasses.field(repr=False)
     _num_dx: int = dataclasses.field(repr=False)
+    slice_carried: bool = False
 
     @classmethod
     def trace(
@@ -370,6 +376,17 @@ class StageKernels:
     @property
     def has_x(self) -> bool:
         return self.x is not None
+
+    @property
+    def out(self):
+        """Shape structs of what the stage passes on (the next stage's input, or the
+        loss): `y` without the slice carry."""
+        return self.y[0] if self.slice_carried else self.y
+
+    @property
+    def num_carry_leaves(self) -> int:
+        """How many leaves of the slice carry end `x`'s leaves and `y`'s (0 without one)."""
+        return len(jax.tree.leaves(self.y[1])) if self.slice_carried else 0
 
     def forward(self, params, x, inputs):
         """The F piece: returns ``(y_leaves, residuals)``, two lists."""

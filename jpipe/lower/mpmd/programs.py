@@ -357,6 +357,14 @@ class RankPrograms:
         S, R = schedule.num_stages, len(self.meshes)
         self.num_stages, self.num_ranks = S, R
         self.M = schedule.num_microbatches
+        # A sliced schedule's microbatch u is slice u % k of sequence u // k.
+        self.slices, self.num_sequences = schedule.num_slices, schedule.num_sequences
+        if len(set(schedule.slices)) > 1:
+            raise ValueError(
+                f"the per-rank lowering runs even slices only for now; this schedule cuts "
+                f"each sequence into slices of relative lengths {schedule.slices} (uneven "
+                "slices need one program per slice length)"
+            )
         self.layouts = [
             layout.on_axes({a: n for a, n in m.shape.items() if a not in (pipe_axis, data_axis)})
             if self.shaped
@@ -379,8 +387,8 @@ class RankPrograms:
         self.param_specs = {b: layout.spec(b, pipe_axis) for b in layout.buckets}
 
         last = kernels[-1]
-        self.weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
-        self.loss_leaves = jax.tree.leaves(last.y)
+        self.weighted = jax.tree.structure(last.out) == jax.tree.structure(WeightedLoss(0.0, 0.0))
+        self.loss_leaves = jax.tree.leaves(last.out)
         self.loss_dtype = jnp.result_type(*(leaf.dtype for leaf in self.loss_leaves))
         self.loss_shape = (2,) if self.weighted else ()
 
@@ -400,7 +408,16 @@ class RankPrograms:
         if any(a.kind == "OFFLOAD_START" for _, _, a in schedule.all_actions()):
             self.rank_host = [_host_sharding(m, self.every) for m in self.meshes]
         self.n_dev = [m.devices.size for m in self.meshes]
-        self._y_avals = [jax.tree.leaves(kk.y) for kk in kernels]  # each stage's output, per device
+        # Each stage's output (what it sends on), per device.
+        self._y_avals = [jax.tree.leaves(kk.out) for kk in kernels]
+        # A sliced schedule's slice carries (`jpipe.stage.carry`): how many of
+        # x's and y's leaves each stage's carry is, and its zeros, per rank.
+        self._n_carry = [kk.num_carry_leaves for kk in kernels]
+        self._carry_zeros = {
+            (s, r): self._zeros_of(r, jax.tree.leaves(kernels[s].y[1]))
+            for s, r in self.places
+            if self._n_carry[s]
+        }
 
         self.order, self.cells = issue_ops(schedule, fuse_cells)
         self.forward_order = tuple((r, a) for r, a in self.order if a.kind in ("F", "FC"))
@@ -490,14 +507,31 @@ class RankPrograms:
         return g if d is None else lax.psum_scatter(g, self.fsdp, scatter_dimension=d, tiled=True)
 
     def _inputs_of(self, batch, mb):
-        """Microbatch `mb` of this device's rows: ``mb, mb + M, ...``, as `split_microbatches`."""
-        M = self.M
+        """Microbatch `mb` of this device's rows: ``mb, mb + M, ...``, as `split_microbatches`.
+
+        Sliced (k slices), sequence ``mb // k``'s rows and, of their second
+        axis (the tokens), slice ``mb % k``'s.
+        """
+        M, k = self.num_sequences, self.slices
 
         def cut(a):
             a = a.reshape((a.shape[0] // M, M) + a.shape[1:])
-            return lax.dynamic_index_in_dim(a, mb, 1, False)
+            if k == 1:
+                return lax.dynamic_index_in_dim(a, mb, 1, False)
+            a = lax.dynamic_index_in_dim(a, mb // k, 1, False)
+            length = a.shape[1] // k
+            return lax.dynamic_slice_in_dim(a, (mb % k) * length, length, axis=1)
 
         return jax.tree.map(cut, batch)
+
+    def _zeros_of(self, r: int, avals):
+        """A jitted maker of zeros of `avals`, one per device of rank `r`, stacked."""
+        shardings = [self.rank_every[r]] * len(avals)
+        n = self.n_dev[r]
+        return jax.jit(
+            lambda: [jnp.zeros((n,) + tuple(a.shape), a.dtype) for a in avals],
+            out_shardings=shardings,
+        )
 
     def _seed(self):
         if self.weighted:  # d(total) = 1, d(weight) = 0: divided by the weights at the end
@@ -509,22 +543,25 @@ class RankPrograms:
         S, k, layout = self.num_stages, self.kernels[s], self.layouts[r]
         mesh = self.meshes[r]
         own = layout.stage_buckets(s)
-        first, final = s == 0, s == S - 1
+        final = s == S - 1
         loss_dtype, weighted = self.loss_dtype, self.weighted
 
+        # The loss's leaves, where the last stage's output begins (then its carry's).
+        n_loss = len(self.loss_leaves) if final else 0
+
         def stage_forward(rows, batch, mb, x):
-            xt = None
-            if not first:
-                xt = jax.tree.unflatten(self.kernels[s - 1].y_tree, [v[0] for v in x])
+            # x: the input's leaves, then the slice carry's (`jpipe.stage.carry`).
+            xt = jax.tree.unflatten(jax.tree.structure(k.x), [v[0] for v in x])
             y, res = k.forward(self._gathered(rows, s, r), xt, self._inputs_of(batch, mb))
             return y, [v[None] for v in res]
 
         def forward(rows, batch, mb, x, *loss_acc):
-            """``(y, residuals)``; the last stage's ``([], residuals, loss sums)``."""
+            """``(y, residuals)``; the last stage's ``(carry, residuals, loss sums)``."""
             y, res = stage_forward(rows, batch, mb, x)
             if final:
-                piece = jnp.stack([v.astype(loss_dtype) for v in y]) if weighted else y[0]
-                return [], res, loss_acc[0] + piece.astype(loss_dtype)[None]
+                loss, y = y[:n_loss], y[n_loss:]
+                piece = jnp.stack([v.astype(loss_dtype) for v in loss]) if weighted else loss[0]
+                return [v[None] for v in y], res, loss_acc[0] + piece.astype(loss_dtype)[None]
             return [v[None] for v in y], res
 
         def forward_only(*args):  # its residuals unused, so XLA drops them
@@ -535,7 +572,7 @@ class RankPrograms:
             return stage_forward(*args)[1]
 
         def input_grad(rows, batch, mb, res, g):
-            g = self._seed() if final else [v[0] for v in g]
+            g = (self._seed() if final else []) + [v[0] for v in g]
             params, inputs = self._gathered(rows, s, r), self._inputs_of(batch, mb)
             dx, kept = k.input_grad(params, inputs, [v[0] for v in res], g)
             return [v[None] for v in dx], [v[None] for v in kept]
@@ -557,8 +594,8 @@ class RankPrograms:
             return [self.every] * n
 
         rows = {b: self.param_specs[b] for b in own}
-        n_x = 0 if first else self.kernels[s - 1].y_tree.num_leaves
-        n_g = 0 if final else k.y_tree.num_leaves
+        n_x = len(jax.tree.leaves(k.x))
+        n_g = k.y_tree.num_leaves - n_loss
         n_res, n_kept = len(k.res_avals), len(k.carry_avals)
         common = (rows, self.batch_spec, P())
         loss = (self.every,) if final else ()
@@ -699,8 +736,9 @@ class RankPrograms:
             jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.meshes[r], P())),
         )
         res = self._stacked(r, k.res_avals)
-        g = [] if s == self.num_stages - 1 else self._stacked(r, jax.tree.leaves(k.y))
-        x = [] if s == 0 else self._stacked(r, jax.tree.leaves(self.kernels[s - 1].y))
+        n_loss = len(self.loss_leaves) if s == self.num_stages - 1 else 0
+        g = self._stacked(r, jax.tree.leaves(k.y)[n_loss:])
+        x = self._stacked(r, jax.tree.leaves(k.x))
         if kind == "RECOMPUTE":
             return common + (x,)
         if kind in ("F", "F_eval"):
@@ -1024,10 +1062,27 @@ class RankPrograms:
         elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
             self._move(step.res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
 
+    def _carry_in(self, step: _Step, r: int, s: int, mb: int) -> list:
+        """The slice carry a slice's F takes: the slice before's, or zeros for a first slice."""
+        if not self._n_carry[s]:
+            return []
+        if mb % self.slices == 0:
+            return self._carry_zeros[s, r]()
+        return step.carry.pop((s, mb - 1))
+
+    def _carry_grad_in(self, step: _Step, r: int, s: int, mb: int) -> list:
+        """The carry's gradient a slice's I takes: from the slice after's I, or zeros
+        for a last slice (its carry reaches nothing)."""
+        if not self._n_carry[s]:
+            return []
+        if mb % self.slices == self.slices - 1:
+            return self._carry_zeros[s, r]()
+        return step.carry_grad.pop((s, mb + 1))
+
     def _forward_args(self, step: _Step, r: int, a) -> tuple:
         """An F's or FC's arguments, its input taken from where it waits."""
         s, mb = a.stage, a.microbatch
-        x = [] if s == 0 else step.x_in.pop((s, mb))
+        x = ([] if s == 0 else step.x_in.pop((s, mb))) + self._carry_in(step, r, s, mb)
         if a.kind == "FC":
             step.inputs[(s, mb)] = x  # kept for its RECOMPUTE
         loss = (step.loss_acc[r],) if s == self.num_stages - 1 else ()
@@ -1039,11 +1094,17 @@ class RankPrograms:
         s, mb = a.stage, a.microbatch
         if a.kind == "F":
             step.res[(s, mb)] = out[1]
+        y = out[0]
+        if self._n_carry[s]:  # kept for the next slice (a last slice's reaches nothing)
+            y, carry = y[: -self._n_carry[s]], y[-self._n_carry[s] :]
+            if mb % self.slices < self.slices - 1:
+                step.carry[(s, mb)] = carry
+            del carry
         if s == self.num_stages - 1:
             step.loss_acc[r] = out[-1]
         else:
             to = self.rank_of(s + 1, mb)
-            _keep(step.x_in, (s + 1, mb), self._move(out[0], r, to, i, self._y_avals[s]))
+            _keep(step.x_in, (s + 1, mb), self._move(y, r, to, i, self._y_avals[s]))
             step.ops += to != r
 
     def _issue_forward(self, step: _Step, i: int, r: int, a) -> None:
@@ -1055,6 +1116,7 @@ class RankPrograms:
         """An I's or B's arguments ``(head, residuals, output gradient[, accumulators])``."""
         s, mb = a.stage, a.microbatch
         g = [] if s == self.num_stages - 1 else step.g_in.pop((s, mb))
+        g = g + self._carry_grad_in(step, r, s, mb)
         if a.kind == "I":  # its W reads the residuals too
             return (*self._head(step, r, s, mb), step.res[(s, mb)], g)
         own_acc = self._own_acc(step, r, s)
@@ -1065,6 +1127,11 @@ class RankPrograms:
         dx sent to the stage before."""
         s, mb = a.stage, a.microbatch
         dx, second = out
+        if self._n_carry[s]:  # the carry's gradient, for the slice before's I
+            dx, dcarry = dx[: -self._n_carry[s]], dx[-self._n_carry[s] :]
+            if mb % self.slices > 0:
+                step.carry_grad[(s, mb)] = dcarry
+            del dcarry
         if a.kind == "I":
             step.kept[(s, mb)] = second
         else:
@@ -1180,6 +1247,7 @@ class RankPrograms:
         last = self.stage_ranks[-1][0]
         loss_acc = {r: self._loss_zero(r) for r in self.stage_ranks[-1] if here[r]}
         x_in: dict = {}
+        step = _Step(rows=rows, batches=batches, acc=[], loss_acc={}, ops=0)  # its carries
         for i, (r, a) in enumerate(self.forward_order):
             s, mb = a.stage, a.microbatch
             to = self.rank_of(s + 1, mb) if s < S - 1 else None
@@ -1189,11 +1257,16 @@ class RankPrograms:
                 continue
             own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
-            x = [] if s == 0 else x_in.pop((s, mb))
+            x = ([] if s == 0 else x_in.pop((s, mb))) + self._carry_in(step, r, s, mb)
             if s == S - 1:
-                _, loss_acc[r] = self.compiled[s, r]["F_eval"](*head, x, loss_acc[r])
+                out, loss_acc[r] = self.compiled[s, r]["F_eval"](*head, x, loss_acc[r])
             else:
                 (out,) = self.compiled[s, r]["F_eval"](*head, x)
+            if self._n_carry[s]:
+                out, carry = out[: -self._n_carry[s]], out[-self._n_carry[s] :]
+                if mb % self.slices < self.slices - 1:
+                    step.carry[(s, mb)] = carry
+            if s < S - 1:
                 _keep(x_in, (s + 1, mb), self._move(out, r, to, i, y[s]))
         end = len(self.forward_order)
         total = self._loss_sums(loss_acc, end)
@@ -1218,7 +1291,7 @@ class RankPrograms:
         if kind == "B" and not self.fused_backward:
             k = self.kernels
             between = _per_device_bytes(k[s].carry_avals)  # and the dx it sent
-            between += _per_device_bytes(jax.tree.leaves(k[s - 1].y)) if s > 0 else 0
+            between += _per_device_bytes(self._y_avals[s - 1]) if s > 0 else 0
             return max(
                 self.piece_working_bytes(s, "I", r), between + self.piece_working_bytes(s, "W", r)
             )
@@ -1249,10 +1322,15 @@ class RankPrograms:
         (on their rank, or on the partner an EVICT sent them to, and not
         between an OFFLOAD_END and its RELOAD_START), the inputs an FC keeps
         for its RECOMPUTE, the I-to-W carries (per device: one device's block
-        of each), and on each rank of the last stage the loss accumulator.
+        of each), a sliced schedule's slice carries and their gradients, and on each
+        rank of the last stage the loss accumulator.
         """
         S, R, rank_of, k = self.num_stages, self.num_ranks, self.rank_of, self.kernels
-        y = [_per_device_bytes(jax.tree.leaves(kk.y)) for kk in k]
+        y = [_per_device_bytes(avals) for avals in self._y_avals]
+        # A slice carry is kept from a slice's F to the next slice's (none after a
+        # sequence's last), its gradient from a slice's I to the one before's.
+        carry = [_per_device_bytes(jax.tree.leaves(kk.y[1])) if kk.slice_carried else 0 for kk in k]
+        n = self.slices
         res = [_per_device_bytes(kk.res_avals) for kk in k]
         kept = [_per_device_bytes(kk.carry_avals) for kk in k]
         held = [0] * R
@@ -1262,8 +1340,11 @@ class RankPrograms:
         for r, a in self.order:
             s = a.stage
             x = y[s - 1] if s > 0 else 0  # the stage's input activation
+            later = a.microbatch % n < n - 1  # a later slice of its sequence follows
+            earlier = a.microbatch % n > 0
             if a.kind in ("F", "FC"):
                 held[r] += (res[s] - x) if a.kind == "F" else 0  # an FC keeps its input
+                held[r] += carry[s] * (later - earlier)
                 if s < S - 1:
                     held[rank_of(s + 1, a.microbatch)] += y[s]
             elif a.kind == "RECOMPUTE":
@@ -1281,6 +1362,7 @@ class RankPrograms:
             else:
                 held[r] -= y[s] if s < S - 1 else 0
                 held[r] += kept[s] if a.kind == "I" else -res[s]
+                held[r] += carry[s] * (earlier - later)
                 if s > 0:
                     held[rank_of(s - 1, a.microbatch)] += y[s - 1]
             out.append(list(held))
@@ -1381,6 +1463,8 @@ class _Step:
     kept: dict = dataclasses.field(default_factory=dict)  # the carry an I made for its W
     inputs: dict = dataclasses.field(default_factory=dict)  # what an FC kept for its RECOMPUTE
     host: dict = dataclasses.field(default_factory=dict)  # residuals' copy in host memory
+    carry: dict = dataclasses.field(default_factory=dict)  # a slice's carry, for the next
+    carry_grad: dict = dataclasses.field(default_factory=dict)  # its gradient, for the one before
 
 
 def _keep(values: dict, key, value) -> None:

@@ -98,6 +98,7 @@ every copy's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -111,6 +112,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpipe.lower.spmd.ticks import COLUMNS, STAGE_COLUMNS, TickPlan, pack_lifetimes
 from jpipe.schedule.actions import Overlap
+from jpipe.stage.carry import carried, check_carry
 from jpipe.stage.contract import check_stage_outputs
 from jpipe.stage.manual import DeviceView
 from jpipe.stage.pack import ParamLayout
@@ -223,6 +225,7 @@ def trace_kernels(
     mesh,
     pipe_axis: str = "pipe",
     batch_axes: tuple[str, ...] = (),
+    carries=None,
 ) -> list[StageKernels]:
     """Traces every stage's F, I and W, feeding each the previous one's output shape.
 
@@ -233,6 +236,9 @@ def trace_kernels(
     parameter over the model axes its spec splits it over, so that the
     stage's own collectives over the model axes (``tensor``) get JAX's
     gradients; a collective over `pipe_axis` is refused here.
+
+    `carries`, for a sliced schedule: per stage, the shape structs of its
+    slice carry, or None for a stage without one (`jpipe.stage.carry`).
     """
     kernels: list[StageKernels] = []
     x = None
@@ -240,13 +246,19 @@ def trace_kernels(
         # Per stage, where the stages' ranks have meshes of their own shapes (lists).
         m = mesh[s] if isinstance(mesh, (list, tuple)) else mesh
         lay = layout[s] if isinstance(layout, (list, tuple)) else layout
+        carry = None if carries is None else carries[s]
+        if carry is not None:
+            fn, x = carried(fn, s), (x, carry)
         with axis_env(dict(m.shape)):
             view = DeviceView(m.abstract_mesh, pipe_axis, tuple(batch_axes), lay.stage_axes(s))
             k = StageKernels.trace(
                 fn, lay.stage_avals(s), x, microbatch_inputs, view, name=f"stage {s}"
             )
+        if carry is not None:
+            check_carry(s, carry, k.y[1])
+            k = dataclasses.replace(k, slice_carried=True)
         kernels.append(k)
-        x = k.y
+        x = k.out
     return kernels
 
 
@@ -741,8 +753,8 @@ class _StepBuilder:
         check_stage_outputs(kernels)  # the rules both lowerings share, before anything lowers
         self.kernels = kernels
         last = kernels[-1]
-        self.weighted = last.y_tree == jax.tree.structure(WeightedLoss(0.0, 0.0))
-        self.loss_leaves = jax.tree.leaves(last.y)
+        self.weighted = jax.tree.structure(last.out) == jax.tree.structure(WeightedLoss(0.0, 0.0))
+        self.loss_leaves = jax.tree.leaves(last.out)
         self.loss_dtype = jnp.result_type(*(leaf.dtype for leaf in self.loss_leaves))
         # The loss accumulator: the sum of the microbatch losses, or of the
         # weighted losses' totals and weights.
