@@ -235,3 +235,45 @@ def test_check_schedule_runs_seq1f1b_on_its_sliced_model(slices, data):
     assert result.passed, result
     assert result.model.startswith("sliced_model")
     assert result.max_rel_err < 1e-5
+
+
+@pytest.mark.parametrize("family,tensor", [("gpt", 1), ("gpt", 2), ("llama", 1), ("llama", 2)])
+def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tensor):
+    """The GPT's and Llama's blocks carry their keys and values from slice to slice
+    (`StagedModel.carries`); the GPT's embedding reads the slice's ``positions``, the
+    Llama's rotations start at the slice's first token. seq1f1b gives the loss and
+    gradients of the model on whole sequences, heads split over ``tensor`` too
+    (Llama: grouped-query, 4 query heads on 2 key/value heads)."""
+    from jpipe import models
+    from jpipe.models import gpt, llama
+
+    L = 16
+    if family == "gpt":
+        module = gpt
+        config = gpt.GPTConfig(
+            vocab_size=64, num_layers=4, d_model=32, num_heads=4, seq_len=L, d_ff=64
+        )
+    else:
+        module = llama
+        config = models.LlamaConfig(
+            vocab_size=64, seq_len=L, num_layers=4, num_heads=4, num_kv_heads=2, d_model=32, d_ff=64
+        )
+    schedule = jpipe.get_schedule("seq1f1b", 2, 2, slices=4)
+    whole = module.make_stages(config, (2, 2))
+    model = module.make_stages(config, (2, 2), tensor_axis="tensor" if tensor > 1 else None)
+    params = whole.init(0)
+    batch = models.example_batch(config, batch_size=4, seed=1)
+    positions = np.broadcast_to(np.arange(L, dtype=np.int32), (4, L))
+    pipe = jpipe.Pipeline(
+        model.stages,
+        schedule,
+        jpipe.make_mesh(2, 1, tensor=tensor),
+        lowering="mpmd",
+        carries=model.carries(2, L, tensor),
+    )
+    specs = module.tensor_specs(config, params) if tensor > 1 else None
+    sliced = jax.device_put(dict(batch, positions=np.array(positions)), pipe.batch_sharding)
+    loss, grads = pipe.value_and_grad(pipe.pack(params, specs), sliced)
+    want = jpipe.reference_value_and_grad(whole.stages, params, batch, 2)
+    _, rel = testing.compare((loss, pipe.unpack(grads)), want)
+    assert rel < 1e-5, rel

@@ -42,6 +42,7 @@ is `jpipe.models.split_flax_model`'s, as for any embed/blocks/head model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ from jpipe.models import sequence
 from jpipe.models.attention import (
     IMPLEMENTATIONS,
     REMAT_POLICIES,
+    attention_over_carry,
     block_remat,
     causal_attention,
     check_choice,
@@ -236,7 +238,12 @@ class _Embed(nn.Module):
             "position", nn.initializers.normal(_INIT_STD), (c.seq_len, c.d_model)
         )
         length = tokens_BxL.shape[1]
-        position_LxD = position_LxD[:length]
+        if "positions" in inputs:  # a slice of its sequence (Seq1F1B): its own positions
+            if parallel:
+                raise ValueError("sequence slices do not take sequence_parallel yet")
+            position_LxD = jnp.take(position_LxD, inputs["positions"][0], axis=0)
+        else:
+            position_LxD = position_LxD[:length]
         if parallel:  # this device's positions
             position_LxD = sequence.shard(position_LxD[None], axis)[0]
         if split:  # float32 sums (one nonzero term each), as the whole lookup
@@ -296,11 +303,18 @@ class _Block(nn.Module):
     tensor_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x_BxLxD: jax.Array, keys: jax.Array | None = None, carry=None, offset=None
+    ) -> jax.Array:
+        """The block's output; with `carry` (one slice of a sequence, Seq1F1B: the keys
+        and values of the slices before, `attention_over_carry`, and `offset` the
+        slice's first token), ``(output, carry)``."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         axis = self.tensor_axis
         parallel = axis is not None and c.sequence_parallel
+        if carry is not None and parallel:
+            raise ValueError("sequence slices do not take sequence_parallel yet")
         t = 1 if axis is None else lax.axis_size(axis)
         if c.num_heads % t or c.d_ff % t:
             raise ValueError(
@@ -325,7 +339,10 @@ class _Block(nn.Module):
         # each device holds whole heads.
         qkv_BxLxHx3xK = _dense(3 * h * k, "qkv", dtype)(y_BxLxD).reshape(b, length, h, 3, k)
         q, kk, v = (qkv_BxLxHx3xK[:, :, :, i] for i in range(3))
-        attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
+        if carry is None:
+            attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
+        else:
+            attn_BxLxHxK, carry = attention_over_carry(q, kk, v, carry, offset)
         y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, parallel, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, h * k)
         )
@@ -334,7 +351,17 @@ class _Block(nn.Module):
         y_BxLxD = whole(nn.LayerNorm(dtype=dtype, name="ln_mlp")(x_BxLxD))
         y_BxLxF = nn.gelu(_dense(c.d_ff // t, "mlp_in", dtype)(y_BxLxD))
         y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, parallel, name="mlp_out")(y_BxLxF)
+        if carry is not None:
+            return x_BxLxD + drop(y_BxLxD, 1), carry
         return x_BxLxD + drop(y_BxLxD, 1)
+
+
+def _block_carry(config: GPTConfig, rows: int, tokens: int, tensor: int = 1) -> tuple:
+    """One block's slice carry: its keys and values for the whole sequence, ``rows x
+    tokens x heads x head_dim`` (this device's heads of a `tensor`-way split)."""
+    heads, head_dim = config.num_heads // tensor, config.d_model // config.num_heads
+    kv = jax.ShapeDtypeStruct((rows, tokens, heads, head_dim), jnp.dtype(config.dtype))
+    return kv, kv
 
 
 def _site(keys: jax.Array | None, site: int) -> jax.Array | None:
@@ -409,6 +436,7 @@ def _split(config: GPTConfig, layers_per_stage, tensor_axis: str | None) -> Stag
         layers_per_stage=layers_per_stage,
         scan_layers=config.scan_layers,
         keys="keys" if config.dropout else None,
+        block_carry=functools.partial(_block_carry, config),
         # Length 1: the parameter shapes do not depend on L.
         example_inputs={  # numpy: making them compiles nothing (refusals come first)
             "tokens": np.zeros((1, 1), np.int32),

@@ -40,6 +40,7 @@ between the split matmuls over the sequence (`jpipe.models.sequence`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ from jpipe.models import sequence
 from jpipe.models.attention import (
     IMPLEMENTATIONS,
     REMAT_POLICIES,
+    attention_over_carry,
     block_remat,
     causal_attention,
     check_choice,
@@ -237,16 +239,26 @@ class RMSNorm(nn.Module):
         return (normed * scale).astype(self.dtype)
 
 
-def rotary(x_BxLxHxK: jax.Array, theta: float) -> jax.Array:
+def _block_carry(config: LlamaConfig, rows: int, tokens: int, tensor: int = 1) -> tuple:
+    """One block's slice carry: its rotated keys and its values for the whole sequence,
+    ``rows x tokens x kv_heads x head_dim`` (this device's of a `tensor`-way split)."""
+    kv_heads, head_dim = config.num_kv_heads // tensor, config.d_model // config.num_heads
+    kv = jax.ShapeDtypeStruct((rows, tokens, kv_heads, head_dim), jnp.dtype(config.dtype))
+    return kv, kv
+
+
+def rotary(x_BxLxHxK: jax.Array, theta: float, start=0) -> jax.Array:
     """Rotates each position's pairs of dimensions by its angles (RoPE).
 
     Pair ``i`` of a head (dimensions ``i`` and ``i + K/2``) at position ``t``
-    turns by ``t * theta^(-2i/K)``; computed in float32.
+    turns by ``t * theta^(-2i/K)``; computed in float32. The positions are
+    ``start, start + 1, ...`` (`start` may be traced: a slice of a sequence).
     """
     _, length, _, k = x_BxLxHxK.shape
     half = k // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / k)
-    angles_LxH = jnp.arange(length, dtype=jnp.float32)[:, None] * frequencies
+    positions = jnp.arange(length, dtype=jnp.float32) + jnp.asarray(start, jnp.float32)
+    angles_LxH = positions[:, None] * frequencies
     cos = jnp.cos(angles_LxH)[None, :, None, :]
     sin = jnp.sin(angles_LxH)[None, :, None, :]
     x = x_BxLxHxK.astype(jnp.float32)
@@ -329,11 +341,18 @@ class _Block(nn.Module):
     tensor_axis: str | None = None
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x_BxLxD: jax.Array, keys: jax.Array | None = None, carry=None, offset=None
+    ) -> jax.Array:
+        """The block's output; with `carry` (one slice of a sequence, Seq1F1B: the keys
+        and values of the slices before, `attention_over_carry`, and `offset` the
+        slice's first token), ``(output, carry)``."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         axis = self.tensor_axis
         parallel = axis is not None and c.sequence_parallel
+        if carry is not None and parallel:
+            raise ValueError("sequence slices do not take sequence_parallel yet")
         t = 1 if axis is None else lax.axis_size(axis)
         if c.num_kv_heads % t or c.d_ff % t:
             raise ValueError(
@@ -356,9 +375,13 @@ class _Block(nn.Module):
         q = _linear(heads * k, "q", dtype)(y_BxLxD).reshape(b, length, heads, k)
         kk = _linear(kv_heads * k, "k", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
         v = _linear(kv_heads * k, "v", dtype)(y_BxLxD).reshape(b, length, kv_heads, k)
-        q, kk = rotary(q, c.rope_theta), rotary(kk, c.rope_theta)
+        start = 0 if carry is None else offset
+        q, kk = rotary(q, c.rope_theta, start), rotary(kk, c.rope_theta, start)
         # Fewer key/value heads than query heads: grouped-query attention.
-        attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
+        if carry is None:
+            attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
+        else:
+            attn_BxLxHxK, carry = attention_over_carry(q, kk, v, carry, offset)
         y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, parallel, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, heads * k)
         )
@@ -370,6 +393,8 @@ class _Block(nn.Module):
         y_BxLxD = _RowSplitLinear(d, dtype, residual_std, axis, parallel, name="down")(
             nn.silu(gate_BxLxF) * up_BxLxF
         )
+        if carry is not None:
+            return x_BxLxD + drop(y_BxLxD, 1), carry
         return x_BxLxD + drop(y_BxLxD, 1)
 
 
@@ -425,6 +450,7 @@ def make_stages(
             layers_per_stage=layers_per_stage,
             scan_layers=config.scan_layers,
             keys="keys" if config.dropout else None,
+            block_carry=functools.partial(_block_carry, config),
             example_inputs={  # numpy: making them compiles nothing
                 "tokens": np.zeros((1, 1), np.int32),
                 "targets": np.zeros((1, 1), np.int32),

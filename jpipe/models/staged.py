@@ -83,6 +83,14 @@ class StagedModel(NamedTuple):
       keys: the name of the batch leaf of per-row keys the stages draw random
         numbers from (`row_keys`; the trainer adds it as ``"keys"``), or None
         for a deterministic model.
+      carries: for a sliced schedule (Seq1F1B), ``carries(rows, tokens,
+        tensor=1) -> list``: per stage, the shapes of what it carries from one
+        slice of a sequence to the next (each block's keys and values for
+        `rows` rows of `tokens`-token sequences, as one device of a
+        `tensor`-way axis holds them; None for a stage without blocks), for
+        `jpipe.Pipeline`'s ``carries``. The stages then take the carry as
+        their fourth argument and return ``(y, carry)``, and the batch needs
+        a ``positions`` leaf. None: the model does not run sliced.
     """
 
     stages: tuple[StageFn, ...]
@@ -92,6 +100,7 @@ class StagedModel(NamedTuple):
     scan_layers: bool = False
     specs: Callable[[list], list] | None = None
     keys: str | None = None
+    carries: Callable[..., list] | None = None
 
 
 def split_layers(
@@ -371,6 +380,7 @@ def _stage(
     params,
     x,
     inputs,
+    carry=None,
     *,
     embed,
     block,
@@ -386,6 +396,10 @@ def _stage(
 
     With `keys` (the name of the inputs' row-key leaf), each module gets
     ``keys=`` the row keys with its global identity folded in.
+
+    With `carry` (one slice of a sequence: a tuple of each block's carry,
+    `StagedModel.carries`), each block gets its own and the slice's first
+    token (``inputs["positions"]``), and the stage returns ``(y, carry)``.
     """
     row = inputs.get(keys) if keys is not None else None
 
@@ -397,6 +411,22 @@ def _stage(
 
     if first:
         x = embed.apply({"params": params["embed"]}, inputs, **keys_of(0))
+    if carry is not None:
+        if scanned is not None:
+            raise ValueError("sequence slices do not take scan_layers yet: set it False")
+        offset, carried = inputs["positions"][0, 0], []
+        for i, block_params in enumerate(params.get("blocks", ())):
+            x, c = block.apply(
+                {"params": block_params},
+                x,
+                carry=carry[i],
+                offset=offset,
+                **keys_of(first_block + i + 1),
+            )
+            carried.append(c)
+        if last:
+            x = head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
+        return x, tuple(carried)
     if scanned is not None and "blocks" in params:
         count = len(jax.tree.leaves(params["blocks"])[0])
         ids = jnp.arange(first_block, first_block + count) + 1
@@ -421,6 +451,7 @@ def split_flax_model(
     num_stages: int | None = None,
     scan_layers: bool = False,
     keys: str | None = None,
+    block_carry: Callable | None = None,
 ) -> StagedModel:
     """Cuts ``head(block^num_layers(embed(inputs)), inputs)`` into stages.
 
@@ -438,6 +469,9 @@ def split_flax_model(
         inputs' leaf of per-row keys (`row_keys`); the three modules then take
         a ``keys`` keyword argument (see the module docstring). None: they
         take none, and the model is deterministic.
+      block_carry: for sequence slices: ``block_carry(rows, tokens, tensor)``,
+        the shapes of one block's carry (`StagedModel.carries`); the block
+        then takes ``carry=`` and ``offset=`` and returns ``(y, carry)``.
 
     Returns:
       A `StagedModel`.
@@ -526,6 +560,10 @@ def split_flax_model(
             params_list.append(params)
         return params_list
 
+    def carries(rows: int, tokens: int, tensor: int = 1) -> list:
+        one = block_carry(rows, tokens, tensor)
+        return [tuple(one for _ in range(n)) if n else None for n in counts]
+
     return StagedModel(
         stages,
         init,
@@ -533,6 +571,7 @@ def split_flax_model(
         counts,
         bool(scan_layers),
         keys=keys,
+        carries=carries if block_carry is not None else None,
     )
 
 

@@ -334,9 +334,19 @@ class StageKernels:
 
     @classmethod
     def trace(
-        cls, fn: Callable, params, x, inputs, view: DeviceView | None = None, name: str = "stage"
+        cls,
+        fn: Callable,
+        params,
+        x,
+        inputs,
+        view: DeviceView | None = None,
+        name: str = "stage",
+        carry_leaves: int = 0,
     ) -> StageKernels:
         """Traces `fn` for the shapes of `params`, `x` (or None) and `inputs`.
+
+        `carry_leaves`: how many leaves end `x` and the output as a slice carry
+        (`jpipe.stage.carry`), which may differ between devices of the model axes.
 
         With `view`, as one device of its mesh sees them (`jpipe.stage.manual`):
         the stage's own collectives then get JAX's gradients, and one over
@@ -348,7 +358,7 @@ class StageKernels:
 
         params, inputs = abstract(params), abstract(inputs)
         x = None if x is None else abstract(x)
-        forward = _trace_forward(fn, params, x, inputs, view, name)
+        forward = _trace_forward(fn, params, x, inputs, view, name, carry_leaves)
         backward = _split_backward(forward, params, x, inputs, view, name)
         res_avals = tuple(forward.residuals[j] for j in forward.kept)
         return cls(
@@ -613,8 +623,14 @@ def _make_jaxpr(fn, args: tuple, vmas, view: DeviceView | None, name: str):
     return closed, out_vmas
 
 
-def _trace_forward(fn, params, x, inputs, view=None, name="stage") -> _Forward:
+def _trace_forward(
+    fn, params, x, inputs, view=None, name="stage", carry_leaves: int = 0
+) -> _Forward:
     """Traces ``vjp`` of the stage and chooses the residuals F stashes.
+
+    The last `carry_leaves` leaves of `x` and of the output are a slice carry
+    (`jpipe.stage.carry`): it stays on its device, so it may differ between
+    the devices of the model axes (each its heads' keys and values).
 
     Residuals that are parameters or inputs are read again from where they
     live. Of the others, F stashes the activations (`_activation_derived`);
@@ -639,7 +655,17 @@ def _trace_forward(fn, params, x, inputs, view=None, name="stage") -> _Forward:
     n_rest = len(jax.tree.leaves(inputs)) + n_x
     vmas = None
     if view is not None:
-        vmas = view.param_vmas() + [view.always] * n_rest
+        # A carry varies as the stage's split parameters do (over ``tensor``: each
+        # device's heads' keys and values).
+        own = view.always.union(*view.param_axes)
+        n_plain = n_rest - carry_leaves
+        n_x_plain = n_x - carry_leaves
+        vmas = (
+            view.param_vmas()
+            + [view.always] * n_x_plain
+            + [own] * carry_leaves
+            + [view.always] * (n_plain - n_x_plain)
+        )
     closed, out_vmas = _make_jaxpr(forward_all, (params, x, inputs), vmas, view, name)
     jaxpr = closed.jaxpr
     p_vars = jaxpr.invars[:n_p]
@@ -668,7 +694,7 @@ def _trace_forward(fn, params, x, inputs, view=None, name="stage") -> _Forward:
     y_vmas = res_vmas = None
     if view is not None:
         y_vmas = out_vmas[:n_y]
-        view.check_activation(y_vmas, name, "an output")
+        view.check_activation(y_vmas[: n_y - carry_leaves], name, "an output")
         res_vmas = [out_vmas[n_y + leaf_out.index(v)] for v in res_vars]
     kept = tuple(j for j, v in enumerate(res_vars) if v in act)
     rebuilt = tuple(j for j, v in enumerate(res_vars) if v not in act)

@@ -252,7 +252,13 @@ def trace_kernels(
         with axis_env(dict(m.shape)):
             view = DeviceView(m.abstract_mesh, pipe_axis, tuple(batch_axes), lay.stage_axes(s))
             k = StageKernels.trace(
-                fn, lay.stage_avals(s), x, microbatch_inputs, view, name=f"stage {s}"
+                fn,
+                lay.stage_avals(s),
+                x,
+                microbatch_inputs,
+                view,
+                name=f"stage {s}",
+                carry_leaves=len(jax.tree.leaves(carry)),
             )
         if carry is not None:
             check_carry(s, carry, k.y[1])
