@@ -123,7 +123,11 @@ def run_both(schedule, data: int = 1, carried_middle: bool = True, rows_per_sequ
 
 @pytest.mark.parametrize(
     "ranks,sequences,k,data,carried_middle",
-    [(2, 2, 2, 1, True), (4, 2, 4, 1, False), (2, 3, 2, 2, True)],
+    [
+        (2, 2, 2, 1, True),
+        pytest.param(4, 2, 4, 1, False, marks=pytest.mark.slow),
+        (2, 3, 2, 2, True),
+    ],
 )
 def test_seq1f1b_is_the_whole_sequences_model(ranks, sequences, k, data, carried_middle):
     schedule = jpipe.get_schedule("seq1f1b", ranks, sequences, slices=k)
@@ -133,7 +137,7 @@ def test_seq1f1b_is_the_whole_sequences_model(ranks, sequences, k, data, carried
     assert abs(float(got[0]) - float(want[0])) <= 1e-6 * abs(float(want[0]))
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3)])
 def test_random_sliced_schedules_are_the_whole_sequences_model(seed):
     """Drawn placements (a stage's sequences on different ranks), split backwards and
     slices in any order the carry allows."""
@@ -237,6 +241,7 @@ def test_check_schedule_runs_seq1f1b_on_its_sliced_model(slices, data):
     assert result.max_rel_err < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,tensor", [("gpt", 1), ("gpt", 2), ("llama", 1), ("llama", 2)])
 def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tensor):
     """The GPT's and Llama's blocks carry their keys and values from slice to slice
@@ -277,3 +282,35 @@ def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tenso
     want = jpipe.reference_value_and_grad(whole.stages, params, batch, 2)
     _, rel = testing.compare((loss, pipe.unpack(grads)), want)
     assert rel < 1e-5, rel
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_seq1f1b_to_the_losses_of_whole_sequences(tmp_path):
+    """`train.py --config.schedule=seq1f1b:slices=4 --config.lowering=mpmd`: each step's
+    loss and the held-out loss those of 1F1B on whole sequences (test_mpmd.py's
+    per-rank run, data 2); what the trainer cannot run sliced is refused by name."""
+    from test_train import tiny_config
+
+    from jpipe import train as trainer
+    from jpipe.train.config import ConfigError
+
+    def run(schedule, **more):
+        overrides = {"lowering": "mpmd", "schedule": schedule, "model.dropout": 0.0, **more}
+        config = tiny_config(steps=4, eval_every=0, **overrides)
+        return trainer.train(config, str(tmp_path / schedule), progress=False)
+
+    sliced, whole = run("seq1f1b:slices=4"), run("1f1b")
+    assert sorted(sliced.losses) == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [sliced.losses[s] for s in (1, 2, 3, 4)], [whole.losses[s] for s in (1, 2, 3, 4)], rtol=1e-5
+    )
+    np.testing.assert_allclose(sliced.eval_losses[4], whole.eval_losses[4], rtol=1e-5)
+    for overrides, match in (
+        ({"lowering": "spmd"}, "SPMD program does not run sequence slices yet"),
+        ({"model.dropout": 0.1}, "dropout does not take sequence slices yet"),
+    ):
+        config = tiny_config(
+            steps=1, schedule="seq1f1b:slices=4", **{"lowering": "mpmd", **overrides}
+        )
+        with pytest.raises(ConfigError, match=match):
+            trainer.train(config, str(tmp_path / "refused"), progress=False)

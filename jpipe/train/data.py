@@ -46,6 +46,7 @@ import hashlib
 import numbers
 import os
 import sysconfig
+from typing import Any
 
 import jax
 import numpy as np
@@ -298,6 +299,33 @@ def _process_rows(sharding, batch_size: int) -> tuple[int, int]:
             "axis is contiguous"
         )
     return lo // size, batch_size // size
+
+
+@dataclasses.dataclass(frozen=True)
+class WithPositions:
+    """`batches` with a ``positions`` leaf: each row's token positions, ``0 .. L-1``.
+
+    For a sliced schedule (Seq1F1B): the pipeline hands each slice its own
+    tokens of every leaf, and a model's stages read the slice's place in its
+    sequence from its positions (`jpipe.models.StagedModel.carries`).
+    """
+
+    batches: Any
+
+    @property
+    def batch_size(self) -> int:
+        return self.batches.batch_size
+
+    def __getattr__(self, name):  # the rest is the wrapped batches'
+        if name == "batches":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+    def batch_at(self, step: int, index: int = 0, count: int = 1) -> dict:
+        out = self.batches.batch_at(step, index, count)
+        rows, length = next(iter(out.values())).shape[:2]
+        positions = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+        return {**out, "positions": np.array(positions)}
 
 
 def device_batch(batches: Batches, step: int, sharding) -> dict:

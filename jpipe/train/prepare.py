@@ -102,10 +102,14 @@ def prepare(
     if c.init_from and not shapes_only:
         init_params = export.initial_params(c.init_from, model, c)
     _check_batch(c)
+    _check_slices(c, schedule, model)
     if shapes_only and not c.data.source:  # the text corpus: shapes known without reading it
         train_data = eval_data = None
     else:
         train_data, eval_data = make_data(c)
+        if schedule.slices:  # each slice reads its place in the sequence from the batch
+            train_data = data_lib.WithPositions(train_data)
+            eval_data = data_lib.WithPositions(eval_data)
     mesh = _make_mesh(c, devices)
     return Prepared(c, schedule, layers, mesh, train_data, eval_data, model, init_params)
 
@@ -174,7 +178,8 @@ def _checked_schedule(c: TrainConfig) -> jpipe.Schedule:
         raise config_error("schedule", c.schedule, f"{e} ({setting})") from None
     for field, value, needed in (
         ("mesh.pipe", R, schedule.num_ranks),
-        ("num_microbatches", M, schedule.num_microbatches),
+        # Sliced (Seq1F1B), num_microbatches counts sequences; the lists, their slices.
+        ("num_microbatches", M, schedule.num_sequences),
     ):
         if value != needed:
             raise config_error(
@@ -222,6 +227,28 @@ def _checked_model(c: TrainConfig, S: int) -> models.StagedModel:
             raise config_error("model.dtype", dtype, "must be 'float32', 'bfloat16' or 'float16'")
         model = in_dtype(model, dtype)
     return model
+
+
+def _check_slices(c: TrainConfig, schedule, model: models.StagedModel) -> None:
+    """Refuses a sliced schedule (Seq1F1B) where the run cannot take it: the SPMD
+    lowering, a model without slice carries, different tensor degrees per rank."""
+    if not schedule.slices:
+        return
+    why = None
+    if c.lowering != "mpmd":
+        why = "the SPMD program does not run sequence slices yet: set config.lowering='mpmd'"
+    elif model.carries is None:
+        why = (
+            f"the model {c.model_name} does not take sequence slices (its StagedModel has "
+            "no carries: the GPT and Llama do, with scan_layers off)"
+        )
+    elif c.mesh.rank_tensors:
+        why = "sequence slices take one tensor degree for every rank (mesh.tensor), for now"
+    elif getattr(c.model, "dropout", 0.0):
+        # A row's key would draw the same mask for each of its slices.
+        why = "dropout does not take sequence slices yet: set model.dropout=0"
+    if why is not None:
+        raise config_error("schedule", c.schedule, f"cuts each sequence into slices; {why}")
 
 
 def _check_batch(c: TrainConfig) -> None:
@@ -356,12 +383,18 @@ def build(prepared: Prepared, *, shapes_only: bool = False) -> Built:
     from jpipe.train.step import TrainState, state_shardings
 
     c, model = prepared.config, prepared.model
+    carries = None
+    if prepared.schedule.slices:  # each carry as one device holds it, for one slice's rows
+        rows = c.batch_size // prepared.schedule.num_sequences // c.mesh.replicas
+        tokens = next(iter(batch_shapes(prepared, None).values())).shape[1]
+        carries = model.carries(rows, tokens, c.mesh.tensor)
     pipeline = jpipe.Pipeline(
         model.stages,
         prepared.schedule,
         prepared.mesh,
         tick_layout=c.tick_layout,
         lowering=c.lowering,
+        carries=carries,
     )
     key = jax.random.key(c.seed)
     if shapes_only:
@@ -445,9 +478,8 @@ def batch_shapes(prepared: Prepared, sharding) -> dict:
     c = prepared.config
     if prepared.train_data is None or not c.data.source:
         shape, dtype = (c.batch_size, c.model.seq_len), np.dtype(np.int32)
-        return {
-            k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k in ("tokens", "targets")
-        }
+        names = ("tokens", "targets") + (("positions",) if prepared.schedule.slices else ())
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k in names}
     try:
         first = prepared.train_data.batch_at(0, 0, 1)
     except ValueError as e:
