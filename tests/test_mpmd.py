@@ -280,6 +280,33 @@ def _bytes_on(devices) -> dict:
     return out
 
 
+def measure_each_op(pipe, params, batch):
+    """``(programs, measured)``: a step of the per-rank programs run again once compiled,
+    and after each op each rank's devices' bytes beyond what they held before it."""
+    packed = pipe.pack(params)
+    programs = pipe.rank_programs(batch)
+    programs.run(packed, batch)  # compiles; its outputs are dropped
+    devices = [list(m.devices.flat) for m in programs.meshes]
+    # Garbage of earlier tests in this worker (reference cycles holding arrays)
+    # must not be collected mid-step, where it would read as a rank's values.
+    gc.collect()
+    gc.disable()
+    before = _bytes_on([d for ds in devices for d in ds])
+    measured = []
+
+    def after(i):
+        for a in jax.live_arrays():
+            a.block_until_ready()
+        now = _bytes_on(before)
+        measured.append([[now[d] - before[d] for d in ds] for ds in devices])
+
+    try:
+        programs.run(packed, batch, after_op=after)
+    finally:
+        gc.enable()
+    return programs, measured
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,ranks,chunks,data,options",
@@ -304,28 +331,8 @@ def test_the_accounted_values_are_the_live_arrays(name, ranks, chunks, data, opt
     )
     memory = name in ("1f1b_recompute", "1f1b_bpipe", "zb_h1_offload")
     assert pipe.schedule.has_memory_actions == memory
-    packed = pipe.pack(params)
-    programs = pipe.rank_programs(batch)
-    programs.run(packed, batch)  # compiles; its outputs are dropped
-    devices = [list(m.devices.flat) for m in programs.meshes]
-    # Garbage of earlier tests in this worker (reference cycles holding arrays)
-    # must not be collected mid-step, where it would read as a rank's values.
-    gc.collect()
-    gc.disable()
-    before = _bytes_on([d for ds in devices for d in ds])
+    programs, measured = measure_each_op(pipe, params, batch)
     held, accounts, made = programs.held_values(), programs.account(), programs.accumulators_made()
-    measured = []
-
-    def after(i):
-        for a in jax.live_arrays():
-            a.block_until_ready()
-        now = _bytes_on(before)
-        measured.append([[now[d] - before[d] for d in ds] for ds in devices])
-
-    try:
-        programs.run(packed, batch, after_op=after)
-    finally:
-        gc.enable()
     assert len(measured) == len(programs.order)
     assert bool(programs.cells) == (name == "dualpipev")
     for i, per_rank in enumerate(measured):

@@ -3,14 +3,13 @@ and values from one slice of a sequence to the next give the loss and every grad
 of the model on whole sequences (tests/test_slices.py has the language and validator).
 """
 
-import gc
 import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mpmd import _bytes_on
+from test_mpmd import measure_each_op
 from test_slices import random_sliced_schedule
 
 import jpipe
@@ -162,26 +161,8 @@ def test_the_accounted_values_count_the_carries():
     gradients among them."""
     schedule = jpipe.get_schedule("seq1f1b", 2, 2, slices=2)
     pipe, params, batch, *_ = run_both(schedule)
-    packed = pipe.pack(params)
-    programs = pipe.rank_programs(batch)
-    programs.run(packed, batch)
-    devices = [list(m.devices.flat) for m in programs.meshes]
-    gc.collect()
-    gc.disable()
-    before = _bytes_on([d for ds in devices for d in ds])
+    programs, measured = measure_each_op(pipe, params, batch)
     held, accounts, made = programs.held_values(), programs.account(), programs.accumulators_made()
-    measured = []
-
-    def after(i):
-        for a in jax.live_arrays():
-            a.block_until_ready()
-        now = _bytes_on(before)
-        measured.append([[now[d] - before[d] for d in ds] for ds in devices])
-
-    try:
-        programs.run(packed, batch, after_op=after)
-    finally:
-        gc.enable()
     carry_bytes = 2 * 2 * TOKENS * WIDTH * 4  # keys and values of 2 rows
     assert any(h[0] >= carry_bytes for h in held)
     for i, per_rank in enumerate(measured):
@@ -308,6 +289,7 @@ def test_the_trainer_runs_seq1f1b_to_the_losses_of_whole_sequences(tmp_path):
     for overrides, match in (
         ({"lowering": "spmd"}, "SPMD program does not run sequence slices yet"),
         ({"model.dropout": 0.1}, "dropout does not take sequence slices yet"),
+        ({"model.scan_layers": True}, "scan_layers and sequence_parallel do not take"),
     ):
         config = tiny_config(
             steps=1, schedule="seq1f1b:slices=4", **{"lowering": "mpmd", **overrides}

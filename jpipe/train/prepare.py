@@ -34,6 +34,7 @@ import numpy as np
 
 import jpipe
 from jpipe import models
+from jpipe.lower.interface import lowering_kind
 from jpipe.models import registry
 from jpipe.train import data as data_lib
 from jpipe.train import export, sources, tokens
@@ -235,7 +236,7 @@ def _check_slices(c: TrainConfig, schedule, model: models.StagedModel) -> None:
     if not schedule.slices:
         return
     why = None
-    if c.lowering != "mpmd":
+    if lowering_kind(c.lowering).one_program:
         why = "the SPMD program does not run sequence slices yet: set config.lowering='mpmd'"
     elif model.carries is None:
         why = (
@@ -244,6 +245,8 @@ def _check_slices(c: TrainConfig, schedule, model: models.StagedModel) -> None:
         )
     elif c.mesh.rank_tensors:
         why = "sequence slices take one tensor degree for every rank (mesh.tensor), for now"
+    elif getattr(c.model, "scan_layers", False) or getattr(c.model, "sequence_parallel", False):
+        why = "scan_layers and sequence_parallel do not take sequence slices yet: set them False"
     elif getattr(c.model, "dropout", 0.0):
         # A row's key would draw the same mask for each of its slices.
         why = "dropout does not take sequence slices yet: set model.dropout=0"
