@@ -180,11 +180,23 @@ def test_random_sliced_schedules_are_valid_and_a_carry_out_of_order_is_not(seed)
         jpipe.validate(Schedule.of(rows, slices=k))
 
 
-@pytest.mark.parametrize("lengths", [(4, 4, 4, 4), (6, 4, 4, 2)])
-def test_attention_over_the_carry_chained_over_slices_is_the_whole_sequences(lengths):
+@pytest.mark.parametrize(
+    "lengths,implementation,block",
+    [
+        ((4, 4, 4, 4), "xla", None),
+        ((6, 4, 4, 2), "xla", None),
+        ((4, 4, 4, 4), "blockwise", 4),  # a tile a slice
+        ((4, 4, 4, 4), "blockwise", 2),  # two tiles a slice
+        ((6, 4, 4, 2), "blockwise", 2),
+    ],
+)
+def test_attention_over_the_carry_chained_over_slices_is_the_whole_sequences(
+    lengths, implementation, block
+):
     """A sequence's slices, each attending over the keys and values its earlier slices
     left in the carry, give the whole sequence's causal attention and its gradients
-    (grouped-query heads: 4 query heads on 2 key/value heads)."""
+    (grouped-query heads: 4 query heads on 2 key/value heads), as the masked dense
+    product or blockwise (each slice's query tiles walking the key tiles up to theirs)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -204,7 +216,9 @@ def test_attention_over_the_carry_chained_over_slices_is_the_whole_sequences(len
         outs, start = [], 0
         for n in lengths:
             part = slice(start, start + n)
-            out, carry = attention_over_carry(q[:, part], k[:, part], v[:, part], carry, start)
+            out, carry = attention_over_carry(
+                q[:, part], k[:, part], v[:, part], carry, start, implementation, block or 512
+            )
             outs.append(out)
             start += n
         return jnp.sum(jnp.concatenate(outs, axis=1) * w)

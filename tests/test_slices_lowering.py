@@ -223,8 +223,17 @@ def test_check_schedule_runs_seq1f1b_on_its_sliced_model(slices, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tensor", [("gpt", 1), ("gpt", 2), ("llama", 1), ("llama", 2)])
-def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tensor):
+@pytest.mark.parametrize(
+    "family,tensor,attention",
+    [
+        ("gpt", 1, "xla"),
+        ("gpt", 2, "xla"),
+        ("llama", 1, "xla"),
+        ("llama", 2, "xla"),
+        ("llama", 2, "blockwise"),  # tiles of 2 tokens, two a slice
+    ],
+)
+def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tensor, attention):
     """The GPT's and Llama's blocks carry their keys and values from slice to slice
     (`StagedModel.carries`); the GPT's embedding reads the slice's ``positions``, the
     Llama's rotations start at the slice's first token. seq1f1b gives the loss and
@@ -242,7 +251,15 @@ def test_the_transformers_sliced_are_themselves_on_whole_sequences(family, tenso
     else:
         module = llama
         config = models.LlamaConfig(
-            vocab_size=64, seq_len=L, num_layers=4, num_heads=4, num_kv_heads=2, d_model=32, d_ff=64
+            vocab_size=64,
+            seq_len=L,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            d_model=32,
+            d_ff=64,
+            attention=attention,
+            attention_block=2,
         )
     schedule = jpipe.get_schedule("seq1f1b", 2, 2, slices=4)
     whole = module.make_stages(config, (2, 2))

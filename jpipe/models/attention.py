@@ -94,8 +94,9 @@ def causal_attention(
       The attention output, ``B x L x H x K``, in the queries' dtype.
     """
     check_choice("attention", "implementation", implementation, IMPLEMENTATIONS)
+    first = jnp.zeros((), jnp.int32)
     out = (
-        _blockwise(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, _tile(q_BxLxHxK.shape[1], block))
+        _blockwise(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, _tile(q_BxLxHxK.shape[1], block), first)
         if implementation == "blockwise"
         else jax.nn.dot_product_attention(
             q_BxLxHxK,
@@ -114,6 +115,8 @@ def attention_over_carry(
     v_BxTxGxK: jax.Array,
     carry: tuple[jax.Array, jax.Array],
     offset,
+    implementation: str = "xla",
+    block: int = 512,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Causal attention of one slice of a sequence (Seq1F1B's unit) over the keys and
     values of the slices before it, which `carry` holds.
@@ -133,6 +136,13 @@ def attention_over_carry(
       q_BxTxHxK, k_BxTxGxK, v_BxTxGxK: the slice's queries, keys and values.
       carry: ``(keys, values)`` of the whole sequence, ``B x L x G x K``.
       offset: the slice's first token (an int, or a traced int scalar).
+      implementation: ``"xla"`` (the masked dense product, ``T x L`` scores),
+        ``"blockwise"`` (the flash-style walk of `causal_attention`, its
+        queries starting at the slice's tile: ``block x block`` tiles up to
+        the diagonal, nothing past it; `offset` must be a multiple of the
+        tile, the largest divisor of T not above `block`, as even slices'
+        offsets are) or ``"cudnn"`` (the masked product in cuDNN).
+      block: the tile size of ``"blockwise"``.
 
     Returns:
       ``(out, carry)``: the slice's output ``B x T x H x K`` and the carry with the
@@ -146,9 +156,20 @@ def attention_over_carry(
     at = (offset * 0, offset, offset * 0, offset * 0)
     keys = lax.dynamic_update_slice(keys, k_BxTxGxK.astype(keys.dtype), at)
     values = lax.dynamic_update_slice(values, v_BxTxGxK.astype(values.dtype), at)
+    check_choice("attention", "implementation", implementation, IMPLEMENTATIONS)
     t, length = q_BxTxHxK.shape[1], keys.shape[1]
-    seen = jnp.arange(length)[None, :] <= offset + jnp.arange(t)[:, None]  # T x L
-    out = jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=seen[None, None])
+    if implementation == "blockwise":
+        tile = _tile(t, block)
+        out = _blockwise(q_BxTxHxK, keys, values, tile, jnp.asarray(offset, jnp.int32) // tile)
+    else:
+        seen = jnp.arange(length)[None, :] <= offset + jnp.arange(t)[:, None]  # T x L
+        out = jax.nn.dot_product_attention(
+            q_BxTxHxK,
+            keys,
+            values,
+            mask=seen[None, None],
+            implementation="cudnn" if implementation == "cudnn" else None,
+        )
     return checkpoint_name(out, ATTENTION_NAME), (keys, values)
 
 
@@ -219,21 +240,26 @@ def _scores(q_BxTxGxRxK, k_BxSxGxK, i, j, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _blockwise(q, k, v, tile):
-    return _blockwise_forward(q, k, v, tile)[0]
+def _blockwise(q, k, v, tile, first):
+    return _blockwise_forward(q, k, v, tile, first)[0]
 
 
-def _blockwise_forward(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, tile):
-    """Output and per-query log-sum-exp, one query tile at a time (online softmax)."""
-    groups = k_BxLxGxK.shape[2]
+def _blockwise_forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, tile, first):
+    """Output and per-query log-sum-exp, one query tile at a time (online softmax).
+
+    The queries are tiles ``first, first + 1, ...`` of the keys' positions
+    (`first` an int32 scalar, maybe traced: 0 for a whole sequence, a slice's
+    first tile for `attention_over_carry`); each walks the key tiles up to its
+    own.
+    """
+    groups = k_BxSxGxK.shape[2]
     width = q_BxLxHxK.shape[-1]
     scale = 1.0 / math.sqrt(width)
     qs = _blocks(_grouped(q_BxLxHxK, groups), tile)  # N x B x T x G x R x K
-    ks, vs = _blocks(k_BxLxGxK, tile), _blocks(v_BxLxGxK, tile)  # N x B x T x G x K
-    n = qs.shape[0]
+    ks, vs = _blocks(k_BxSxGxK, tile), _blocks(v_BxSxGxK, tile)  # N' x B x T x G x K
 
     def query_tile(args):
-        i, q_i = args
+        i, q_i = args  # i: the tile's place among the key tiles
         b, t, g, r, _ = q_i.shape
         zero = _varying_like(q_i, jnp.zeros((b, g, r, t), jnp.float32))
         start = (
@@ -257,18 +283,18 @@ def _blockwise_forward(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, tile):
         lse = running_max + jnp.log(total)  # B x G x R x T
         return jnp.einsum("bgrtk->btgrk", out), lse
 
-    out_N, lse_N = lax.map(query_tile, (jnp.arange(n), qs))
+    out_N, lse_N = lax.map(query_tile, (first + jnp.arange(qs.shape[0]), qs))
     out = _unblocks(out_N).reshape(q_BxLxHxK.shape).astype(q_BxLxHxK.dtype)
-    return out, (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, out, lse_N)
+    return out, (q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, out, lse_N, first)
 
 
-def _blockwise_fwd(q, k, v, tile):
-    return _blockwise_forward(q, k, v, tile)
+def _blockwise_fwd(q, k, v, tile, first):
+    return _blockwise_forward(q, k, v, tile, first)
 
 
 def _blockwise_bwd(tile, residuals, d_out):
     """The gradients of q, k and v, each tile's probabilities rebuilt from the log-sum-exp."""
-    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, out, lse_NxBxGxRxT = residuals
+    q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, out, lse_NxBxGxRxT, first = residuals
     groups = k_BxLxGxK.shape[2]
     scale = 1.0 / math.sqrt(q_BxLxHxK.shape[-1])
     qs = _blocks(_grouped(q_BxLxHxK, groups), tile)
@@ -278,11 +304,11 @@ def _blockwise_bwd(tile, residuals, d_out):
     deltas = _blocks(delta.reshape(*delta.shape[:2], groups, -1), tile)  # N x B x T x G x R
     deltas = jnp.einsum("nbtgr->nbgrt", deltas)
     ks, vs = _blocks(k_BxLxGxK, tile), _blocks(v_BxLxGxK, tile)
-    n = qs.shape[0]
+    n = qs.shape[0]  # query tiles: the key tiles first .. first + n - 1
 
     def probabilities_and_ds(i, j):
-        """P and dS of tile (i, j): ``B x G x R x T x S`` each."""
-        s = _scores(qs[i], ks[j], i, j, scale)
+        """P and dS of tile (i, j), i counted among the queries: ``B x G x R x T x S``."""
+        s = _scores(qs[i], ks[j], first + i, j, scale)
         p = jnp.exp(s - lse_NxBxGxRxT[i][..., None])
         dp = jnp.einsum("btgrk,bsgk->bgrts", dos[i], vs[j], preferred_element_type=jnp.float32)
         return p, p * (dp - deltas[i][..., None])
@@ -293,7 +319,7 @@ def _blockwise_bwd(tile, residuals, d_out):
             return dq + jnp.einsum("bgrts,bsgk->btgrk", ds, ks[j].astype(jnp.float32)) * scale
 
         start = _varying_like(qs[i], jnp.zeros(qs.shape[1:], jnp.float32))
-        return lax.fori_loop(0, i + 1, step, start)
+        return lax.fori_loop(0, first + i + 1, step, start)
 
     def key_value_grad(j):
         def step(i, carry):
@@ -304,14 +330,16 @@ def _blockwise_bwd(tile, residuals, d_out):
             return dk, dv
 
         zero = _varying_like(ks[j], jnp.zeros(ks.shape[1:], jnp.float32))
-        return lax.fori_loop(j, n, step, (zero, zero))
+        # the query tiles at or past key tile j (none for a key tile past them all)
+        return lax.fori_loop(jnp.maximum(j - first, 0), n, step, (zero, zero))
 
     dq = _unblocks(lax.map(query_grad, jnp.arange(n))).reshape(q_BxLxHxK.shape)
-    dk_N, dv_N = lax.map(key_value_grad, jnp.arange(n))
+    dk_N, dv_N = lax.map(key_value_grad, jnp.arange(ks.shape[0]))
     return (
         dq.astype(q_BxLxHxK.dtype),
         _unblocks(dk_N).astype(k_BxLxGxK.dtype),
         _unblocks(dv_N).astype(v_BxLxGxK.dtype),
+        None,
     )
 
 

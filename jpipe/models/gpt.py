@@ -342,7 +342,9 @@ class _Block(nn.Module):
         if carry is None:
             attn_BxLxHxK = causal_attention(q, kk, v, c.attention, c.attention_block)
         else:
-            attn_BxLxHxK, carry = attention_over_carry(q, kk, v, carry, offset)
+            attn_BxLxHxK, carry = attention_over_carry(
+                q, kk, v, carry, offset, c.attention, c.attention_block
+            )
         y_BxLxD = _RowSplitDense(d, dtype, residual_std, axis, parallel, name="attn_out")(
             attn_BxLxHxK.reshape(b, length, h * k)
         )
