@@ -411,10 +411,11 @@ def _stage(
 
     if first:
         x = embed.apply({"params": params["embed"]}, inputs, **keys_of(0))
+    carried = []  # each block's carry for the next slice
     if carry is not None:
         if scanned is not None:
             raise ValueError("sequence slices do not take scan_layers yet: set it False")
-        offset, carried = inputs["positions"][0, 0], []
+        offset = inputs["positions"][0, 0]
         for i, block_params in enumerate(params.get("blocks", ())):
             x, c = block.apply(
                 {"params": block_params},
@@ -424,10 +425,7 @@ def _stage(
                 **keys_of(first_block + i + 1),
             )
             carried.append(c)
-        if last:
-            x = head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
-        return x, tuple(carried)
-    if scanned is not None and "blocks" in params:
+    elif scanned is not None and "blocks" in params:
         count = len(jax.tree.leaves(params["blocks"])[0])
         ids = jnp.arange(first_block, first_block + count) + 1
         layer_keys = None if row is None else jax.vmap(lambda i: fold_row_keys(row, i))(ids)
@@ -436,8 +434,8 @@ def _stage(
         for i, block_params in enumerate(params.get("blocks", ())):
             x = block.apply({"params": block_params}, x, **keys_of(first_block + i + 1))
     if last:
-        return head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
-    return x
+        x = head.apply({"params": params["head"]}, x, inputs, **keys_of(num_layers + 1))
+    return x if carry is None else (x, tuple(carried))
 
 
 def split_flax_model(

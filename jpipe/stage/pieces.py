@@ -658,13 +658,11 @@ def _trace_forward(
         # A carry varies as the stage's split parameters do (over ``tensor``: each
         # device's heads' keys and values).
         own = view.always.union(*view.param_axes)
-        n_plain = n_rest - carry_leaves
-        n_x_plain = n_x - carry_leaves
         vmas = (
             view.param_vmas()
-            + [view.always] * n_x_plain
+            + [view.always] * (n_x - carry_leaves)  # the input, then its carry
             + [own] * carry_leaves
-            + [view.always] * (n_plain - n_x_plain)
+            + [view.always] * (n_rest - n_x)  # the microbatch's inputs
         )
     closed, out_vmas = _make_jaxpr(forward_all, (params, x, inputs), vmas, view, name)
     jaxpr = closed.jaxpr

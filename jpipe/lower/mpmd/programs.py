@@ -1062,13 +1062,23 @@ class RankPrograms:
         elif a.kind == "LOAD" and here[a.partner]:  # the partner sends them back
             self._move(step.res.pop((s, mb)), a.partner, r, i, k[s].res_avals)
 
-    def _carry_in(self, step: _Step, r: int, s: int, mb: int) -> list:
+    def _carry_in(self, carries: dict, r: int, s: int, mb: int) -> list:
         """The slice carry a slice's F takes: the slice before's, or zeros for a first slice."""
         if not self._n_carry[s]:
             return []
         if mb % self.slices == 0:
             return self._carry_zeros[s, r]()
-        return step.carry.pop((s, mb - 1))
+        return carries.pop((s, mb - 1))
+
+    def _carry_out(self, carries: dict, s: int, mb: int, leaves: list, keep: bool) -> list:
+        """`leaves` (an F's outputs, an I's input gradients) without stage `s`'s slice
+        carry (or its gradient) that ends them, which `carries` keeps where `keep`."""
+        n = self._n_carry[s]
+        if not n:
+            return leaves
+        if keep:
+            carries[(s, mb)] = leaves[-n:]
+        return leaves[:-n]
 
     def _carry_grad_in(self, step: _Step, r: int, s: int, mb: int) -> list:
         """The carry's gradient a slice's I takes: from the slice after's I, or zeros
@@ -1082,7 +1092,7 @@ class RankPrograms:
     def _forward_args(self, step: _Step, r: int, a) -> tuple:
         """An F's or FC's arguments, its input taken from where it waits."""
         s, mb = a.stage, a.microbatch
-        x = ([] if s == 0 else step.x_in.pop((s, mb))) + self._carry_in(step, r, s, mb)
+        x = ([] if s == 0 else step.x_in.pop((s, mb))) + self._carry_in(step.carry, r, s, mb)
         if a.kind == "FC":
             step.inputs[(s, mb)] = x  # kept for its RECOMPUTE
         loss = (step.loss_acc[r],) if s == self.num_stages - 1 else ()
@@ -1094,12 +1104,8 @@ class RankPrograms:
         s, mb = a.stage, a.microbatch
         if a.kind == "F":
             step.res[(s, mb)] = out[1]
-        y = out[0]
-        if self._n_carry[s]:  # kept for the next slice (a last slice's reaches nothing)
-            y, carry = y[: -self._n_carry[s]], y[-self._n_carry[s] :]
-            if mb % self.slices < self.slices - 1:
-                step.carry[(s, mb)] = carry
-            del carry
+        # the carry kept for the next slice (a sequence's last slice's reaches nothing)
+        y = self._carry_out(step.carry, s, mb, out[0], mb % self.slices < self.slices - 1)
         if s == self.num_stages - 1:
             step.loss_acc[r] = out[-1]
         else:
@@ -1127,11 +1133,8 @@ class RankPrograms:
         dx sent to the stage before."""
         s, mb = a.stage, a.microbatch
         dx, second = out
-        if self._n_carry[s]:  # the carry's gradient, for the slice before's I
-            dx, dcarry = dx[: -self._n_carry[s]], dx[-self._n_carry[s] :]
-            if mb % self.slices > 0:
-                step.carry_grad[(s, mb)] = dcarry
-            del dcarry
+        # the carry's gradient kept for the slice before's I (a first slice has none)
+        dx = self._carry_out(step.carry_grad, s, mb, dx, mb % self.slices > 0)
         if a.kind == "I":
             step.kept[(s, mb)] = second
         else:
@@ -1247,7 +1250,7 @@ class RankPrograms:
         last = self.stage_ranks[-1][0]
         loss_acc = {r: self._loss_zero(r) for r in self.stage_ranks[-1] if here[r]}
         x_in: dict = {}
-        step = _Step(rows=rows, batches=batches, acc=[], loss_acc={}, ops=0)  # its carries
+        carries: dict = {}  # slice carries, from one slice's forward to the next's
         for i, (r, a) in enumerate(self.forward_order):
             s, mb = a.stage, a.microbatch
             to = self.rank_of(s + 1, mb) if s < S - 1 else None
@@ -1257,15 +1260,12 @@ class RankPrograms:
                 continue
             own_rows = {b: rows[r][b] for b in layout.stage_buckets(s)}
             head = (own_rows, batches[r], self._index[r][mb])
-            x = ([] if s == 0 else x_in.pop((s, mb))) + self._carry_in(step, r, s, mb)
+            x = ([] if s == 0 else x_in.pop((s, mb))) + self._carry_in(carries, r, s, mb)
             if s == S - 1:
                 out, loss_acc[r] = self.compiled[s, r]["F_eval"](*head, x, loss_acc[r])
             else:
                 (out,) = self.compiled[s, r]["F_eval"](*head, x)
-            if self._n_carry[s]:
-                out, carry = out[: -self._n_carry[s]], out[-self._n_carry[s] :]
-                if mb % self.slices < self.slices - 1:
-                    step.carry[(s, mb)] = carry
+            out = self._carry_out(carries, s, mb, out, mb % self.slices < self.slices - 1)
             if s < S - 1:
                 _keep(x_in, (s + 1, mb), self._move(out, r, to, i, y[s]))
         end = len(self.forward_order)
